@@ -1,0 +1,50 @@
+import math
+
+import pytest
+from matplotlib.image import imread
+
+from posttrain.logging import MetricsLogger
+from posttrain.plots import plot_run, smooth
+
+PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
+
+
+def write_metrics(run_dir, rows):
+    with MetricsLogger.open(run_dir, tensorboard=False) as logger:
+        for step, metrics in rows:
+            logger.log(step, metrics)
+
+
+def test_main_curves_are_drawn_one_panel_per_logged_group(tmp_path):
+    rows = [
+        (step, {
+            "reward/mean": step / 20, "loss": math.nan if step == 7 else 1 / step, "entropy": 2.0 - step / 20,
+            "completion_length/mean": 30.0 + step, "completion_length/correct": 25.0, "completion_length/incorrect": 40.0,
+            "unplotted": 1.0,
+        })
+        for step in range(1, 21)
+    ]
+    rows.append((20, {"eval/accuracy": 0.5}))
+    write_metrics(tmp_path, rows)
+    out = plot_run(tmp_path)
+    assert out == tmp_path / "curves.png" and out.read_bytes()[:8] == PNG_SIGNATURE
+    # 5 panels (reward, eval accuracy, entropy, length, loss): 3 columns x 2 rows of 500 x 340 px at dpi 100
+    assert imread(out).shape[:2] == (680, 1500)
+
+
+def test_a_single_point_and_chosen_keys(tmp_path):
+    write_metrics(tmp_path, [(1, {"kl": 0.01, "clip_fraction": 0.1})])
+    out = plot_run(tmp_path, out_path=tmp_path / "kl.png", keys=["kl"])
+    assert out == tmp_path / "kl.png" and imread(out).shape[:2] == (340, 500)  # one panel
+
+
+def test_nothing_to_plot_is_an_error_for_the_caller(tmp_path):
+    write_metrics(tmp_path, [(1, {"something_else": 1.0})])
+    with pytest.raises(ValueError, match="has logged none of"):
+        plot_run(tmp_path)
+
+
+def test_smoothing_is_a_bias_corrected_moving_average():
+    # w = 0.5: m1 = 0.5 * 1 = 0.5 -> 0.5 / (1 - 0.5) = 1; m2 = 0.5 * 0.5 + 0.5 * 3 = 1.75 -> 1.75 / 0.75 = 7/3
+    assert smooth([1.0, 3.0], weight=0.5) == pytest.approx([1.0, 7 / 3])
+    assert smooth([4.0] * 5) == pytest.approx([4.0] * 5)  # a constant stays constant from the first point
