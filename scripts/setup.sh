@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# Create (or reuse) the virtual environment at .venv and install posttrain into it.
+# On a machine without an NVIDIA GPU, torch is pinned to the CPU build that pip
+# finds locally (a looser spec would pull a multi-GB CUDA build).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PYTHON=${PYTHON:-python3}
+EXTRAS=${POSTTRAIN_EXTRAS:-dev}
+
+if [ ! -x .venv/bin/python ]; then
+  "$PYTHON" -m venv .venv
+  .venv/bin/python -m pip install --quiet --upgrade pip
+fi
+if ! .venv/bin/python -c "import torch" 2>/dev/null; then
+  if command -v nvidia-smi >/dev/null 2>&1 && nvidia-smi >/dev/null 2>&1; then
+    .venv/bin/python -m pip install --quiet "torch>=2.4,<3"
+  else
+    .venv/bin/python -m pip install --quiet "torch==2.13.0"
+  fi
+fi
+# Reinstall only when the project's metadata changed since the last install.
+stamp=.venv/.posttrain-installed
+want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) $EXTRAS"
+if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
+  .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
+  echo "$want" > "$stamp"
+fi
