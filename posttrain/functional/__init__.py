@@ -1,0 +1,54 @@
+"""posttrain.functional: the pure tensor math of RL and preference post-training.
+
+`import posttrain.functional as F` gives every estimator and loss as a small,
+typed, pure function (no model, no I/O, no `.item()` in the math), usable from
+any training loop. The exact formulas are those of `ALGORITHMS.md`; each module
+docstring says where, if anywhere, it departs from the paper.
+
+Conventions:
+- Token tensors are `[N, T]`, right-padded, with a `mask` of 1 for completion
+  tokens. Padded values never reach a result or a gradient, even if they are
+  inf or NaN.
+- Losses return `(loss, metrics)`: a 0-dim tensor and a dict of 0-dim detached
+  tensors (convert them with `.item()` outside the step).
+- The math runs in at least float32: float16/bfloat16 inputs are upcast.
+
+Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
+(group estimators, REINFORCE++), `_returns` (token rewards, returns, GAE,
+whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
+`_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_shaping` (overlong penalty,
+best-of-N), `_logprobs` (chunked log-softmax and entropy).
+"""
+
+from ._advantages import advantages, reinforce_pp_advantages
+from ._aggregate import aggregate
+from ._kl import kl_estimate
+from ._logprobs import entropy_from_logits, selective_log_softmax
+from ._policy import nll_loss, policy_loss
+from ._preference import dpo_loss, kto_loss, odpo_offset, orpo_loss, simpo_loss
+from ._returns import discounted_returns, gae, kl_shaped_rewards, whiten
+from ._shaping import best_of_n, overlong_penalty
+from ._value import value_loss
+
+__all__ = [
+    "advantages",
+    "aggregate",
+    "best_of_n",
+    "discounted_returns",
+    "dpo_loss",
+    "entropy_from_logits",
+    "gae",
+    "kl_estimate",
+    "kl_shaped_rewards",
+    "kto_loss",
+    "nll_loss",
+    "odpo_offset",
+    "orpo_loss",
+    "overlong_penalty",
+    "policy_loss",
+    "reinforce_pp_advantages",
+    "selective_log_softmax",
+    "simpo_loss",
+    "value_loss",
+    "whiten",
+]

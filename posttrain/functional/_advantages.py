@@ -1,0 +1,156 @@
+"""Sequence-level advantage estimators on grouped rewards, and REINFORCE++.
+
+Rewards are `[B, G]`: B prompts, G completions each. The estimators form a
+registry (`ADVANTAGE_ESTIMATORS`), so a preset names one by string:
+
+| name | formula | source |
+|---|---|---|
+| `group` | `(r_i - mean(r)) / (std(r) + eps)`, unbiased std | GRPO (Shao et al. 2024) Sec. 4.1.2 |
+| `group_mean` | `r_i - mean(r)` | Dr.GRPO (Liu et al. 2025) |
+| `rloo` | `r_i - sum_{j!=i} r_j / (G - 1)` | RLOO (Kool et al. 2019; Ahmadian et al. 2024) |
+| `greedy_baseline` | `r_i - r_greedy` | ReMax (Li et al. 2023) |
+
+`reinforce_pp_advantages` is REINFORCE++ (Hu 2025): KL-shaped token rewards,
+gamma = 1 returns, whitened over the batch; with `baseline=True`, the
+REINFORCE++-baseline variant that first subtracts the group mean.
+
+Departures: a group whose rewards are all equal gets an advantage of exactly
+0 (the papers' formulas give 0/eps of rounding noise or NaN); the group std is
+floored at the smallest normal float before the square root so that its
+gradient stays finite for constant groups.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._checks import check_choice, check_ndim, check_nonnegative, compute_dtype
+from ._returns import discounted_returns, kl_shaped_rewards, whiten
+
+
+def _group_centered(rewards_BG: Tensor) -> Tensor:
+    return rewards_BG - rewards_BG.mean(dim=1, keepdim=True)
+
+
+def _group(rewards_BG: Tensor, eps: float) -> Tensor:
+    centered_BG = _group_centered(rewards_BG)
+    variance_B1 = centered_BG.square().sum(dim=1, keepdim=True) / (rewards_BG.shape[1] - 1)  # Bessel
+    std_B1 = variance_B1.clamp(min=torch.finfo(variance_B1.dtype).tiny).sqrt()
+    return centered_BG / (std_B1 + eps)  # GRPO Sec. 4.1.2: (r_i - mean(r)) / std(r)
+
+
+def _group_mean(rewards_BG: Tensor, eps: float) -> Tensor:
+    return _group_centered(rewards_BG)  # Dr.GRPO: no division by the std
+
+
+def _rloo(rewards_BG: Tensor, eps: float) -> Tensor:
+    others_mean_BG = (rewards_BG.sum(dim=1, keepdim=True) - rewards_BG) / (rewards_BG.shape[1] - 1)
+    return rewards_BG - others_mean_BG  # RLOO (Kool et al. 2019): leave-one-out baseline
+
+
+GROUP_ESTIMATORS: dict[str, Callable[[Tensor, float], Tensor]] = {
+    "group": _group,
+    "group_mean": _group_mean,
+    "rloo": _rloo,
+}
+ADVANTAGE_ESTIMATORS = (*GROUP_ESTIMATORS, "greedy_baseline")
+
+
+def _check_group_size(estimator: str, group_size: int, shape: list[int]) -> None:
+    if group_size < 2:
+        raise ValueError(
+            f"advantage estimator {estimator!r} needs at least 2 completions per prompt, "
+            f"got rewards of shape {shape} (G = {group_size}); sample G >= 2 completions "
+            "per prompt, or use 'greedy_baseline' with one greedy decode per prompt"
+        )
+
+
+def advantages(
+    estimator: str,
+    rewards: Tensor,
+    *,
+    baseline: Tensor | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """Sequence-level advantages from grouped rewards.
+
+    Args:
+        estimator: "group" | "group_mean" | "rloo" | "greedy_baseline".
+        rewards: [B, G] rewards of G completions for each of B prompts.
+        baseline: [B] reward of each prompt's greedy decode; "greedy_baseline" only.
+        eps: added to the group std ("group"), >= 0.
+
+    Returns:
+        [B, G] advantages. A group whose rewards are all equal gets exactly 0.
+    """
+    check_choice("estimator", estimator, ADVANTAGE_ESTIMATORS)
+    check_ndim("rewards", rewards, 2, "[B, G]")
+    check_nonnegative("eps", eps)
+    rewards_BG = rewards.to(compute_dtype(rewards, baseline))
+    if estimator == "greedy_baseline":
+        if baseline is None:
+            raise ValueError("estimator 'greedy_baseline' needs baseline=[B] rewards of the greedy decodes")
+        check_ndim("baseline", baseline, 1, "[B]")
+        if baseline.shape[0] != rewards.shape[0]:
+            raise ValueError(
+                f"baseline has shape {list(baseline.shape)} but rewards has shape "
+                f"{list(rewards.shape)}; baseline needs one entry per prompt (row of rewards)"
+            )
+        return rewards_BG - baseline.to(rewards_BG.dtype)[:, None]  # ReMax: r_i - r(greedy)
+    if baseline is not None:
+        raise ValueError(f"baseline is used only by 'greedy_baseline', not by {estimator!r}; drop it")
+    _check_group_size(estimator, rewards.shape[1], list(rewards.shape))
+    advantages_BG = GROUP_ESTIMATORS[estimator](rewards_BG, eps)
+    constant_B1 = (rewards_BG == rewards_BG[:, :1]).all(dim=1, keepdim=True)
+    return advantages_BG.masked_fill(constant_B1, 0.0)
+
+
+def reinforce_pp_advantages(
+    rewards: Tensor,
+    logprobs: Tensor,
+    ref_logprobs: Tensor,
+    mask: Tensor,
+    *,
+    kl_coef: float,
+    baseline: bool = False,
+    group_size: int | None = None,
+    eps: float = 1e-6,
+) -> Tensor:
+    """REINFORCE++ token advantages (Hu 2025), optionally with the group-mean baseline.
+
+    Args:
+        rewards: [N] scalar rewards, N = B * G with each prompt's G completions contiguous.
+        logprobs: [N, T] log-probs of the sampled tokens under the sampling policy.
+        ref_logprobs: [N, T] under the reference policy.
+        mask: [N, T] 1 for completion tokens, 0 for padding.
+        kl_coef: beta of the k1 KL penalty in the token rewards, >= 0.
+        baseline: REINFORCE++-baseline: subtract each group's mean reward first.
+        group_size: G; required with `baseline=True` (G >= 2), not used otherwise.
+        eps: added to the std when whitening, >= 0.
+
+    Returns:
+        [N, T] whitened token returns, 0 at padding.
+    """
+    check_ndim("rewards", rewards, 1, "[N]")
+    if baseline:
+        if group_size is None:
+            raise ValueError("baseline=True needs group_size (G, the completions per prompt)")
+        if group_size < 2:
+            raise ValueError(
+                f"baseline=True needs group_size >= 2 (got {group_size}): a group mean of one "
+                "completion is the reward itself; sample G >= 2 completions per prompt"
+            )
+        if rewards.shape[0] % group_size != 0:
+            raise ValueError(
+                f"rewards has {rewards.shape[0]} entries, not a multiple of group_size={group_size}; "
+                "pass the completions of each prompt contiguously, G per prompt"
+            )
+        rewards = advantages("group_mean", rewards.reshape(-1, group_size)).reshape(-1)
+    elif group_size is not None:
+        raise ValueError("group_size is used only with baseline=True; drop it or set baseline=True")
+    token_rewards_NT = kl_shaped_rewards(rewards, logprobs, ref_logprobs, mask, kl_coef=kl_coef)
+    returns_NT = discounted_returns(token_rewards_NT, mask, gamma=1.0)  # REINFORCE++: gamma = 1
+    return whiten(returns_NT, mask, eps=eps)  # REINFORCE++: global batch normalisation

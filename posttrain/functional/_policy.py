@@ -1,0 +1,260 @@
+"""Policy-gradient losses: clipped surrogates at token or sequence level, and NLL.
+
+A policy loss is a choice of three pieces, each a small registry:
+
+- ratio (`RATIOS`): `token` rho[i,t] = exp(logp - old) (PPO); `sequence`
+  s_i = exp(mean_t (logp - old)) on every token of completion i (GSPO, Zheng et
+  al. 2025, sequence-level importance ratio); `sequence_token`
+  sg(s_i) * exp(logp - sg(logp)) (GSPO-token, same paper).
+- clip scheme (`CLIPS`): `ppo` -min(w*A, clip(w, 1-eps_low, 1+eps_high)*A)
+  (Schulman et al. 2017 eq. (7); decoupled eps_low/eps_high = DAPO's
+  Clip-Higher, Sec. 3.1), optionally dual-clipped for A < 0 (Ye et al. 2020);
+  `is_weight` -sg(clip(w)) * A * logp (CISPO, MiniMax-M1 2025 Sec. 3.1);
+  `none` -w*A.
+- aggregation (`posttrain.functional.aggregate`), with an optional KL-in-loss
+  term `kl_coef * kl_estimate(logp, ref)` per token (GRPO eq. (3)).
+
+Departures from the papers:
+1. `eps_low`/`eps_high` are always relative to 1, for every scheme (CISPO's
+   paper writes them as bounds of the weight); None removes that side.
+2. CISPO's optional token mask (the paper's unified form) is not offered: no
+   preset uses it.
+3. Every token of a completion carries the GSPO loss L_i; `sequence_mean`
+   then gives GSPO's mean_i L_i, other aggregations weight by length.
+4. The aggregation denominator can be the optimizer step's (`normalizer`), so
+   micro-batches sum to the whole step.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+from torch import Tensor
+
+from ._aggregate import aggregate, check_aggregation
+from ._checks import (
+    check_choice,
+    check_ndim,
+    check_nonnegative,
+    check_same_shape,
+    compute_dtype,
+)
+from ._kl import KL_ESTIMATORS, kl_estimate
+
+
+def _sequence_log_ratio(logp_NT: Tensor, old_NT: Tensor, valid_NT: Tensor) -> Tensor:
+    lengths_N1 = valid_NT.sum(dim=-1, keepdim=True).clamp(min=1)
+    return (logp_NT - old_NT).sum(dim=-1, keepdim=True) / lengths_N1  # GSPO: log s_i, padding is 0
+
+
+def _token_ratio(logp_NT: Tensor, old_NT: Tensor, valid_NT: Tensor) -> Tensor:
+    return torch.exp(logp_NT - old_NT)  # PPO: rho[i,t] = pi / pi_old
+
+
+def _sequence_ratio(logp_NT: Tensor, old_NT: Tensor, valid_NT: Tensor) -> Tensor:
+    return torch.exp(_sequence_log_ratio(logp_NT, old_NT, valid_NT)).expand_as(logp_NT)  # GSPO s_i
+
+
+def _sequence_token_ratio(logp_NT: Tensor, old_NT: Tensor, valid_NT: Tensor) -> Tensor:
+    log_s_N1 = _sequence_log_ratio(logp_NT, old_NT, valid_NT).detach()
+    return torch.exp(log_s_N1 + logp_NT - logp_NT.detach())  # GSPO-token: sg(s_i) * pi / sg(pi)
+
+
+RATIOS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
+    "token": _token_ratio,
+    "sequence": _sequence_ratio,
+    "sequence_token": _sequence_token_ratio,
+}
+
+Bound = float | None
+Surrogate = Callable[[Tensor, Tensor, Tensor, Bound, Bound], tuple[Tensor, Tensor]]
+
+
+def _clamp(ratio_NT: Tensor, low: Bound, high: Bound) -> Tensor:
+    if low is None and high is None:
+        return ratio_NT
+    return ratio_NT.clamp(min=low, max=high)
+
+
+def _above(ratio_NT: Tensor, bound: Bound) -> Tensor:
+    return torch.zeros_like(ratio_NT, dtype=torch.bool) if bound is None else ratio_NT > bound
+
+
+def _below(ratio_NT: Tensor, bound: Bound) -> Tensor:
+    return torch.zeros_like(ratio_NT, dtype=torch.bool) if bound is None else ratio_NT < bound
+
+
+def _ppo_surrogate(
+    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound
+) -> tuple[Tensor, Tensor]:
+    surrogate_NT = torch.minimum(ratio_NT * adv_NT, _clamp(ratio_NT, low, high) * adv_NT)
+    clipped_NT = ((adv_NT > 0) & _above(ratio_NT, high)) | ((adv_NT < 0) & _below(ratio_NT, low))
+    return -surrogate_NT, clipped_NT  # PPO eq. (7); DAPO Clip-Higher: low != high
+
+
+def _is_weight_surrogate(
+    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound
+) -> tuple[Tensor, Tensor]:
+    weight_NT = _clamp(ratio_NT, low, high).detach()
+    clipped_NT = _above(ratio_NT, high) | _below(ratio_NT, low)
+    return -weight_NT * adv_NT * logp_NT, clipped_NT  # CISPO: sg(clip(r)) * A * log pi
+
+
+def _unclipped_surrogate(
+    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound
+) -> tuple[Tensor, Tensor]:
+    return -ratio_NT * adv_NT, torch.zeros_like(ratio_NT, dtype=torch.bool)  # importance-weighted PG
+
+
+CLIPS: dict[str, Surrogate] = {
+    "ppo": _ppo_surrogate,
+    "is_weight": _is_weight_surrogate,
+    "none": _unclipped_surrogate,
+}
+
+
+def _check_policy_args(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    ref_logprobs: Tensor | None,
+    ratio: str,
+    clip: str,
+    eps_low: float | None,
+    eps_high: float | None,
+    dual_clip: float | None,
+    kl_coef: float,
+    kl_estimator: str,
+) -> None:
+    check_ndim("logprobs", logprobs, 2, "[N, T]")
+    check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
+    if advantages.shape not in (logprobs.shape, logprobs.shape[:1]):
+        raise ValueError(
+            f"advantages has shape {list(advantages.shape)} but logprobs has shape "
+            f"{list(logprobs.shape)}; advantages must be [N] (per sequence) or [N, T] (per token)"
+        )
+    check_choice("ratio", ratio, RATIOS)
+    check_choice("clip", clip, CLIPS)
+    check_choice("kl_estimator", kl_estimator, KL_ESTIMATORS)
+    check_nonnegative("eps_low", eps_low)
+    check_nonnegative("eps_high", eps_high)
+    check_nonnegative("kl_coef", kl_coef)
+    if dual_clip is not None and (clip != "ppo" or dual_clip <= 1):
+        raise ValueError(f"dual_clip={dual_clip} needs clip='ppo' and a value > 1 (verl uses 3.0), or None")
+    if kl_coef > 0 and ref_logprobs is None:
+        raise ValueError(f"kl_coef={kl_coef} needs ref_logprobs; pass them or set kl_coef=0.0")
+
+
+def policy_loss(
+    logprobs: Tensor,
+    old_logprobs: Tensor,
+    advantages: Tensor,
+    mask: Tensor,
+    *,
+    ratio: str = "token",
+    clip: str = "ppo",
+    eps_low: float | None = 0.2,
+    eps_high: float | None = 0.2,
+    dual_clip: float | None = None,
+    aggregation: str = "sequence_mean",
+    max_tokens: int | None = None,
+    ref_logprobs: Tensor | None = None,
+    kl_coef: float = 0.0,
+    kl_estimator: str = "k3",
+    normalizer: float | Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Clipped policy-gradient loss (PPO, GRPO, DAPO, CISPO, GSPO, ...), minimised.
+
+    Args:
+        logprobs: [N, T] log-probs of the sampled tokens under the policy (with grad).
+        old_logprobs: [N, T] under the policy that sampled them (no grad).
+        advantages: [N] per completion (broadcast to its tokens) or [N, T] per token.
+        mask: [N, T] 1 for completion tokens, 0 for padding.
+        ratio: "token" | "sequence" (GSPO) | "sequence_token" (GSPO-token).
+        clip: "ppo" | "is_weight" (CISPO) | "none".
+        eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high]; None = unbounded side.
+        dual_clip: c > 1, for A < 0 bound the loss by -c*A (clip="ppo" only).
+        aggregation: "sequence_mean" | "token_mean" | "constant" (see `aggregate`).
+        max_tokens: the generation budget; required by "constant".
+        ref_logprobs: [N, T] under the reference policy; needed when kl_coef > 0.
+        kl_coef: beta of the KL-in-loss term.
+        kl_estimator: "k1" | "k2" | "k3".
+        normalizer: the optimizer step's denominator (see `aggregate`); None = this batch.
+
+    Returns:
+        (loss 0-dim, metrics): `policy_loss` (the policy term alone), `clip_fraction`
+        (share of valid tokens whose clipped branch is active), `ratio_mean`,
+        `empty_batch` (1 if no token is valid), `kl` (token mean, when ref_logprobs is
+        given), `dual_clip_fraction` (with dual_clip). All 0-dim and detached.
+    """
+    _check_policy_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, ratio, clip,
+                       eps_low, eps_high, dual_clip, kl_coef, kl_estimator)
+    check_aggregation(aggregation, max_tokens, normalizer)
+    valid_NT = mask.bool()
+    dtype = compute_dtype(logprobs, old_logprobs, advantages, ref_logprobs)
+    # Padding is replaced (not multiplied by 0) before any exp: garbage there never becomes NaN.
+    logp_NT = logprobs.to(dtype).masked_fill(~valid_NT, 0.0)
+    old_NT = old_logprobs.to(dtype).detach().masked_fill(~valid_NT, 0.0)
+    adv_NT = advantages.to(dtype).detach()
+    adv_NT = adv_NT[:, None].expand_as(logp_NT) if adv_NT.dim() == 1 else adv_NT.masked_fill(~valid_NT, 0.0)
+
+    low = None if eps_low is None else 1.0 - eps_low
+    high = None if eps_high is None else 1.0 + eps_high
+    ratio_NT = RATIOS[ratio](logp_NT, old_NT, valid_NT)
+    loss_NT, clipped_NT = CLIPS[clip](ratio_NT, logp_NT, adv_NT, low, high)
+    metrics: dict[str, Tensor] = {}
+    if dual_clip is not None:
+        dual_clipped_NT = (adv_NT < 0) & (-dual_clip * adv_NT < loss_NT)
+        loss_NT = torch.where(adv_NT < 0, torch.minimum(loss_NT, -dual_clip * adv_NT), loss_NT)  # Ye et al. 2020
+        metrics["dual_clip_fraction"] = _token_mean(dual_clipped_NT.to(dtype), valid_NT)
+
+    def reduce(values_NT: Tensor) -> Tensor:
+        return aggregate(values_NT, valid_NT, aggregation, max_tokens=max_tokens, normalizer=normalizer)
+
+    policy_term = reduce(loss_NT)
+    loss = policy_term
+    if ref_logprobs is not None:
+        ref_NT = ref_logprobs.to(dtype).detach().masked_fill(~valid_NT, 0.0)
+        kl_NT = kl_estimate(logp_NT, ref_NT, kl_estimator)
+        if kl_coef > 0:
+            loss = loss + kl_coef * reduce(kl_NT)  # GRPO eq. (3): beta * KL, aggregated like the policy term
+        metrics["kl"] = _token_mean(kl_NT.detach(), valid_NT)
+    metrics |= {
+        "policy_loss": policy_term.detach(),
+        "clip_fraction": _token_mean(clipped_NT.to(dtype), valid_NT),
+        "ratio_mean": _token_mean(ratio_NT.detach(), valid_NT),
+        "empty_batch": (~valid_NT.any()).to(dtype),
+    }
+    return loss, metrics
+
+
+def _token_mean(values_NT: Tensor, valid_NT: Tensor) -> Tensor:
+    return aggregate(values_NT, valid_NT, "token_mean").detach()
+
+
+def nll_loss(
+    logprobs: Tensor,
+    mask: Tensor,
+    *,
+    aggregation: str = "token_mean",
+    normalizer: float | Tensor | None = None,
+    max_tokens: int | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """Negative log-likelihood of the sampled tokens (SFT; best-of-N / RAFT, Dong et al. 2023).
+
+    Args:
+        logprobs: [N, T] log-probs of the target tokens under the policy.
+        mask: [N, T] 1 for completion tokens, 0 for padding.
+        aggregation, max_tokens, normalizer: as in `aggregate`.
+
+    Returns:
+        (loss 0-dim, metrics): `nll` (the loss, detached), `empty_batch`.
+    """
+    check_ndim("logprobs", logprobs, 2, "[N, T]")
+    check_same_shape(logprobs=logprobs, mask=mask)
+    valid_NT = mask.bool()
+    logp_NT = logprobs.to(compute_dtype(logprobs)).masked_fill(~valid_NT, 0.0)
+    loss = aggregate(-logp_NT, valid_NT, aggregation, max_tokens=max_tokens, normalizer=normalizer)
+    return loss, {"nll": loss.detach(), "empty_batch": (~valid_NT.any()).to(logp_NT.dtype)}

@@ -1,0 +1,59 @@
+"""Reward shaping and sample selection on scalar rewards.
+
+- `overlong_penalty`: DAPO's soft overlong punishment (Yu et al. 2025, Sec. 3.4,
+  eq. (13)), added to the task reward.
+- `best_of_n`: keep the highest-reward completion of each group (rejection
+  sampling fine-tuning, RAFT: Dong et al. 2023), ties to the first.
+
+Departures: none.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+from ._checks import check_ndim, check_positive, compute_dtype
+
+
+def overlong_penalty(lengths: Tensor, *, max_tokens: int, buffer: int) -> Tensor:
+    """DAPO soft overlong punishment.
+
+    Args:
+        lengths: [N] completion lengths |o| in tokens (int or float).
+        max_tokens: L_max, the generation budget, > 0.
+        buffer: L_cache, the punishment interval before L_max, 0 < buffer <= max_tokens.
+
+    Returns:
+        [N] float: 0 if |o| <= L_max - L_cache; ((L_max - L_cache) - |o|) / L_cache
+        if L_max - L_cache < |o| <= L_max; -1 if |o| > L_max.
+    """
+    check_ndim("lengths", lengths, 1, "[N]")
+    check_positive("max_tokens", max_tokens)
+    check_positive("buffer", buffer)
+    if buffer > max_tokens:
+        raise ValueError(f"buffer={buffer} exceeds max_tokens={max_tokens}; use buffer <= max_tokens")
+    lengths_N = lengths.to(compute_dtype(lengths))
+    safe_length = max_tokens - buffer
+    ramp_N = (safe_length - lengths_N) / buffer  # DAPO eq. (13), the middle case
+    penalty_N = torch.where(lengths_N <= safe_length, 0.0, ramp_N)
+    return torch.where(lengths_N > max_tokens, -1.0, penalty_N)
+
+
+def best_of_n(rewards: Tensor, *, min_reward: float | None = None) -> tuple[Tensor, Tensor]:
+    """The best completion of each group.
+
+    Args:
+        rewards: [B, G] rewards of G completions for each of B prompts.
+        min_reward: groups whose best reward is below it are not kept; None keeps all.
+
+    Returns:
+        (index [B] long: the argmax over G, ties to the first; keep [B] bool).
+    """
+    check_ndim("rewards", rewards, 2, "[B, G]")
+    if rewards.shape[1] < 1:
+        raise ValueError(f"rewards has shape {list(rewards.shape)}; each prompt needs at least one completion")
+    index_B = rewards.argmax(dim=1)  # torch documents: the first maximal index
+    if min_reward is None:
+        return index_B, torch.ones_like(index_B, dtype=torch.bool)
+    return index_B, rewards.amax(dim=1) >= min_reward

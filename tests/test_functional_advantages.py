@@ -1,0 +1,187 @@
+"""Advantage estimators, returns, GAE, whitening, KL-shaped rewards, REINFORCE++."""
+
+import math
+
+import pytest
+import torch
+
+import posttrain.functional as F
+
+
+def test_group_advantage_hand_computed():
+    # rewards [1, 0, 0, 1]: mean 0.5, unbiased var (4 * 0.25) / 3 = 1/3, std sqrt(1/3)
+    adv = F.advantages("group", torch.tensor([[1.0, 0.0, 0.0, 1.0]]))
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)  # 0.866024...
+    torch.testing.assert_close(adv, torch.tensor([[a, -a, -a, a]]))
+    assert a == pytest.approx(0.866024, abs=1e-6)
+
+
+def test_group_mean_and_rloo_hand_computed():
+    rewards = torch.tensor([[3.0, 1.0, 2.0]])
+    # mean 2 -> [1, -1, 0]
+    torch.testing.assert_close(F.advantages("group_mean", rewards), torch.tensor([[1.0, -1.0, 0.0]]))
+    # leave-one-out: 3 - (1+2)/2 = 1.5, 1 - (3+2)/2 = -1.5, 2 - (3+1)/2 = 0
+    torch.testing.assert_close(F.advantages("rloo", rewards), torch.tensor([[1.5, -1.5, 0.0]]))
+
+
+def test_greedy_baseline_hand_computed():
+    rewards = torch.tensor([[1.0, 0.0], [0.5, 1.0]])
+    adv = F.advantages("greedy_baseline", rewards, baseline=torch.tensor([0.5, 1.0]))
+    torch.testing.assert_close(adv, torch.tensor([[0.5, -0.5], [-0.5, 0.0]]))
+    # ReMax needs no group: G = 1 is fine
+    torch.testing.assert_close(
+        F.advantages("greedy_baseline", torch.tensor([[2.0]]), baseline=torch.tensor([0.5])), torch.tensor([[1.5]])
+    )
+
+
+@pytest.mark.parametrize("estimator", ["group", "group_mean", "rloo"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+def test_equal_rewards_give_exactly_zero_advantage(estimator, dtype):
+    # 0.1 and 1e8 + 0.3 are not exactly representable: a naive mean leaves rounding noise
+    rewards = torch.tensor([[0.1] * 3, [1e8 + 0.3] * 3, [-1.0] * 3, [0.0, 1.0, 1.0]], dtype=dtype)
+    adv = F.advantages(estimator, rewards, eps=0.0)
+    assert torch.isfinite(adv).all()
+    assert (adv[:3] == 0).all()
+    assert (adv[3] != 0).all()
+
+
+@pytest.mark.parametrize("estimator", ["group", "group_mean", "rloo"])
+def test_group_of_one_is_a_clear_error(estimator):
+    with pytest.raises(ValueError, match=r"G >= 2.*greedy_baseline"):
+        F.advantages(estimator, torch.tensor([[1.0], [0.0]]))
+
+
+def test_advantages_rejects_bad_arguments():
+    with pytest.raises(ValueError, match="'group', 'group_mean', 'rloo', 'greedy_baseline'"):
+        F.advantages("grpo", torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="baseline="):
+        F.advantages("greedy_baseline", torch.zeros(2, 2))
+    with pytest.raises(ValueError, match="baseline is used only by 'greedy_baseline'"):
+        F.advantages("group", torch.zeros(2, 2), baseline=torch.zeros(2))
+    with pytest.raises(ValueError, match=r"baseline has shape \[3\] but rewards has shape \[2, 2\]"):
+        F.advantages("greedy_baseline", torch.zeros(2, 2), baseline=torch.zeros(3))
+    with pytest.raises(ValueError, match="eps=-1e-06 is negative"):
+        F.advantages("group", torch.zeros(2, 2), eps=-1e-6)
+    with pytest.raises(ValueError, match=r"\[B, G\]"):
+        F.advantages("group", torch.zeros(4))
+
+
+def test_discounted_returns_hand_computed():
+    rewards = torch.tensor([[1.0, 2.0, 3.0], [1.0, 2.0, 100.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    # row 0: [1 + .5*2 + .25*3, 2 + .5*3, 3] = [2.75, 3.5, 3]; row 1 ignores the padded 100
+    expected = torch.tensor([[2.75, 3.5, 3.0], [2.0, 2.0, 0.0]])
+    torch.testing.assert_close(F.discounted_returns(rewards, mask, gamma=0.5), expected)
+    # gamma = 1: plain reward-to-go
+    torch.testing.assert_close(F.discounted_returns(rewards, mask), torch.tensor([[6.0, 5.0, 3.0], [3.0, 2.0, 0.0]]))
+
+
+def test_gae_hand_computed():
+    rewards = torch.tensor([[0.0, 0.0, 1.0], [0.0, 1.0, 9.0]])
+    values = torch.tensor([[0.5, 0.6, 0.7], [0.5, 0.6, 9.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0]])
+    adv, returns = F.gae(rewards, values, mask, gamma=1.0, lam=0.5)
+    # row 0: delta = [0 + .6 - .5, 0 + .7 - .6, 1 + 0 - .7] = [.1, .1, .3]
+    #        A_2 = .3, A_1 = .1 + .5 * .3 = .25, A_0 = .1 + .5 * .25 = .225
+    # row 1: V after the last token is 0: delta = [.1, 1 - .6 = .4], A = [.1 + .5 * .4, .4] = [.3, .4]
+    torch.testing.assert_close(adv, torch.tensor([[0.225, 0.25, 0.3], [0.3, 0.4, 0.0]]))
+    torch.testing.assert_close(returns, torch.tensor([[0.725, 0.85, 1.0], [0.8, 1.0, 0.0]]))
+
+
+def test_gae_with_discount_hand_computed():
+    rewards, values, mask = torch.tensor([[0.0, 1.0]]), torch.tensor([[0.5, 0.6]]), torch.ones(1, 2)
+    adv, _ = F.gae(rewards, values, mask, gamma=0.9, lam=0.95)
+    # delta_1 = 1 - .6 = .4; delta_0 = 0 + .9 * .6 - .5 = .04; A_0 = .04 + .9 * .95 * .4 = .382
+    torch.testing.assert_close(adv, torch.tensor([[0.382, 0.4]]))
+
+
+def test_gae_with_lambda_one_gamma_one_is_returns_minus_values():
+    gen = torch.Generator().manual_seed(0)
+    rewards, values = torch.randn(2, 4, 7, generator=gen, dtype=torch.float64)
+    mask = (torch.arange(7) < torch.tensor([7, 3, 1, 0])[:, None]).long()
+    adv, returns = F.gae(rewards, values, mask, gamma=1.0, lam=1.0)
+    reward_to_go = F.discounted_returns(rewards, mask, gamma=1.0)
+    torch.testing.assert_close(adv, torch.where(mask.bool(), reward_to_go - values, 0.0))
+    torch.testing.assert_close(returns, reward_to_go)
+
+
+def test_gae_rejects_out_of_range_lambda():
+    with pytest.raises(ValueError, match=r"lam=1.5 must lie in \[0, 1\]"):
+        F.gae(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1, 2), lam=1.5)
+
+
+def test_whiten_hand_computed_and_zero_at_padding():
+    x = torch.tensor([[1.0, 2.0], [3.0, 50.0]])
+    mask = torch.tensor([[1, 1], [1, 0]])
+    # valid [1, 2, 3]: mean 2, unbiased std 1
+    torch.testing.assert_close(F.whiten(x, mask), torch.tensor([[-1.0, 0.0], [1.0, 0.0]]) / (1 + 1e-6))
+
+
+def test_whiten_gives_mean_zero_std_one_over_valid_tokens():
+    gen = torch.Generator().manual_seed(0)
+    x = 3 + 5 * torch.randn(6, 9, generator=gen, dtype=torch.float64)
+    mask = (torch.arange(9) < torch.tensor([9, 4, 1, 0, 7, 2])[:, None]).long()
+    y = F.whiten(x, mask, eps=0.0)
+    valid = y[mask.bool()]
+    assert valid.mean().item() == pytest.approx(0.0, abs=1e-12)
+    assert valid.std().item() == pytest.approx(1.0, abs=1e-12)
+    assert (y[~mask.bool()] == 0).all()
+
+
+def test_whiten_of_constant_values_is_zero_with_finite_gradient():
+    x = torch.full((2, 3), 0.1, requires_grad=True)
+    y = F.whiten(x, torch.ones(2, 3), eps=0.0)
+    y.sum().backward()
+    assert torch.isfinite(y).all() and y.abs().max() < 1e-3
+    assert torch.isfinite(x.grad).all()
+
+
+def test_kl_shaped_rewards_hand_computed():
+    logp = torch.tensor([[-1.0, -2.0, -1.0], [-0.5, -0.5, 7.0], [3.0, 3.0, 3.0]])
+    ref = torch.tensor([[-1.5, -1.0, -1.0], [-0.5, -1.5, 7.0], [3.0, 3.0, 3.0]])
+    mask = torch.tensor([[1, 1, 1], [1, 1, 0], [0, 0, 0]])
+    rewards = torch.tensor([1.0, -1.0, 5.0])
+    out = F.kl_shaped_rewards(rewards, logp, ref, mask, kl_coef=0.1)
+    # k1 = logp - ref: row 0 [.5, -1, 0], row 1 [0, 1]; token reward -0.1 * k1, reward at the last token
+    expected = torch.tensor([[-0.05, 0.1, 0.0 + 1.0], [0.0, -0.1 - 1.0, 0.0], [0.0, 0.0, 0.0]])
+    torch.testing.assert_close(out, expected)
+
+
+def test_kl_shaped_rewards_with_k3_estimator():
+    logp, ref, mask = torch.tensor([[-1.0]]), torch.tensor([[-1.5]]), torch.ones(1, 1)
+    out = F.kl_shaped_rewards(torch.tensor([0.0]), logp, ref, mask, kl_coef=1.0, estimator="k3")
+    torch.testing.assert_close(out, torch.tensor([[-(math.exp(-0.5) + 0.5 - 1)]]))
+
+
+def test_reinforce_pp_hand_computed():
+    rewards = torch.tensor([1.0, 0.0])
+    logp = torch.zeros(2, 2)
+    mask = torch.ones(2, 2)
+    # no KL: token rewards [[0, 1], [0, 0]], returns [[1, 1], [0, 0]]: mean .5, std sqrt(1/3)
+    adv = F.reinforce_pp_advantages(rewards, logp, logp, mask, kl_coef=0.1)
+    a = 0.5 / (math.sqrt(1 / 3) + 1e-6)
+    torch.testing.assert_close(adv, torch.tensor([[a, a], [-a, -a]]))
+
+
+def test_reinforce_pp_baseline_hand_computed():
+    rewards = torch.tensor([1.0, 0.0, 3.0, 3.0])
+    logp = torch.zeros(4, 1)
+    mask = torch.ones(4, 1)
+    # group means .5 and 3: centred [.5, -.5, 0, 0]; var (.25 + .25) / 3 = 1/6
+    adv = F.reinforce_pp_advantages(rewards, logp, logp, mask, kl_coef=0.0, baseline=True, group_size=2)
+    a = 0.5 / (math.sqrt(1 / 6) + 1e-6)  # 1.224742...
+    torch.testing.assert_close(adv, torch.tensor([[a], [-a], [0.0], [0.0]]))
+
+
+def test_reinforce_pp_rejects_bad_group_arguments():
+    z = torch.zeros(4, 1)
+    with pytest.raises(ValueError, match="needs group_size"):
+        F.reinforce_pp_advantages(torch.zeros(4), z, z, z, kl_coef=0.0, baseline=True)
+    with pytest.raises(ValueError, match="group_size >= 2"):
+        F.reinforce_pp_advantages(torch.zeros(4), z, z, z, kl_coef=0.0, baseline=True, group_size=1)
+    with pytest.raises(ValueError, match="not a multiple of group_size=3"):
+        F.reinforce_pp_advantages(torch.zeros(4), z, z, z, kl_coef=0.0, baseline=True, group_size=3)
+    with pytest.raises(ValueError, match="only with baseline=True"):
+        F.reinforce_pp_advantages(torch.zeros(4), z, z, z, kl_coef=0.0, group_size=2)
+    with pytest.raises(ValueError, match="kl_coef=-0.1 is negative"):
+        F.reinforce_pp_advantages(torch.zeros(4), z, z, z, kl_coef=-0.1)
