@@ -1,0 +1,570 @@
+"""Algorithm presets: each algorithm is a frozen record of named pieces.
+
+An online algorithm (`OnlineAlgorithm`) is a choice of advantage estimator,
+ratio level, clip scheme, aggregation, KL estimator and placement, sampling
+filters and reward shaping; an offline one (`PreferenceAlgorithm`) is a
+preference loss and its coefficients. The math lives in `posttrain.functional`:
+the methods here only hand a preset's fields to it. `ALGORITHMS` holds the
+presets of ALGORITHMS.md ("Presets"); `algorithm(name, **overrides)` returns one.
+
+Decisions where the spec is silent:
+
+1. A field a preset does not use is `None` (GAE's `gamma`/`lam` and
+   `value_clip` outside `gae`, the KL estimator without a KL, the coefficients
+   of the other preference losses), and setting one is an error rather than a
+   silent no-op (so is `beta > 0` with `kl_placement='none'`). Exception:
+   `eps_low`/`eps_high` = `None` means unbounded on that side.
+2. KL in the reward (token or sequence level) uses `k1`, as the spec defines
+   the shaped reward; `k2`/`k3` are for the KL in the loss.
+3. Best-of-N's "advantages" are a 0/1 selection (1 on the kept best completion
+   of each prompt), and its loss is the NLL of the selected completions, so
+   the training loop needs no special case to train it.
+4. `reward_clip` also clips the greedy baseline, so both sides of
+   `r - r_greedy` live on the same scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+import posttrain.functional as F
+
+Advantage = Literal["gae", "greedy_baseline", "rloo", "group", "group_mean",
+                    "reinforce_pp", "reinforce_pp_baseline", "best_of_n"]
+Ratio = Literal["token", "sequence", "sequence_token"]
+Clip = Literal["ppo", "is_weight", "none"]
+Aggregation = Literal["sequence_mean", "token_mean", "constant"]
+KLPlacement = Literal["loss", "token_reward", "sequence_reward", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
+PreferenceLoss = Literal["dpo", "odpo", "simpo", "orpo", "kto"]
+
+SEQUENCE_ESTIMATORS = ("group", "group_mean", "rloo", "greedy_baseline")  # F.advantages: [B, G] -> [B, G]
+TOKEN_ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline")  # [N, T] token advantages
+GROUP_ESTIMATORS = ("group", "group_mean", "rloo", "reinforce_pp_baseline")  # compare within a prompt: G >= 2
+
+Metrics = dict[str, Tensor]
+_REQUIRED = dataclasses.MISSING
+
+
+def _field(help: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+def field_help(cls: type | object) -> dict[str, str]:
+    """Field name -> its one-line help, for the CLI (a preset class or instance)."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+
+
+def _choice_problems(obj: object, choices: dict[str, tuple]) -> list[str]:
+    return [f"{name}={getattr(obj, name)!r} is not one of {', '.join(map(repr, valid))}"
+            for name, valid in choices.items() if getattr(obj, name) not in valid]
+
+
+def _raise_if_problems(obj: Any, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"invalid {type(obj).__name__} {obj.name!r}: " + "; ".join(problems))
+
+
+def _require(who: str, why: str, **tensors: Tensor | None) -> None:
+    missing = [name for name, value in tensors.items() if value is None]
+    if missing:
+        raise ValueError(f"{who}: {why} needs {', '.join(missing)}")
+
+
+@dataclass(frozen=True)
+class OnlineAlgorithm:
+    """An online RL algorithm (generate, score, update) as a choice of pieces."""
+
+    name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
+    paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
+    summary: str = _field("One line: what it changed with respect to its ancestor.", _REQUIRED)
+    advantage: Advantage = _field("Advantage estimator: gae, greedy_baseline (ReMax), rloo, group (GRPO), group_mean "
+                                  "(Dr.GRPO), reinforce_pp, reinforce_pp_baseline, best_of_n.", _REQUIRED)
+    ratio: Ratio = _field("Importance ratio: token (PPO), sequence (GSPO) or sequence_token (GSPO-token).", "token")
+    clip: Clip = _field("ppo (clipped surrogate), is_weight (CISPO: clip the detached IS weight) or none.", "ppo")
+    eps_low: float | None = _field("Lower clip bound 1 - eps_low; None = unbounded below.", 0.2)
+    eps_high: float | None = _field("Upper clip bound 1 + eps_high (DAPO's clip-higher: 0.28); None = unbounded.", 0.2)
+    dual_clip: float | None = _field("Dual-clip c > 1 bounding losses of negative advantages (verl: 3); None = off.")
+    aggregation: Aggregation = _field("Token losses to one number: sequence_mean, token_mean (over the optimizer "
+                                      "step) or constant (sum / max_tokens, Dr.GRPO).", "sequence_mean")
+    loss: Literal["policy", "nll"] = _field("policy (surrogate) or nll (likelihood; best_of_n only).", "policy")
+    kl_placement: KLPlacement = _field("Where the KL to the reference goes: loss (GRPO), token_reward (PPO, "
+                                       "REINFORCE++), sequence_reward (RLOO, ReMax) or none.", "none")
+    kl_estimator: KLEstimator | None = _field("k1, k2 or k3 (Schulman 2020); k1 in a reward; None without a KL.")
+    beta: float = _field("KL coefficient; 0 = no KL term, no reference model.", 0.0)
+    num_epochs: int = _field("Passes over each rollout (PPO epochs, GRPO's mu).", 1)
+    value_clip: float | None = _field("Value-loss clip range around the old values (gae only); None = unclipped.")
+    gamma: float | None = _field("GAE discount (gae only).")
+    lam: float | None = _field("GAE lambda (gae only).")
+    reward_clip: float | None = _field("Clip rewards to [-reward_clip, reward_clip] (REINFORCE++: 10); None = off.")
+    binary_reward: tuple[float, float] | None = _field("(incorrect, correct) reward for a task's correctness "
+                                                       "(DAPO: (-1, 1)); None = the task's reward.")
+    dynamic_sampling: bool = _field("Drop groups with all-equal rewards, generate until the batch is full (DAPO).",
+                                    False)
+    max_generation_rounds: int = _field("Generation rounds per step with dynamic sampling (DAPO's "
+                                        "max_num_gen_batches).", 3)
+    overlong_buffer_ratio: float | None = _field("DAPO's soft overlong punishment, L_cache / L_max (paper: 4096 / "
+                                                 "20480 = 0.2); None = off.")
+    overlong_filter: bool = _field("Mask truncated completions out of the loss (DAPO's overlong filtering).", False)
+    history_resampling: bool = _field("Skip prompts solved by every completion in the previous epoch (SRPO, "
+                                      "https://arxiv.org/abs/2504.14286).", False)
+    min_reward: float | None = _field("best_of_n: skip prompts whose best reward is below; None = keep all.")
+    eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model must score the samples (a KL term with beta > 0)."""
+        return self.beta > 0 and self.kl_placement != "none"
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The sampling policy's log-probs must be recorded at generation.
+
+        With one update per rollout they equal the updated policy's detached log-probs
+        (its own forward pass gives them); several epochs move the policy away, and
+        dynamic sampling carries surplus groups to the next step, one policy later.
+        """
+        return self.num_epochs > 1 or self.dynamic_sampling
+
+    @property
+    def needs_value_model(self) -> bool:
+        """A value head is trained alongside the policy (GAE)."""
+        return self.advantage == "gae"
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """Each prompt needs one greedy decode, scored, as the baseline (ReMax)."""
+        return self.advantage == "greedy_baseline"
+
+    @property
+    def is_group_estimator(self) -> bool:
+        """The advantage compares the G completions of a prompt, so G >= 2 is required."""
+        return self.advantage in GROUP_ESTIMATORS
+
+    def __post_init__(self) -> None:
+        if isinstance(self.binary_reward, list):  # YAML gives lists
+            object.__setattr__(self, "binary_reward", tuple(self.binary_reward))
+        choices = {"advantage": get_args(Advantage), "ratio": get_args(Ratio), "clip": get_args(Clip),
+                   "aggregation": get_args(Aggregation), "loss": ("policy", "nll"),
+                   "kl_placement": get_args(KLPlacement), "kl_estimator": (*get_args(KLEstimator), None)}
+        _raise_if_problems(self, _choice_problems(self, choices) or self._problems())
+
+    def _problems(self) -> list[str]:
+        a, kl, br, est = self.advantage, self.kl_placement, self.binary_reward, self.kl_estimator
+        gae_ok = self.gamma is not None and self.lam is not None and 0 < self.gamma <= 1 and 0 <= self.lam <= 1
+        rules = [
+            (self.eps < 0, f"eps={self.eps} must be >= 0"),
+            (self.eps_low is not None and not 0 <= self.eps_low < 1,
+             f"eps_low={self.eps_low} must be in [0, 1) (the lower bound is 1 - eps_low); None = no lower bound"),
+            (self.eps_high is not None and self.eps_high < 0, f"eps_high={self.eps_high} must be >= 0 or None"),
+            (self.dual_clip is not None and not self.dual_clip > 1, f"dual_clip={self.dual_clip} must be > 1 or None"),
+            (self.dual_clip is not None and self.clip != "ppo", "dual_clip applies to clip='ppo' only"),
+            (self.ratio != "token" and self.clip != "ppo", f"ratio={self.ratio!r} (GSPO) needs clip='ppo'"),
+            (self.beta < 0, f"beta={self.beta} must be >= 0"),
+            (self.num_epochs < 1, f"num_epochs={self.num_epochs} must be >= 1"),
+            (self.max_generation_rounds < 1, f"max_generation_rounds={self.max_generation_rounds} must be >= 1"),
+            (self.overlong_buffer_ratio is not None and not 0 < self.overlong_buffer_ratio <= 1,
+             f"overlong_buffer_ratio={self.overlong_buffer_ratio} must be in (0, 1] (DAPO: 0.2) or None"),
+            (self.reward_clip is not None and not self.reward_clip > 0, f"reward_clip={self.reward_clip} must be > 0"),
+            (br is not None and not (len(br) == 2 and br[0] < br[1]),
+             f"binary_reward={br} must be (incorrect, correct) with incorrect < correct, e.g. (-1.0, 1.0)"),
+            (kl != "none" and est is None, f"kl_placement={kl!r} needs a kl_estimator: 'k1', 'k2' or 'k3'"),
+            (kl.endswith("_reward") and est not in (None, "k1"),
+             f"kl_placement={kl!r} uses kl_estimator='k1'; for k2/k3 use kl_placement='loss'"),
+            (kl == "none" and self.beta > 0,
+             f"beta={self.beta} does nothing with kl_placement='none': set beta=0.0 or choose a kl_placement"),
+            (kl == "token_reward" and a not in TOKEN_ESTIMATORS, f"kl_placement='token_reward' needs a token-level "
+             f"estimator ({', '.join(TOKEN_ESTIMATORS)}); with {a!r} use 'sequence_reward' or 'loss'"),
+            (kl == "sequence_reward" and a not in SEQUENCE_ESTIMATORS, f"kl_placement='sequence_reward' needs a "
+             f"sequence-level estimator ({', '.join(SEQUENCE_ESTIMATORS)}); with {a!r} use 'token_reward' or 'loss'"),
+            ((a == "best_of_n") != (self.loss == "nll"), "advantage='best_of_n' and loss='nll' go together"),
+            (self.loss == "nll" and kl != "none", "loss='nll' (best_of_n) takes no KL: set kl_placement='none'"),
+            (a == "gae" and not gae_ok, f"advantage='gae' needs gamma in (0, 1] and lam in [0, 1] (PPO: 1.0, "
+             f"0.95), got {self.gamma}, {self.lam}"),
+            (a != "gae" and (self.gamma, self.lam, self.value_clip) != (None, None, None),
+             f"gamma, lam and value_clip belong to advantage='gae'; set them to None for {a!r}"),
+            (self.value_clip is not None and not self.value_clip > 0, f"value_clip={self.value_clip} must be > 0"),
+            (self.min_reward is not None and a != "best_of_n", "min_reward applies to advantage='best_of_n' only"),
+            (self.dynamic_sampling and a not in GROUP_ESTIMATORS, "dynamic_sampling drops groups with equal rewards, "
+             f"which carry no signal only for a group estimator ({', '.join(GROUP_ESTIMATORS)})"),
+        ]
+        return [message for broken, message in rules if broken]
+
+    def advantages_and_returns(
+        self, rewards: Tensor, *, mask: Tensor | None = None, logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None, values: Tensor | None = None, baseline: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """This preset's advantages and, for `gae`, the value targets.
+
+        rewards [B, G]: one scalar per completion (G completions of each of B prompts);
+        mask, logprobs, ref_logprobs, values [N, T] with N = B * G, row b * G + g;
+        baseline [B]: greedy-decode rewards (`greedy_baseline`).
+        Returns (advantages, returns). Sequence estimators and best_of_n give [B, G]
+        when mask is None, else [N, T] (broadcast, 0 at padding); token estimators
+        need mask and give [N, T]. returns is F.gae's A + V (before the advantages
+        are whitened) for `gae`, else None.
+        """
+        if rewards.dim() != 2:
+            raise ValueError(f"{self.name}: rewards must be [B, G] (B prompts x G completions), "
+                             f"got shape {tuple(rewards.shape)}")
+        if self.reward_clip is not None:  # REINFORCE++: rewards clipped to [-10, 10]
+            rewards = rewards.clamp(-self.reward_clip, self.reward_clip)
+            baseline = None if baseline is None else baseline.clamp(-self.reward_clip, self.reward_clip)
+        if self.advantage in TOKEN_ESTIMATORS:
+            return self._token_advantages(rewards, mask, logprobs, ref_logprobs, values)
+        if self.advantage == "best_of_n":
+            index, keep = F.best_of_n(rewards, min_reward=self.min_reward)
+            advantages = torch.nn.functional.one_hot(index, rewards.shape[1]).to(rewards.dtype) * keep[:, None]
+        else:
+            if self.kl_placement == "sequence_reward" and self.beta > 0:  # r_i - beta * sum_t k1[i, t]
+                _require(self.name, "KL in the sequence reward", mask=mask, logprobs=logprobs,
+                         ref_logprobs=ref_logprobs)
+                kl = F.kl_estimate(logprobs, ref_logprobs, "k1").masked_fill(~mask.bool(), 0.0)
+                rewards = rewards - self.beta * kl.sum(-1).view_as(rewards)
+            advantages = F.advantages(self.advantage, rewards, baseline=baseline, eps=self.eps)
+        if mask is None:
+            return advantages, None
+        if advantages.numel() != mask.shape[0]:
+            raise ValueError(f"{self.name}: mask has {mask.shape[0]} rows but rewards hold "
+                             f"{advantages.numel()} completions; mask must be [B * G, T]")
+        return torch.where(mask.bool(), advantages.reshape(-1, 1), 0.0), None
+
+    def _token_advantages(self, rewards: Tensor, mask: Tensor | None, logprobs: Tensor | None,
+                          ref_logprobs: Tensor | None, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        kl_coef = self.beta if self.kl_placement == "token_reward" else 0.0
+        needed = {"mask": mask, **({"logprobs": logprobs, "ref_logprobs": ref_logprobs} if kl_coef > 0 else {}),
+                  **({"values": values} if self.advantage == "gae" else {})}
+        _require(self.name, f"advantage={self.advantage!r}", **needed)
+        if kl_coef == 0:  # no KL in the reward: the log-probs do not enter
+            logprobs = ref_logprobs = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+        if self.advantage == "gae":
+            token_rewards = F.kl_shaped_rewards(rewards.flatten(), logprobs, ref_logprobs, mask,
+                                                kl_coef=kl_coef, estimator="k1")
+            advantages, returns = F.gae(token_rewards, values, mask, gamma=self.gamma, lam=self.lam)
+            return F.whiten(advantages, mask, eps=self.eps), returns
+        with_baseline = self.advantage == "reinforce_pp_baseline"
+        advantages = F.reinforce_pp_advantages(
+            rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef, baseline=with_baseline,
+            group_size=rewards.shape[1] if with_baseline else None, eps=self.eps)
+        return advantages, None
+
+    def advantages(self, rewards: Tensor, **kwargs: Tensor | None) -> Tensor:
+        """The advantages of `advantages_and_returns` (same arguments)."""
+        return self.advantages_and_returns(rewards, **kwargs)[0]
+
+    def policy_loss(
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+        ref_logprobs: Tensor | None = None, *, normalizer: float | Tensor | None = None,
+        max_tokens: int | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        """F.policy_loss with this preset's pieces (F.nll_loss for best_of_n).
+
+        logprobs, old_logprobs, mask, ref_logprobs [N, T]; advantages [N] or [N, T].
+        The KL enters only with kl_placement='loss' (then ref_logprobs is needed).
+        normalizer: the optimizer step's denominator; max_tokens: for 'constant'.
+        For best_of_n the loss covers the tokens of completions with advantage > 0.
+        """
+        if self.loss == "nll":
+            selected = advantages.reshape(mask.shape[0], -1) > 0
+            return F.nll_loss(logprobs, (mask.bool() & selected).to(mask.dtype), aggregation=self.aggregation,
+                              normalizer=normalizer, max_tokens=max_tokens)
+        kl_in_loss = self.kl_placement == "loss" and self.beta > 0
+        if kl_in_loss:
+            _require(self.name, "KL in the loss", ref_logprobs=ref_logprobs)
+        return F.policy_loss(
+            logprobs, old_logprobs, advantages, mask, ratio=self.ratio, clip=self.clip, eps_low=self.eps_low,
+            eps_high=self.eps_high, dual_clip=self.dual_clip, aggregation=self.aggregation, max_tokens=max_tokens,
+            normalizer=normalizer, ref_logprobs=ref_logprobs if kl_in_loss else None,
+            kl_coef=self.beta if kl_in_loss else 0.0, kl_estimator=self.kl_estimator if kl_in_loss else "k3")
+
+    def value_loss(
+        self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+        normalizer: float | Tensor | None = None, max_tokens: int | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        """F.value_loss with this preset's value_clip and aggregation; all inputs [N, T]."""
+        if not self.needs_value_model:
+            raise ValueError(f"{self.name}: advantage={self.advantage!r} has no value model; "
+                             "value_loss is for advantage='gae'")
+        return F.value_loss(values, old_values, returns, mask, clip=self.value_clip, aggregation=self.aggregation,
+                            normalizer=normalizer, max_tokens=max_tokens)
+
+
+_PREFERENCE_PARAMS = {  # the coefficients each loss uses; the others stay None
+    "dpo": ("beta", "label_smoothing"), "odpo": ("beta", "alpha"), "simpo": ("beta", "gamma"),
+    "orpo": ("lam",), "kto": ("beta", "desirable_weight", "undesirable_weight"),
+}
+_PAIR = ("chosen_logps", "rejected_logps")
+_PREFERENCE_INPUTS = {  # named like F's arguments, in F's order
+    "dpo": (*_PAIR, "ref_chosen_logps", "ref_rejected_logps"),
+    "odpo": (*_PAIR, "ref_chosen_logps", "ref_rejected_logps", "chosen_scores", "rejected_scores"),
+    "simpo": (*_PAIR, "chosen_lengths", "rejected_lengths"),
+    "orpo": (*_PAIR, "chosen_lengths", "rejected_lengths"),
+    "kto": ("logps", "ref_logps", "desirable", "kl_logps", "kl_ref_logps"),
+}
+_ALL_PREFERENCE_INPUTS = sorted({name for names in _PREFERENCE_INPUTS.values() for name in names})
+
+
+@dataclass(frozen=True)
+class PreferenceAlgorithm:
+    """An offline preference-optimisation loss and its coefficients; None = not used by this loss."""
+
+    name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
+    paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
+    summary: str = _field("One line: what it changed with respect to its ancestor.", _REQUIRED)
+    loss: PreferenceLoss = _field("Preference loss: dpo, odpo, simpo, orpo or kto.", _REQUIRED)
+    beta: float | None = _field("Reward scale (DPO, ODPO, KTO: 0.1; SimPO: 2.0).")
+    label_smoothing: float | None = _field("DPO: assumed rate of flipped labels, in [0, 0.5).")
+    alpha: float | None = _field("ODPO: offset scale, offset = alpha * log(score_w - score_l).")
+    gamma: float | None = _field("SimPO: target reward margin.")
+    lam: float | None = _field("ORPO: weight of the odds-ratio term added to the chosen NLL.")
+    desirable_weight: float | None = _field("KTO: weight of desirable examples.")
+    undesirable_weight: float | None = _field("KTO: weight of undesirable examples.")
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model scores the completions (DPO, ODPO, KTO)."""
+        return self.loss in ("dpo", "odpo", "kto")
+
+    @property
+    def paired(self) -> bool:
+        """Data are (chosen, rejected) pairs; KTO takes single examples labelled desirable or not."""
+        return self.loss != "kto"
+
+    @property
+    def needs_scores(self) -> bool:
+        """Each pair needs the scores of both completions (ODPO's offset)."""
+        return self.loss == "odpo"
+
+    def __post_init__(self) -> None:
+        problems = _choice_problems(self, {"loss": get_args(PreferenceLoss)})
+        if not problems:
+            used = _PREFERENCE_PARAMS[self.loss]
+            problems += [f"loss={self.loss!r} needs {p}" for p in used if getattr(self, p) is None]
+            problems += [f"{p} is not used by loss={self.loss!r} (it uses {', '.join(used)}): set it to None"
+                         for params in _PREFERENCE_PARAMS.values() for p in params
+                         if p not in used and getattr(self, p) is not None]
+        positive = ("beta", "desirable_weight", "undesirable_weight")
+        problems += [f"{p}={getattr(self, p)} must be > 0" for p in positive
+                     if getattr(self, p) is not None and not getattr(self, p) > 0]
+        problems += [f"{p}={getattr(self, p)} must be >= 0" for p in ("alpha", "gamma", "lam")
+                     if getattr(self, p) is not None and getattr(self, p) < 0]
+        if self.label_smoothing is not None and not 0 <= self.label_smoothing < 0.5:
+            problems.append(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        _raise_if_problems(self, sorted(set(problems), key=problems.index))
+
+    def preference_loss(self, **inputs: Tensor) -> tuple[Tensor, Metrics]:
+        """This preset's loss from sequence log-prob sums, keyword arguments named as in F.
+
+        Paired losses: chosen_logps, rejected_logps [B]; DPO/ODPO also ref_chosen_logps,
+        ref_rejected_logps [B]; ODPO also chosen_scores, rejected_scores [B]; SimPO/ORPO
+        also chosen_lengths, rejected_lengths [B]. KTO: logps, ref_logps, desirable (bool),
+        kl_logps, kl_ref_logps [B]. Inputs this loss does not use are ignored, so a loop
+        can pass everything it has.
+        """
+        unknown = sorted(set(inputs) - set(_ALL_PREFERENCE_INPUTS))
+        if unknown:
+            raise ValueError(f"{self.name}: unknown input(s) {', '.join(unknown)}; "
+                             f"valid: {', '.join(_ALL_PREFERENCE_INPUTS)}")
+        needed = _PREFERENCE_INPUTS[self.loss]
+        _require(self.name, f"loss={self.loss!r}", **{n: inputs.get(n) for n in needed})
+        x = [inputs[n] for n in needed]
+        if self.loss == "dpo":
+            return F.dpo_loss(*x, beta=self.beta, label_smoothing=self.label_smoothing)
+        if self.loss == "odpo":
+            return F.dpo_loss(*x[:4], beta=self.beta, offset=F.odpo_offset(*x[4:], alpha=self.alpha))
+        if self.loss == "simpo":
+            return F.simpo_loss(*x, beta=self.beta, gamma=self.gamma)
+        if self.loss == "orpo":
+            return F.orpo_loss(*x, lam=self.lam)
+        return F.kto_loss(*x, beta=self.beta, desirable_weight=self.desirable_weight,
+                          undesirable_weight=self.undesirable_weight)
+
+
+# Presets (ALGORITHMS.md, "Presets"). Unset fields take the defaults above: PPO's
+# token-level clipped surrogate with eps 0.2 / 0.2, no KL, one epoch.
+_GROUP_NO_KL = dict(advantage="group", kl_placement="none", beta=0.0)
+_REWARD_KL = dict(kl_placement="token_reward", kl_estimator="k1", beta=0.01)
+_SEQUENCE_KL = dict(kl_placement="sequence_reward", kl_estimator="k1", beta=0.01)
+_ONLINE = [
+    OnlineAlgorithm(
+        "ppo", "Proximal Policy Optimization Algorithms (Schulman et al., 2017) https://arxiv.org/abs/1707.06347; "
+        "for LLM RLHF: Training language models to follow instructions with human feedback (Ouyang et al., 2022) "
+        "https://arxiv.org/abs/2203.02155",
+        "Clipped surrogate with a learned value model and GAE; for LLMs, a per-token k1 KL penalty in the reward.",
+        advantage="gae", aggregation="sequence_mean", **_REWARD_KL, num_epochs=4, value_clip=0.2, gamma=1.0,
+        lam=0.95),
+    OnlineAlgorithm(
+        "remax", "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large "
+        "Language Models (Li et al., 2023) https://arxiv.org/abs/2310.10505",
+        "PPO without the value model: the reward of the prompt's greedy decode is the baseline.",
+        advantage="greedy_baseline", aggregation="sequence_mean", **_SEQUENCE_KL),
+    OnlineAlgorithm(
+        "rloo", "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs "
+        "(Ahmadian et al., 2024) https://arxiv.org/abs/2402.14740",
+        "PPO without the value model: the baseline is the mean reward of the prompt's other G - 1 samples.",
+        advantage="rloo", aggregation="sequence_mean", **_SEQUENCE_KL),
+    OnlineAlgorithm(
+        "grpo", "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models "
+        "(Shao et al., 2024) https://arxiv.org/abs/2402.03300",
+        "PPO without the value model: group-normalised rewards as advantages; the KL (k3) moves into the loss.",
+        advantage="group", aggregation="sequence_mean", kl_placement="loss", kl_estimator="k3", beta=0.04),
+    OnlineAlgorithm(
+        "reinforce_pp", "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models "
+        "(Hu et al., 2025) https://arxiv.org/abs/2501.03262",
+        "PPO without the value model: KL-shaped token returns whitened over the whole batch; rewards clipped.",
+        advantage="reinforce_pp", aggregation="token_mean", **_REWARD_KL, reward_clip=10.0),
+    OnlineAlgorithm(
+        "reinforce_pp_baseline", "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models "
+        "(Hu et al., 2025) https://arxiv.org/abs/2501.03262",
+        "REINFORCE++ with the group mean subtracted from each reward before batch whitening (G > 1 per prompt).",
+        advantage="reinforce_pp_baseline", aggregation="token_mean", **_REWARD_KL),
+    OnlineAlgorithm(
+        "dapo", "DAPO: An Open-Source LLM Reinforcement Learning System at Scale (Yu et al., 2025) "
+        "https://arxiv.org/abs/2503.14476",
+        "GRPO without KL: clip-higher, token-mean loss, dynamic sampling, soft overlong punishment, +-1 reward.",
+        **_GROUP_NO_KL, eps_high=0.28, aggregation="token_mean", dynamic_sampling=True,
+        overlong_buffer_ratio=0.2, binary_reward=(-1.0, 1.0)),
+    OnlineAlgorithm(
+        "dr_grpo", "Understanding R1-Zero-Like Training: A Critical Perspective (Liu et al., 2025) "
+        "https://arxiv.org/abs/2503.20783",
+        "GRPO without its biases: no std division in the advantage, no per-length normalisation, no KL.",
+        advantage="group_mean", aggregation="constant", kl_placement="none", beta=0.0),
+    OnlineAlgorithm(
+        "cispo", "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention (MiniMax, 2025) "
+        "https://arxiv.org/abs/2506.13585",
+        "GRPO/DAPO clipping the detached IS weight instead of the update: no token loses its gradient.",
+        **_GROUP_NO_KL, clip="is_weight", eps_low=None, eps_high=4.0, aggregation="token_mean"),
+    OnlineAlgorithm(
+        "gspo", "Group Sequence Policy Optimization (Zheng et al., 2025) https://arxiv.org/abs/2507.18071",
+        "GRPO with a length-normalised sequence-level ratio, clipped per sequence; no KL.",
+        **_GROUP_NO_KL, ratio="sequence", eps_low=3e-4, eps_high=4e-4, aggregation="sequence_mean"),
+    OnlineAlgorithm(
+        "gspo_token", "Group Sequence Policy Optimization (Zheng et al., 2025) https://arxiv.org/abs/2507.18071",
+        "GSPO as a per-token surrogate whose ratio equals the sequence ratio, so advantages may vary by token.",
+        **_GROUP_NO_KL, ratio="sequence_token", eps_low=3e-4, eps_high=4e-4, aggregation="sequence_mean"),
+    OnlineAlgorithm(
+        "best_of_n", "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment (Dong et al., 2023) "
+        "https://arxiv.org/abs/2304.06767",
+        "No policy gradient: fine-tune (NLL) on the highest-reward completion of each prompt.",
+        advantage="best_of_n", clip="none", eps_low=None, eps_high=None, aggregation="token_mean", loss="nll"),
+]
+_PREFERENCE = [
+    PreferenceAlgorithm(
+        "dpo", "Direct Preference Optimization: Your Language Model is Secretly a Reward Model "
+        "(Rafailov et al., 2023) https://arxiv.org/abs/2305.18290",
+        "RLHF without RL: a logistic loss on the policy-vs-reference log-ratio margin of preference pairs.",
+        loss="dpo", beta=0.1, label_smoothing=0.0),
+    PreferenceAlgorithm(
+        "odpo", "Direct Preference Optimization with an Offset (Amini et al., 2024) https://arxiv.org/abs/2402.10571",
+        "DPO with an offset: the margin must exceed alpha * log(score_w - score_l).",
+        loss="odpo", beta=0.1, alpha=1.0),
+    PreferenceAlgorithm(
+        "simpo", "SimPO: Simple Preference Optimization with a Reference-Free Reward (Meng et al., 2024) "
+        "https://arxiv.org/abs/2405.14734",
+        "DPO without the reference: length-normalised log-probs as the reward, with a target margin gamma.",
+        loss="simpo", beta=2.0, gamma=1.0),
+    PreferenceAlgorithm(
+        "orpo", "ORPO: Monolithic Preference Optimization without Reference Model (Hong et al., 2024) "
+        "https://arxiv.org/abs/2403.07691",
+        "SFT and preference in one loss: chosen NLL + lam * odds-ratio term; no reference model.",
+        loss="orpo", lam=0.1),
+    PreferenceAlgorithm(
+        "kto", "KTO: Model Alignment as Prospect Theoretic Optimization (Ethayarajh et al., 2024) "
+        "https://arxiv.org/abs/2402.01306",
+        "DPO for unpaired data: desirable/undesirable examples against a KL reference point.",
+        loss="kto", beta=0.1, desirable_weight=1.0, undesirable_weight=1.0),
+]
+ALGORITHMS: dict[str, OnlineAlgorithm | PreferenceAlgorithm] = {a.name: a for a in [*_ONLINE, *_PREFERENCE]}
+
+
+def _unknown(message: str, name: str, valid: Sequence[str]) -> ValueError:
+    close = difflib.get_close_matches(name, valid, n=2)
+    hint = f" Did you mean {' or '.join(map(repr, close))}?" if close else ""
+    return ValueError(f"{message}.{hint} Valid: {', '.join(valid)}")
+
+
+def _preset(name: str) -> OnlineAlgorithm | PreferenceAlgorithm:
+    if name not in ALGORITHMS:
+        raise _unknown(f"unknown algorithm {name!r}", name, list(ALGORITHMS))
+    return ALGORITHMS[name]
+
+
+def algorithm(name: str, **overrides: Any) -> OnlineAlgorithm | PreferenceAlgorithm:
+    """The preset `name` with `overrides` applied (a new frozen object; the registry is unchanged)."""
+    preset = _preset(name)
+    valid = [f.name for f in dataclasses.fields(preset)]
+    for key in overrides:
+        if key not in valid:
+            raise _unknown(f"unknown field {key!r} for {name!r} ({type(preset).__name__})", key, valid)
+    return dataclasses.replace(preset, **overrides)
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _text_table(rows: list[list[str]]) -> str:
+    """Left-aligned columns; the first row is the header, underlined."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _url(paper: str) -> str:
+    match = re.search(r"https://\S+", paper)
+    return match.group(0).rstrip(";,") if match else paper
+
+
+_TABLE_COLUMNS = ("name", "paper", "summary", "advantage", "ratio", "clip", "eps_low", "eps_high", "aggregation",
+                  "loss", "kl_placement", "kl_estimator", "beta")
+
+
+def _online_extras(a: OnlineAlgorithm) -> str:
+    """The fields outside the table's columns that differ from the defaults, as `field=value`."""
+    return ", ".join(f"{f.name}={_fmt(getattr(a, f.name))}" for f in dataclasses.fields(a)
+                     if f.name not in _TABLE_COLUMNS and getattr(a, f.name) != f.default)
+
+
+def format_presets_table() -> str:
+    """Every preset, one row each with its key settings and paper, online then preference."""
+    online = [["preset", "advantage", "ratio/clip", "eps_low, eps_high", "aggregation", "KL", "extras", "paper"]]
+    for a in (p for p in ALGORITHMS.values() if isinstance(p, OnlineAlgorithm)):
+        kl = "none" if a.kl_placement == "none" else f"{a.kl_estimator} in {a.kl_placement}, beta {_fmt(a.beta)}"
+        online.append([a.name, a.advantage, f"{a.ratio}/{a.clip}", f"{_fmt(a.eps_low)}, {_fmt(a.eps_high)}",
+                       a.aggregation + (" NLL" if a.loss == "nll" else ""), kl, _online_extras(a), _url(a.paper)])
+    preference = [["preset", "loss", "coefficients", "reference", "paper"]]
+    for p in (p for p in ALGORITHMS.values() if isinstance(p, PreferenceAlgorithm)):
+        coefficients = ", ".join(f"{name} {_fmt(getattr(p, name))}" for name in _PREFERENCE_PARAMS[p.loss])
+        preference.append([p.name, p.loss, coefficients, "yes" if p.needs_reference else "no", _url(p.paper)])
+    return f"Online (RL) presets\n\n{_text_table(online)}\n\nPreference presets\n\n{_text_table(preference)}"
+
+
+def format_side_by_side(names: Sequence[str]) -> str:
+    """The named presets as columns, fields as rows; `*` marks the rows whose values differ."""
+    if not names:
+        raise ValueError(f"name at least one preset; valid names: {', '.join(ALGORITHMS)}")
+    presets = [_preset(name) for name in names]
+    kinds = {type(p) for p in presets}
+    if len(kinds) > 1:
+        online = [p.name for p in presets if isinstance(p, OnlineAlgorithm)]
+        offline = [p.name for p in presets if isinstance(p, PreferenceAlgorithm)]
+        raise ValueError(f"cannot compare online presets ({', '.join(online)}) with preference presets "
+                         f"({', '.join(offline)}): their fields differ; compare each kind on its own")
+    kind = kinds.pop()
+    rows = [["", "field", *(p.name for p in presets)]]
+    shown = [f.name for f in dataclasses.fields(kind) if f.name not in ("name", "paper", "summary")]
+    derived = [name for name, value in vars(kind).items() if isinstance(value, property)]
+    for name in [*shown, *derived]:
+        values = [_fmt(getattr(p, name)) for p in presets]
+        rows.append(["*" if len(set(values)) > 1 else "", name, *values])
+    header = "\n".join(f"{p.name}: {p.summary}\n    {p.paper}" for p in presets)
+    return f"{header}\n\n{_text_table(rows)}"
