@@ -1,0 +1,297 @@
+"""Tiny built-in starting models, built offline from a fixed recipe and cached.
+
+``tiny-addition`` is a character-level Llama decoder (d_model 128, 3
+layers, 4 heads, tied embeddings, about 0.6M parameters) warm-started by
+supervised training on the addition task's training split and stopped as
+soon as greedy accuracy on a fixed subset of held-out prompts first
+reaches the recipe's target. RL needs a policy that is sometimes right:
+below about 10% almost no sampled group has reward variance and GRPO
+stalls; supervised training crosses the whole 10-50% band in about 10
+seconds, hence stopping on accuracy rather than on time (docs: FACTS.md).
+
+The build is deterministic given the recipe's seed on one machine (same
+torch version and thread count): weights, batch order and the stopping
+step all follow from it. :func:`ensure_tiny_model` builds into a temporary
+directory beside the cache entry and renames it into place, so a cache
+entry is either complete or absent.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+from posttrain.tasks import Task, get_task
+
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
+"""Ids 0-3 of every char tokenizer, in this order."""
+
+
+def char_tokenizer(chars: str, model_max_length: int = 128) -> PreTrainedTokenizerFast:
+    """A character-level fast tokenizer over ``chars`` (ids 4...), with pad/bos/eos/unk at 0-3.
+
+    Encoding prepends ``<bos>``; every character is one token (unknown ones
+    become ``<unk>``); decoding concatenates tokens without separators, so
+    ``decode(encode(s), skip_special_tokens=True) == s`` for text over ``chars``.
+    Pads on the left, for generation.
+    """
+    if len(set(chars)) != len(chars):
+        raise ValueError(f"char_tokenizer: repeated characters in {chars!r}")
+    vocab = {token: i for i, token in enumerate([*SPECIAL_TOKENS, *chars])}
+    backend = Tokenizer(models.WordLevel(vocab, unk_token="<unk>"))
+    backend.pre_tokenizer = pre_tokenizers.Split(Regex(r"[\s\S]"), behavior="isolated")
+    backend.decoder = decoders.Fuse()
+    backend.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A $B", special_tokens=[("<bos>", vocab["<bos>"])]
+    )
+    return PreTrainedTokenizerFast(
+        tokenizer_object=backend,
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        padding_side="left",
+        clean_up_tokenization_spaces=False,
+        model_max_length=model_max_length,
+    )
+
+
+def build_tiny_model(
+    tokenizer: PreTrainedTokenizerFast,
+    seed: int = 0,
+    *,
+    hidden_size: int = 128,
+    num_layers: int = 3,
+    num_heads: int = 4,
+    intermediate_size: int = 352,
+    max_position_embeddings: int = 128,
+) -> LlamaForCausalLM:
+    """A randomly initialised Llama decoder for ``tokenizer``'s vocabulary, seeded.
+
+    Parameters: ``V*d + L*(4*d*d + 3*d*m + 2*d) + d`` for vocabulary V,
+    width d, L layers and MLP width m (embeddings tied, no biases): about
+    0.6M at the defaults.
+    """
+    config = LlamaConfig(
+        vocab_size=len(tokenizer),
+        hidden_size=hidden_size,
+        intermediate_size=intermediate_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_heads,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=True,
+        pad_token_id=tokenizer.pad_token_id,
+        bos_token_id=tokenizer.bos_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+    )
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(config)
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+@dataclass(frozen=True)
+class TinyRecipe:
+    """Everything that determines a built-in model; stored in ``posttrain_recipe.json``."""
+
+    task: str
+    """Task whose training split is the supervised data."""
+    chars: str
+    """Tokenizer alphabet."""
+    version: int = 1
+    """Cache key suffix; bump whenever any field or the build code changes."""
+    task_seed: int = 0
+    """Seed of the task's train/test split."""
+    seed: int = 0
+    """Seed of the initial weights and of the batch order."""
+    hidden_size: int = 128
+    num_layers: int = 3
+    num_heads: int = 4
+    intermediate_size: int = 352
+    lr: float = 1e-3
+    """AdamW learning rate (constant after warm-up, no weight decay)."""
+    warmup_steps: int = 50
+    batch_size: int = 64
+    target_accuracy: float = 0.25
+    """Stop at the first evaluation whose greedy accuracy reaches this."""
+    eval_every: int = 10
+    """Steps between evaluations."""
+    eval_prompts: int = 100
+    """The first this-many held-out prompts form the fixed stopping subset."""
+    max_steps: int = 2000
+    """Give up (error) if the target is not reached by then."""
+
+
+BUILTIN_MODELS: dict[str, TinyRecipe] = {
+    "tiny-addition": TinyRecipe(task="addition", chars="0123456789+=,|"),
+}
+"""Built-in model name -> recipe; ``--model tiny-addition`` resolves here."""
+
+
+def _log(message: str) -> None:
+    print(f"[posttrain] {message}", file=sys.stderr, flush=True)
+
+
+def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
+    """Rows as TRL-style keyword columns, ``prompt`` excluded."""
+    return {key: [row[key] for row in rows] for key in rows[0] if key != "prompt"}
+
+
+@torch.no_grad()
+def greedy_accuracy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task,
+                    rows: list[dict[str, Any]], batch_size: int = 256) -> float:
+    """Fraction of ``rows`` that ``task.correct`` accepts, decoding greedily (left-padded batches)."""
+    was_training = model.training
+    model.eval()
+    right = 0
+    for start in range(0, len(rows), batch_size):
+        batch = rows[start:start + batch_size]
+        prompts = [row["prompt"] for row in batch]
+        inputs = tokenizer(prompts, return_tensors="pt", padding=True, padding_side="left")
+        out = model.generate(**inputs, do_sample=False, max_new_tokens=task.max_new_tokens,
+                             pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+        completions = tokenizer.batch_decode(out[:, inputs["input_ids"].shape[1]:], skip_special_tokens=True)
+        right += sum(task.correct(prompts, completions, **_columns(batch)))
+    model.train(was_training)
+    return right / len(rows)
+
+
+def _supervised_batches(task: Task, tokenizer: PreTrainedTokenizerFast, recipe: TinyRecipe):
+    """Endless (input_ids, attention_mask, labels) batches of prompt+solution+EOS, right-padded.
+
+    Labels are -100 on the prompt (BOS included) and on padding: the loss is
+    on completion tokens and EOS only.
+    """
+    prompts = tokenizer([row["prompt"] for row in task.train])["input_ids"]
+    solutions = tokenizer([row["solution"] for row in task.train], add_special_tokens=False)["input_ids"]
+    sequences = [p + s + [tokenizer.eos_token_id] for p, s in zip(prompts, solutions)]
+    generator = torch.Generator().manual_seed(recipe.seed)
+    while True:
+        order = torch.randperm(len(sequences), generator=generator)
+        for start in range(0, len(sequences) - recipe.batch_size + 1, recipe.batch_size):
+            picked = order[start:start + recipe.batch_size].tolist()
+            width = max(len(sequences[i]) for i in picked)
+            ids = torch.full((len(picked), width), tokenizer.pad_token_id, dtype=torch.long)
+            labels = torch.full((len(picked), width), -100, dtype=torch.long)
+            attention = torch.zeros((len(picked), width), dtype=torch.long)
+            for row, i in enumerate(picked):
+                n = len(sequences[i])
+                ids[row, :n] = torch.tensor(sequences[i])
+                attention[row, :n] = 1
+                labels[row, len(prompts[i]):n] = ids[row, len(prompts[i]):n]
+            yield ids, attention, labels
+
+
+def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task,
+               recipe: TinyRecipe) -> dict[str, float]:
+    """Supervised training until subset greedy accuracy first reaches ``recipe.target_accuracy``."""
+    subset = task.test[:recipe.eval_prompts]
+    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
+    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / recipe.warmup_steps))
+    batches = _supervised_batches(task, tokenizer, recipe)
+    model.train()
+    start = time.perf_counter()
+    for step in range(1, recipe.max_steps + 1):
+        ids, attention, labels = next(batches)
+        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        optimizer.step()
+        schedule.step()
+        if step % recipe.eval_every == 0:
+            accuracy = greedy_accuracy(model, tokenizer, task, subset)
+            if accuracy >= recipe.target_accuracy:
+                return {"steps": step, "subset_accuracy": accuracy, "loss": loss.item(),
+                        "seconds": time.perf_counter() - start}
+    raise RuntimeError(f"warm start did not reach accuracy {recipe.target_accuracy} in {recipe.max_steps} steps")
+
+
+def build_from_recipe(recipe: TinyRecipe) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
+    """Build and warm-start a model; also returns the record written to ``posttrain_recipe.json``."""
+    task = get_task(recipe.task, seed=recipe.task_seed)
+    tokenizer = char_tokenizer(recipe.chars)
+    model = build_tiny_model(tokenizer, recipe.seed, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
+                             num_heads=recipe.num_heads, intermediate_size=recipe.intermediate_size)
+    n_params = sum(p.numel() for p in model.parameters())
+    _log(f"warm-starting a {n_params / 1e6:.2f}M-parameter model on {recipe.task} "
+         f"until held-out greedy accuracy >= {recipe.target_accuracy:.0%}")
+    result = warm_start(model, tokenizer, task, recipe)
+    heldout = greedy_accuracy(model, tokenizer, task, task.test)
+    _log(f"reached {result['subset_accuracy']:.0%} on {recipe.eval_prompts} held-out prompts after "
+         f"{result['steps']} steps ({result['seconds']:.0f}s); {heldout:.1%} on all {len(task.test)}")
+    record = {
+        "recipe": asdict(recipe),
+        "parameters": n_params,
+        "steps": result["steps"],
+        "final_loss": result["loss"],
+        "start_accuracy_subset": result["subset_accuracy"],
+        "start_accuracy_heldout": heldout,
+        "heldout_size": len(task.test),
+        "build_seconds": result["seconds"],
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+    }
+    return model, tokenizer, record
+
+
+def cache_root(cache_dir: str | Path | None = None) -> Path:
+    """``cache_dir``, else ``$POSTTRAIN_CACHE``, else ``~/.cache/posttrain``."""
+    if cache_dir is not None:
+        return Path(cache_dir)
+    return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain")
+
+
+def _recorded_recipe(path: Path) -> dict[str, Any] | None:
+    record = path / "posttrain_recipe.json"
+    return json.loads(record.read_text())["recipe"] if record.is_file() else None
+
+
+def ensure_tiny_model(name: str = "tiny-addition", cache_dir: str | Path | None = None) -> Path:
+    """Directory of the built-in model ``name``, built on first use into ``<cache>/models/<name>-v<version>``.
+
+    The directory loads with ``AutoModelForCausalLM.from_pretrained`` and
+    ``AutoTokenizer.from_pretrained`` and holds ``posttrain_recipe.json``.
+    An entry whose recorded recipe differs from the current one (the recipe
+    changed without a version bump) is rebuilt rather than silently used.
+    """
+    if name not in BUILTIN_MODELS:
+        raise ValueError(f"unknown built-in model {name!r}; valid: {', '.join(sorted(BUILTIN_MODELS))}")
+    recipe = BUILTIN_MODELS[name]
+    target = cache_root(cache_dir) / "models" / f"{name}-v{recipe.version}"
+    if target.is_dir() and _recorded_recipe(target) == asdict(recipe):
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    stale = "; replacing an entry built from a different recipe" if target.exists() else " (first use only)"
+    _log(f"building built-in model {name!r} into {target}{stale}")
+    scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model, tokenizer, record = build_from_recipe(recipe)
+        model.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)
+        (scratch / "posttrain_recipe.json").write_text(json.dumps(record, indent=2) + "\n")
+        scratch.chmod(0o755)  # mkdtemp creates it private; the cache entry is ordinary
+        if target.exists() and _recorded_recipe(target) != asdict(recipe):
+            target.rename(scratch.with_name(scratch.name + "-stale"))
+        try:
+            scratch.rename(target)
+        except OSError:  # another process finished first; its copy is as good as ours
+            if _recorded_recipe(target) != asdict(recipe):
+                raise
+    finally:
+        for leftover in (scratch, scratch.with_name(scratch.name + "-stale")):
+            if leftover.exists():
+                shutil.rmtree(leftover)
+    return target

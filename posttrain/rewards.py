@@ -1,0 +1,247 @@
+"""Built-in reward functions, with TRL's calling convention.
+
+A reward function is any callable
+
+    fn(prompts: list, completions: list, **columns) -> list[float | None]
+
+with one entry per completion. ``completions`` are strings, or, for chat
+datasets, lists of messages ``[{"role": "assistant", "content": ...}]``;
+the built-ins score the content of the last message. Every dataset column
+other than ``prompt`` arrives as a keyword argument holding one value per
+completion (``answer=[...]``). ``None`` means "not applicable to this
+sample" (TRL semantics); combining several functions and weighting them is
+the trainer's job, not this module's.
+
+Built-ins (factories return a callable whose ``__name__`` is used in logs):
+
+- :func:`exact_match` - extracted answer equals the ``answer`` column as strings;
+- :func:`numeric_match` - extracted answer equals ``answer`` as a number, within tolerance;
+- :func:`format_reward` - 1.0 when the completion fully matches a regex;
+- :func:`length_penalty` - 0.0 up to a length, then down to ``-scale``;
+- :class:`RewardModel` - the scalar score of a sequence-classification model;
+- :func:`load_reward_function` - a user's function from ``path/to/file.py:name``.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import math
+import re
+import sys
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Any
+
+import torch
+
+RewardFn = Callable[..., list[float | None]]
+
+_NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?|-?\.\d+"
+_ANSWER_IS = re.compile(r"answer is:?\s*(.+?)\s*(?:\.(?:\s|$)|\n|$)", re.IGNORECASE)
+
+
+def completion_text(completion: str | Sequence[dict[str, Any]]) -> str:
+    """The text of a completion: the string itself, or the last chat message's content."""
+    if isinstance(completion, str):
+        return completion
+    return completion[-1]["content"]
+
+
+def _boxed(text: str) -> str | None:
+    """Content of the last ``\\boxed{...}``, braces balanced; None if there is none."""
+    start = text.rfind("\\boxed{")
+    if start < 0:
+        return None
+    depth, begin = 0, start + len("\\boxed{")
+    for i in range(begin - 1, len(text)):
+        depth += {"{": 1, "}": -1}.get(text[i], 0)
+        if depth == 0:
+            return text[begin:i].strip()
+    return None  # unbalanced: the completion was cut off inside the box
+
+
+def extract_answer(text: str, delimiter: str | None = None) -> str | None:
+    """The final answer written in ``text``, or None if none can be found.
+
+    Tried in order: the text after the last ``delimiter`` (when given and
+    present); the content of the last ``\\boxed{...}``; what follows the last
+    "answer is" up to a full stop or line end; the last number.
+
+    >>> extract_answer("7+5=12|12", delimiter="|")
+    '12'
+    >>> extract_answer("so $\\boxed{3}$ and 4")
+    '3'
+    >>> extract_answer("The answer is 1,234.")
+    '1,234'
+    >>> extract_answer("I get 3 then 45.5 apples")
+    '45.5'
+    """
+    if delimiter is not None and delimiter in text:
+        return text.rsplit(delimiter, 1)[1].strip()
+    boxed = _boxed(text)
+    if boxed is not None:
+        return boxed
+    stated = _ANSWER_IS.findall(text)
+    if stated:
+        return stated[-1].strip()
+    numbers = re.findall(_NUMBER, text)
+    return numbers[-1] if numbers else None
+
+
+def parse_number(text: str | None) -> float | None:
+    """``text`` as a float (thousands commas, ``$`` and ``%`` ignored), or None."""
+    if text is None:
+        return None
+    cleaned = text.strip().strip("$%").replace(",", "").strip()
+    try:
+        return float(cleaned)
+    except ValueError:
+        return None
+
+
+def _answers(name: str, answer: Sequence[Any] | None, n: int) -> Sequence[Any]:
+    if answer is None:
+        raise ValueError(f"reward {name!r} needs an 'answer' column in the dataset")
+    if len(answer) != n:
+        raise ValueError(f"reward {name!r}: {len(answer)} answers for {n} completions")
+    return answer
+
+
+def exact_match(delimiter: str | None = None) -> RewardFn:
+    """1.0 when :func:`extract_answer` of the completion equals ``str(answer).strip()``, else 0.0.
+
+    A row whose answer is None scores None (not applicable).
+    """
+
+    def exact_match(prompts: list, completions: list, answer: Sequence[Any] | None = None, **columns: Any):
+        answers = _answers("exact_match", answer, len(completions))
+        scores: list[float | None] = []
+        for completion, gold in zip(completions, answers):
+            predicted = extract_answer(completion_text(completion), delimiter)
+            scores.append(None if gold is None else float(predicted == str(gold).strip()))
+        return scores
+
+    return exact_match
+
+
+def numeric_match(delimiter: str | None = None, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
+    """1.0 when the extracted answer and ``answer`` are numbers within tolerance, else 0.0.
+
+    Equality is ``math.isclose(predicted, gold, rel_tol=rel_tol, abs_tol=abs_tol)``.
+    An unparseable prediction scores 0.0; an unparseable or None gold answer
+    scores None (the row is not a numeric problem).
+    """
+
+    def numeric_match(prompts: list, completions: list, answer: Sequence[Any] | None = None, **columns: Any):
+        answers = _answers("numeric_match", answer, len(completions))
+        scores: list[float | None] = []
+        for completion, gold in zip(completions, answers):
+            gold_value = parse_number(None if gold is None else str(gold))
+            if gold_value is None:
+                scores.append(None)
+                continue
+            predicted = parse_number(extract_answer(completion_text(completion), delimiter))
+            close = predicted is not None and math.isclose(predicted, gold_value, rel_tol=rel_tol, abs_tol=abs_tol)
+            scores.append(float(close))
+        return scores
+
+    return numeric_match
+
+
+def format_reward(pattern: str, name: str = "format") -> RewardFn:
+    """1.0 when the whole completion matches the regex ``pattern`` (``re.fullmatch``), else 0.0."""
+    regex = re.compile(pattern)
+
+    def format_fn(prompts: list, completions: list, **columns: Any) -> list[float | None]:
+        return [float(regex.fullmatch(completion_text(c)) is not None) for c in completions]
+
+    format_fn.__name__ = name
+    return format_fn
+
+
+def length_penalty(max_chars: int, scale: float = 1.0) -> RewardFn:
+    """0.0 for completions of at most ``max_chars`` characters, then linearly down to ``-scale``.
+
+    penalty = -scale * min(1, (len - max_chars) / max_chars): a completion
+    twice the limit or longer gets the full ``-scale``.
+    """
+    if max_chars <= 0:
+        raise ValueError(f"length_penalty needs max_chars > 0, got {max_chars}")
+
+    def length_penalty(prompts: list, completions: list, **columns: Any) -> list[float | None]:
+        excess = [max(0, len(completion_text(c)) - max_chars) for c in completions]
+        return [-scale * min(1.0, e / max_chars) for e in excess]
+
+    return length_penalty
+
+
+class RewardModel:
+    """The scalar score of a sequence-classification reward model (``num_labels=1``).
+
+    Scores ``prompt + completion`` as one text; when prompts are chat messages
+    and the tokenizer has a chat template, the conversation ``prompt +
+    [assistant completion]`` is rendered with it. Runs under ``torch.no_grad``
+    in batches of ``batch_size`` on the model's device.
+    """
+
+    __name__ = "reward_model"
+
+    def __init__(self, path_or_model: str | Path | torch.nn.Module, tokenizer: Any = None, batch_size: int = 16):
+        from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+        if isinstance(path_or_model, (str, Path)):
+            model = AutoModelForSequenceClassification.from_pretrained(path_or_model)
+            tokenizer = tokenizer or AutoTokenizer.from_pretrained(path_or_model)
+        else:
+            model = path_or_model
+            if tokenizer is None:
+                raise ValueError("RewardModel given a model object also needs its tokenizer")
+        if model.config.num_labels != 1:
+            raise ValueError(f"a reward model must have num_labels=1 (one scalar score), this one has {model.config.num_labels}")
+        if tokenizer.pad_token_id is None:
+            tokenizer.pad_token = tokenizer.eos_token
+        if model.config.pad_token_id is None:  # the model finds each row's last token through it
+            model.config.pad_token_id = tokenizer.pad_token_id
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.batch_size = batch_size
+
+    def _text(self, prompt: Any, completion: Any) -> str:
+        if isinstance(prompt, str):
+            return prompt + completion_text(completion)
+        reply = completion if not isinstance(completion, str) else [{"role": "assistant", "content": completion}]
+        return self.tokenizer.apply_chat_template(list(prompt) + list(reply), tokenize=False)
+
+    @torch.no_grad()
+    def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float | None]:
+        texts = [self._text(p, c) for p, c in zip(prompts, completions)]
+        scores: list[float | None] = []
+        for start in range(0, len(texts), self.batch_size):
+            batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True)
+            batch = {k: v.to(self.model.device) for k, v in batch.items()}
+            logits_B1 = self.model(**batch).logits
+            scores.extend(logits_B1[:, 0].float().tolist())
+        return scores
+
+
+def load_reward_function(spec: str) -> RewardFn:
+    """Import ``func_name`` from the Python file of ``"path/to/file.py:func_name"``."""
+    path_text, sep, name = spec.rpartition(":")
+    if not sep or not path_text or not name:
+        raise ValueError(f"reward function {spec!r} is not of the form path/to/file.py:func_name")
+    path = Path(path_text)
+    if not path.is_file():
+        raise FileNotFoundError(f"reward file {str(path)!r} (from {spec!r}) does not exist")
+    module_name = f"posttrain_user_reward_{abs(hash(str(path.resolve())))}"
+    module_spec = importlib.util.spec_from_file_location(module_name, path)
+    module = importlib.util.module_from_spec(module_spec)
+    sys.modules[module_name] = module  # dataclasses and pickling look the module up here
+    module_spec.loader.exec_module(module)
+    if not hasattr(module, name):
+        defined = sorted(k for k, v in vars(module).items() if callable(v) and not k.startswith("_")
+                         and getattr(v, "__module__", None) == module_name)
+        raise AttributeError(f"{str(path)!r} defines no {name!r}; functions defined there: {', '.join(defined) or 'none'}")
+    fn = getattr(module, name)
+    if not callable(fn):
+        raise TypeError(f"{name!r} in {str(path)!r} is a {type(fn).__name__}, not a callable reward function")
+    return fn

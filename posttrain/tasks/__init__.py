@@ -1,0 +1,55 @@
+"""Built-in verifiable tasks: a dataset split, its rewards and its correctness check.
+
+A :class:`Task` bundles what a run needs besides a model: ``train`` and
+``test`` rows (a ``prompt`` string plus columns such as ``answer`` that
+reach reward functions as keyword arguments, TRL style), default reward
+functions with weights, a ``correct`` check used for held-out accuracy, a
+token budget and the built-in starting model the task was designed for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.rewards import RewardFn
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    """Registry name (``--task``)."""
+    description: str
+    """One line for ``--help`` and logs."""
+    train: list[dict[str, Any]]
+    """Training prompts: dicts with a ``prompt`` string and extra columns."""
+    test: list[dict[str, Any]]
+    """Held-out rows, disjoint from ``train``, same columns."""
+    reward_funcs: tuple[RewardFn, ...]
+    """Default reward functions, TRL signature ``fn(prompts, completions, **columns)``."""
+    reward_weights: tuple[float, ...]
+    """One weight per reward function."""
+    correct: Callable[..., list[bool]]
+    """``correct(prompts, completions, **columns) -> list[bool]``: held-out accuracy."""
+    max_new_tokens: int
+    """Completion budget that fits every reference solution plus EOS."""
+    default_model: str
+    """Built-in starting model (see ``posttrain.models.tiny.BUILTIN_MODELS``)."""
+
+
+def _addition(seed: int) -> Task:
+    from posttrain.tasks import addition
+
+    return addition.make_task(seed)
+
+
+TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition}
+"""Task name -> builder taking the split seed."""
+
+
+def get_task(name: str, seed: int = 0) -> Task:
+    """The built-in task ``name``, its split drawn with ``seed``."""
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name](seed)
