@@ -1,0 +1,274 @@
+"""Run configuration: a few frozen dataclasses, one per concern.
+
+Every field carries a one-line help text (``metadata["help"]``) that the CLI
+shows in ``posttrain train --help``. A YAML config is a flat mapping of the
+same field names (the algorithm's fields included), so
+
+    algorithm: dapo
+    learning_rate: 1.0e-4
+    group_size: 8
+    eps_high: 0.3
+
+is a complete config. Invalid values are rejected where a dataclass is built,
+with a message that names the field and says what to change.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+
+def _help(text: str, default: Any = None, **kw: Any) -> Any:
+    return field(default=default, metadata={"help": text}, **kw)
+
+
+class ConfigError(ValueError):
+    """A configuration value is invalid; the message names the field and the fix."""
+
+
+def _require(ok: bool, field_name: str, message: str) -> None:
+    if not ok:
+        raise ConfigError(f"{field_name}: {message}")
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    model: str | None = _help(
+        "Policy model: a local Hugging Face directory, a .gguf file, or a built-in name "
+        "(tiny-addition). Default: the task's own starting model."
+    )
+    dtype: str = _help("Parameter and compute dtype: float32 or bfloat16.", "float32")
+    device: str = _help("cpu, cuda, or auto (cuda when available).", "auto")
+    lora_r: int = _help("LoRA rank (0 = train all weights). With LoRA the reference is the base model.", 0)
+    lora_alpha: float = _help("LoRA scaling numerator (scale = lora_alpha / lora_r).", 16.0)
+    lora_dropout: float = _help("Dropout on the LoRA branch.", 0.0)
+    lora_target_modules: tuple[str, ...] = _help(
+        "Module names that get adapters (repeatable). Default: every attention and MLP projection.", (),
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.dtype in ("float32", "bfloat16"), "dtype", f"got {self.dtype!r}; use float32 or bfloat16")
+        _require(self.device in ("cpu", "cuda", "auto"), "device", f"got {self.device!r}; use cpu, cuda or auto")
+        _require(self.lora_r >= 0, "lora_r", f"got {self.lora_r}; use 0 (off) or a positive rank")
+        _require(self.lora_alpha > 0, "lora_alpha", f"got {self.lora_alpha}; use a value > 0")
+        _require(0 <= self.lora_dropout < 1, "lora_dropout", f"got {self.lora_dropout}; use a value in [0, 1)")
+
+
+@dataclass(frozen=True)
+class DataConfig:
+    task: str | None = _help("Built-in task (e.g. addition); ignored when --dataset is given.", "addition")
+    dataset: str | None = _help(
+        "Prompt dataset: a JSONL/Parquet/CSV file or anything datasets.load_dataset reads, "
+        "with a `prompt` column; other columns reach the reward functions."
+    )
+    eval_dataset: str | None = _help("Held-out prompts for --dataset runs (same format); none by default.")
+    reward: tuple[str, ...] = _help(
+        "Reward function(s) as FILE.py:FUNCTION (repeatable). Default: the task's rewards.", (),
+    )
+    reward_weights: tuple[float, ...] = _help("One weight per reward function (default 1.0 each).", ())
+    reward_timeout: float = _help(
+        "Seconds per reward-function call; > 0 runs each call in a forked worker killed at the limit.", 0.0,
+    )
+    reward_errors: str = _help(
+        "When a reward raises, times out or returns NaN: error (stop, showing the sample) or skip "
+        "(drop that sample's group from the update, counted in reward/failures).", "error",
+    )
+    eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation.", 200)
+
+    def __post_init__(self) -> None:
+        _require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
+        _require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
+        _require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
+        _require(
+            not self.reward_weights or len(self.reward_weights) == len(self.reward),
+            "reward_weights",
+            f"{len(self.reward_weights)} weights for {len(self.reward)} --reward functions; give one per function",
+        )
+        for name in ("dataset", "eval_dataset"):
+            path = getattr(self, name)
+            if path is not None and not path.startswith("hf:") and not Path(path).exists():
+                raise ConfigError(f"{name}: file {path!r} does not exist")
+        for spec in self.reward:
+            path = spec.rsplit(":", 1)[0]
+            _require(":" in spec, "reward", f"{spec!r} is not FILE.py:FUNCTION")
+            _require(Path(path).exists(), "reward", f"file {path!r} of {spec!r} does not exist")
+
+
+@dataclass(frozen=True)
+class RolloutConfig:
+    prompts_per_step: int = _help("Prompts per optimizer step (B).", 32)
+    group_size: int = _help("Completions sampled per prompt (G).", 8)
+    max_new_tokens: int | None = _help("Token budget per completion. Default: the task's.")
+    temperature: float = _help("Sampling temperature (log-probs are computed at the same temperature).", 1.0)
+    top_p: float = _help("Nucleus sampling threshold (1.0 = off).", 1.0)
+    top_k: int = _help("Top-k sampling (0 = off).", 0)
+    backend: str = _help("Generation backend: hf (transformers generate) or vllm (GPU only).", "hf")
+
+    def __post_init__(self) -> None:
+        _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
+        _require(self.group_size >= 1, "group_size", f"got {self.group_size}; use 1 or more")
+        _require(
+            self.max_new_tokens is None or self.max_new_tokens > 0,
+            "max_new_tokens", f"got {self.max_new_tokens}; the token budget must be > 0",
+        )
+        _require(self.temperature > 0, "temperature", f"got {self.temperature}; use a value > 0")
+        _require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
+        _require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
+        _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
+
+
+@dataclass(frozen=True)
+class OptimConfig:
+    learning_rate: float = _help("AdamW learning rate.", 1e-4)
+    weight_decay: float = _help("AdamW weight decay.", 0.0)
+    warmup_steps: int = _help("Linear learning-rate warm-up steps (then constant).", 0)
+    max_grad_norm: float = _help("Gradient clipping by global norm (0 = off).", 1.0)
+    micro_batch_size: int = _help(
+        "Sequences per forward/backward pass; gradients accumulate to the full optimizer step.", 64,
+    )
+    mini_batches: int = _help("Optimizer steps per epoch over one rollout (PPO mini-batches).", 1)
+    value_loss_coef: float = _help("Weight of the value loss (PPO's value head).", 0.1)
+    ref_refresh_every: int = _help("Copy the policy into the reference model every N steps (0 = never).", 0)
+    max_bad_steps: int = _help("Stop after this many consecutive steps with a non-finite loss or gradient.", 3)
+
+    def __post_init__(self) -> None:
+        _require(self.learning_rate > 0, "learning_rate", f"got {self.learning_rate}; use a value > 0")
+        _require(self.micro_batch_size >= 1, "micro_batch_size", f"got {self.micro_batch_size}; use 1 or more")
+        _require(self.mini_batches >= 1, "mini_batches", f"got {self.mini_batches}; use 1 or more")
+        _require(self.max_grad_norm >= 0, "max_grad_norm", f"got {self.max_grad_norm}; use 0 (off) or more")
+        _require(self.ref_refresh_every >= 0, "ref_refresh_every", f"got {self.ref_refresh_every}; use 0 or more")
+        _require(self.max_bad_steps >= 1, "max_bad_steps", f"got {self.max_bad_steps}; use 1 or more")
+
+
+@dataclass(frozen=True)
+class PreferenceConfig:
+    pairs_per_step: int = _help("Preference pairs (KTO: labelled examples) per optimizer step.", 64)
+    max_length: int = _help("Token budget of prompt + completion; longer completions keep their start.", 1024)
+    max_prompt_length: int = _help("Token budget of the prompt; longer prompts keep their end.", 512)
+    precompute_reference: bool = _help(
+        "Score the whole dataset with the reference model once at the start instead of every step.", False,
+    )
+
+    def __post_init__(self) -> None:
+        _require(self.pairs_per_step >= 1, "pairs_per_step", f"got {self.pairs_per_step}; use 1 or more")
+        _require(self.max_prompt_length >= 1, "max_prompt_length", f"got {self.max_prompt_length}; use 1 or more")
+        _require(
+            self.max_length > self.max_prompt_length, "max_length",
+            f"got {self.max_length} with max_prompt_length {self.max_prompt_length}; "
+            "leave room for the completion: max_length > max_prompt_length",
+        )
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    output: str | None = _help("Run directory (default: runs/<algorithm>-<time>).")
+    max_steps: int = _help("Optimizer steps to run.", 150)
+    max_minutes: float = _help("Stop after this much training time (0 = no limit).", 0.0)
+    seed: int = _help("Seed for sampling, data order and initialisation.", 0)
+    eval_every: int = _help("Evaluate on held-out prompts every N steps (0 = only before and after).", 25)
+    save_every: int = _help("Save a checkpoint every N steps (0 = only at the end).", 50)
+    log_samples_every: int = _help("Write sampled completions to samples.jsonl every N steps.", 10)
+    resume: str | None = _help("Resume the run in this directory from its latest checkpoint.")
+    tensorboard: bool = _help("Write TensorBoard events to RUN_DIR/tensorboard.", True)
+    wandb_project: str | None = _help("Also log to this Weights & Biases project.")
+    progress: bool = _help("Show a progress bar.", True)
+
+    def __post_init__(self) -> None:
+        _require(self.max_steps >= 0, "max_steps", f"got {self.max_steps}; use 0 or more")
+        for name in ("eval_every", "save_every", "log_samples_every"):
+            _require(getattr(self, name) >= 0, name, f"got {getattr(self, name)}; use 0 (off) or more")
+        if self.resume is not None:
+            _require(Path(self.resume).is_dir(), "resume", f"run directory {self.resume!r} does not exist")
+
+
+SECTIONS: dict[str, type] = {
+    "model": ModelConfig,
+    "data": DataConfig,
+    "rollout": RolloutConfig,
+    "optim": OptimConfig,
+    "preference": PreferenceConfig,
+    "run": RunConfig,
+}
+
+
+@dataclass(frozen=True)
+class Config:
+    """A whole run: the algorithm preset (name + overrides) and one section per concern."""
+
+    algorithm: str = "grpo"
+    overrides: dict[str, Any] = field(default_factory=dict)
+    model: ModelConfig = field(default_factory=ModelConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    optim: OptimConfig = field(default_factory=OptimConfig)
+    preference: PreferenceConfig = field(default_factory=PreferenceConfig)
+    run: RunConfig = field(default_factory=RunConfig)
+
+    def preset(self):  # -> OnlineAlgorithm | PreferenceAlgorithm
+        from posttrain.algorithms import algorithm
+
+        return algorithm(self.algorithm, **self.overrides)
+
+    def to_flat(self) -> dict[str, Any]:
+        """The flat mapping a YAML config holds (the inverse of ``Config.from_flat``)."""
+        flat: dict[str, Any] = {"algorithm": self.algorithm, **self.overrides}
+        for section in SECTIONS:
+            for f in fields(getattr(self, section)):
+                value = getattr(getattr(self, section), f.name)
+                flat[f.name] = list(value) if isinstance(value, tuple) else value
+        return flat
+
+    @classmethod
+    def from_flat(cls, flat: dict[str, Any]) -> "Config":
+        """Build from a flat mapping; a key that is neither a config nor an algorithm field is an error."""
+        from posttrain.algorithms import algorithm
+
+        flat = dict(flat)
+        name = flat.pop("algorithm", "grpo")
+        preset_fields = {f.name for f in fields(algorithm(name))}  # raises on an unknown name
+        sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        owner = {f.name: s for s, klass in SECTIONS.items() for f in fields(klass)}
+        overrides: dict[str, Any] = {}
+        for key, value in flat.items():
+            key = key.replace("-", "_")
+            if key in owner:
+                klass = SECTIONS[owner[key]]
+                sections[owner[key]][key] = _coerce_tuple(klass, key, value)
+            elif key in preset_fields:
+                overrides[key] = value
+            else:
+                valid = sorted(owner) + sorted(preset_fields)
+                raise ConfigError(f"unknown config field {key!r}; valid fields: {', '.join(valid)}")
+        config = cls(
+            algorithm=name,
+            overrides=overrides,
+            **{s: SECTIONS[s](**values) for s, values in sections.items()},
+        )
+        config.preset()  # validate the overrides now, before any model is loaded
+        return config
+
+
+def _coerce_tuple(klass: type, key: str, value: Any) -> Any:
+    annotation = {f.name: f.type for f in fields(klass)}[key]
+    if str(annotation).startswith("tuple") and not isinstance(value, tuple):
+        return tuple(value) if isinstance(value, list) else (value,)
+    return value
+
+
+def load_yaml(path: str | Path) -> dict[str, Any]:
+    path = Path(path)
+    if not path.exists():
+        raise ConfigError(f"config: file {str(path)!r} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ConfigError(f"config: {path} must hold a mapping of field: value, got {type(data).__name__}")
+    return data
+
+
+def save_yaml(config: Config, path: str | Path) -> None:
+    Path(path).write_text(yaml.safe_dump(config.to_flat(), sort_keys=False))

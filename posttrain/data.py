@@ -1,0 +1,147 @@
+"""Prompt data: loading user datasets, encoding prompts, and the prompt sampler.
+
+Datasets follow TRL's column conventions: a ``prompt`` column (a string, or a
+list of chat messages rendered with the tokenizer's chat template); every other
+column is passed to the reward functions as a keyword argument.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor
+
+
+class DataError(ValueError):
+    """A dataset row is unusable; the message names the file, the row and the field."""
+
+
+def read_rows(path: str) -> list[dict[str, Any]]:
+    """Rows of a JSONL/JSON/Parquet/CSV file, or of ``hf:NAME`` through ``datasets.load_dataset``."""
+    if path.startswith("hf:"):
+        import datasets
+
+        return [dict(row) for row in datasets.load_dataset(path[3:], split="train")]
+    file = Path(path)
+    if file.suffix == ".jsonl":
+        return _read_jsonl(file)
+    if file.suffix in (".parquet", ".csv", ".json"):
+        import datasets
+
+        kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}[file.suffix]
+        return [dict(row) for row in datasets.load_dataset(kind, data_files=str(file), split="train")]
+    raise DataError(f"{path}: unsupported file type {file.suffix!r}; use .jsonl, .json, .parquet or .csv")
+
+
+def _read_jsonl(file: Path) -> list[dict[str, Any]]:
+    rows = []
+    with file.open("rb") as handle:
+        for number, raw in enumerate(handle, start=1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as error:
+                raise DataError(f"{file}:{number}: line is not valid UTF-8 ({error})") from None
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as error:
+                raise DataError(f"{file}:{number}: malformed JSON ({error.msg} at column {error.colno})") from None
+            if not isinstance(row, dict):
+                raise DataError(f"{file}:{number}: expected a JSON object, got {type(row).__name__}")
+            rows.append(row)
+    return rows
+
+
+def check_prompt_rows(rows: list[dict[str, Any]], source: str) -> None:
+    """Every row has a non-empty ``prompt``; errors name the row (1-based)."""
+    if not rows:
+        raise DataError(f"{source}: the dataset has no rows")
+    for number, row in enumerate(rows, start=1):
+        prompt = row.get("prompt")
+        if prompt is None:
+            raise DataError(f"{source}: row {number} has no 'prompt' column (columns: {', '.join(row)})")
+        if isinstance(prompt, str) and not prompt.strip():
+            raise DataError(f"{source}: row {number} has an empty prompt")
+        if isinstance(prompt, list) and not all(isinstance(m, dict) and "content" in m for m in prompt):
+            raise DataError(f"{source}: row {number}: a chat prompt must be a list of {{'role', 'content'}} messages")
+
+
+def is_chat(prompt: Any) -> bool:
+    return isinstance(prompt, list)
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> Tensor:
+    """Token ids of a prompt; chat messages get the template and the generation prompt."""
+    if is_chat(prompt):
+        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+    else:
+        ids = tokenizer(prompt)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+def as_completion(prompt: Any, text: str) -> str | list[dict[str, str]]:
+    """What reward functions receive: a string, or an assistant message for chat prompts (TRL)."""
+    return [{"role": "assistant", "content": text}] if is_chat(prompt) else text
+
+
+class PromptSampler:
+    """Shuffled epochs over the prompts, resumable, with SRPO's history resampling.
+
+    With ``history_resampling``, a prompt whose every completion was correct during
+    an epoch is left out of the following epochs (SRPO, arXiv:2504.14286, sec. 3.2).
+    """
+
+    def __init__(self, num_rows: int, seed: int, history_resampling: bool = False):
+        self.num_rows = num_rows
+        self.seed = seed
+        self.history_resampling = history_resampling
+        self.epoch = 0
+        self.position = 0
+        self.excluded: set[int] = set()
+        self.solved_this_epoch: set[int] = set()
+
+    def _order(self) -> list[int]:
+        generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
+        order = torch.randperm(self.num_rows, generator=generator).tolist()
+        return [i for i in order if i not in self.excluded]
+
+    def next(self, count: int) -> list[int]:
+        picked: list[int] = []
+        while len(picked) < count:
+            order = self._order()
+            if not order:
+                raise RuntimeError("history resampling has excluded every prompt: the policy solves all of them")
+            if self.position >= len(order):
+                self._end_epoch()
+                continue
+            take = order[self.position:self.position + count - len(picked)]
+            picked += take
+            self.position += len(take)
+        return picked
+
+    def _end_epoch(self) -> None:
+        if self.history_resampling:
+            self.excluded |= self.solved_this_epoch
+        self.solved_this_epoch = set()
+        self.epoch += 1
+        self.position = 0
+
+    def record_solved(self, indices: list[int]) -> None:
+        """Prompts whose whole group was correct in this epoch."""
+        self.solved_this_epoch.update(indices)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {
+            "epoch": self.epoch,
+            "position": self.position,
+            "excluded": sorted(self.excluded),
+            "solved_this_epoch": sorted(self.solved_this_epoch),
+        }
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.epoch, self.position = state["epoch"], state["position"]
+        self.excluded, self.solved_this_epoch = set(state["excluded"]), set(state["solved_this_epoch"])

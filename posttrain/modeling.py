@@ -1,0 +1,171 @@
+"""Models: loading, the training-time batch layout, and per-token log-probs.
+
+Training batches are laid out as ``[prompt (left-padded) | completion (right-padded)]``
+so that completion token ``t`` of every row sits at the same column ``P + t``;
+the logits that predict it are at column ``P + t - 1``. Only the last ``T + 1``
+positions go through the LM head (``logits_to_keep``), and padding is trimmed to
+the longest sequence of each micro-batch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import posttrain.functional as F
+from posttrain.rollout import left_pad
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA GPU is available; use --device cpu")
+    return torch.device(device)
+
+
+def resolve_model_path(name: str) -> Path:
+    """A local directory, or a built-in model name built on first use."""
+    from posttrain.models.tiny import BUILTIN_MODELS, ensure_tiny_model
+
+    if name in BUILTIN_MODELS:
+        return ensure_tiny_model(name)
+    path = Path(name).expanduser()
+    if path.is_dir():
+        if not (path / "config.json").exists():
+            raise FileNotFoundError(f"model directory {path} has no config.json: is it a Hugging Face model?")
+        return path
+    raise FileNotFoundError(
+        f"model {name!r} is neither a local directory nor a built-in model ({', '.join(BUILTIN_MODELS)}); "
+        "posttrain runs offline and does not download from a model hub"
+    )
+
+
+def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto") -> tuple[Any, Any]:
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = resolve_model_path(name)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(resolve_device(device))
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return model, tokenizer
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A reference model: an independent copy with no gradients, in eval mode."""
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+class ValueHead(nn.Module):
+    """PPO's critic: a linear head on the policy's last hidden state (shared backbone)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.linear(hidden).squeeze(-1)
+
+
+@dataclass
+class TokenBatch:
+    """A micro-batch ready for the model.
+
+    input_ids, attention_mask, position_ids: [n, P + T]
+    completion_ids, mask: [n, T] (T trimmed to this micro-batch's longest completion)
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    completion_ids: Tensor
+    mask: Tensor
+
+
+def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device) -> TokenBatch:
+    """Concatenate left-padded prompts with right-padded completions (trimmed to the longest)."""
+    width = max(int(mask.sum(-1).max()), 1)
+    completion_ids, mask = completion_ids[:, :width], mask[:, :width]
+    prompts, prompt_attention = left_pad(prompt_ids, pad_id)
+    input_ids = torch.cat([prompts, completion_ids], 1)
+    attention = torch.cat([prompt_attention, mask.long()], 1)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    return TokenBatch(*(t.to(device) for t in (input_ids, attention, position_ids, completion_ids, mask)))
+
+
+@dataclass
+class ForwardOutput:
+    logprobs: Tensor  # [n, T]
+    entropy: Tensor | None  # [n, T], no gradient
+    values: Tensor | None  # [n, T]
+
+
+def forward(
+    model: nn.Module,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    value_head: ValueHead | None = None,
+) -> ForwardOutput:
+    """Per-token log-probs of the completion under ``model`` (sampling temperature applied)."""
+    width = batch.completion_ids.shape[1]
+    out = model(
+        input_ids=batch.input_ids,
+        attention_mask=batch.attention_mask,
+        position_ids=batch.position_ids,
+        logits_to_keep=width + 1,
+        output_hidden_states=value_head is not None,
+        use_cache=False,
+    )
+    logits = out.logits[:, :-1]  # [n, T, V]: position P + t - 1 predicts completion token t
+    if temperature != 1.0:
+        logits = logits / temperature
+    logprobs = F.selective_log_softmax(logits, batch.completion_ids)
+    entropy = F.entropy_from_logits(logits.detach()) if with_entropy else None
+    values = None
+    if value_head is not None:
+        hidden = out.hidden_states[-1][:, -(width + 1):-1]
+        values = value_head(hidden.to(value_head.linear.weight.dtype))
+    return ForwardOutput(logprobs, entropy, values)
+
+
+@torch.no_grad()
+def batched_logprobs(
+    model: nn.Module,
+    prompt_ids: list[Tensor],
+    completion_ids: Tensor,
+    mask: Tensor,
+    *,
+    pad_id: int,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    value_head: ValueHead | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None)."""
+    device = next(model.parameters()).device
+    total, width = completion_ids.shape
+    logprobs = torch.zeros(total, width)
+    values = torch.zeros(total, width) if value_head is not None else None
+    for start in range(0, total, micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        batch = collate(prompt_ids[rows], completion_ids[rows], mask[rows], pad_id, device)
+        out = forward(model, batch, temperature=temperature, value_head=value_head)
+        t = out.logprobs.shape[1]
+        logprobs[rows, :t] = out.logprobs.float().cpu()
+        if values is not None:
+            values[rows, :t] = out.values.float().cpu()
+    return logprobs * mask, (values * mask if values is not None else None)

@@ -1,0 +1,328 @@
+"""The online RL loop: every online preset runs through ``train_step``.
+
+One step, top to bottom:
+
+1. sample ``B`` prompts (SRPO's history resampling leaves solved prompts out);
+2. generate ``G`` completions per prompt and score them with the reward functions;
+3. shape the rewards: the preset's binary reward (DAPO's +-1) and overlong penalty;
+4. filter groups: dynamic sampling keeps only groups with reward variance and
+   refills (surplus groups wait for the next step); best-of-N keeps each group's best;
+5. compute the log-probs the preset needs: the sampling policy's (for several
+   updates per rollout, mini-batches, KL in the reward or surplus groups), the
+   reference's (KL), and the value head's (GAE);
+6. advantages (and returns) from the preset's estimator;
+7. ``num_epochs`` passes over the rollout in ``mini_batches`` optimizer steps;
+   micro-batches accumulate gradients, and the aggregation's normaliser is the
+   optimizer step's, so the micro-batch size never changes the update;
+8. log.
+
+The loop never looks at the algorithm's name: the preset's pieces decide.
+Departures from the papers, all documented in docs/decisions.md: PPO's critic is
+a linear value head on the policy's backbone; log-probs are computed at the
+sampling temperature; with one update per rollout the "old" log-probs are the
+detached current ones (ratio exactly 1, no extra forward pass).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+import posttrain.functional as F
+from posttrain.modeling import batched_logprobs, collate, forward
+from posttrain.rollout import Completions
+from posttrain.scoring import score
+from posttrain.session import OnlineSession
+
+
+@dataclass
+class Groups:
+    """``B`` groups of ``G`` completions; row ``i*G + j`` is sample ``j`` of prompt ``i``."""
+
+    indices: list[int]  # [B] dataset row of each prompt
+    prompt_ids: list[Tensor]  # [N] prompt token ids
+    completions: Completions  # [N, T]
+    texts: list[str]  # [N]
+    rewards: Tensor  # [B, G] the shaped reward that enters the estimator
+    terms: dict[str, Tensor]  # reward function name -> [N] its raw value (nan = not applicable)
+    correct: Tensor | None  # [N] bool, when the task can check answers
+    old_logprobs: Tensor | None = None  # [N, T] under the policy that sampled them
+    old_values: Tensor | None = None  # [N, T] PPO's value head at sampling time
+
+    @property
+    def group_size(self) -> int:
+        return self.rewards.shape[1]
+
+    def select(self, keep: Tensor) -> "Groups":
+        """The groups where ``keep`` [B] is True."""
+        g = self.group_size
+        rows = torch.nonzero(keep.repeat_interleave(g)).flatten()
+        comp = self.completions
+        return Groups(
+            [i for i, k in zip(self.indices, keep.tolist()) if k],
+            [self.prompt_ids[int(r)] for r in rows],
+            Completions(comp.completion_ids[rows], comp.mask[rows], comp.truncated[rows]),
+            [self.texts[int(r)] for r in rows],
+            self.rewards[keep],
+            {k: v[rows] for k, v in self.terms.items()},
+            None if self.correct is None else self.correct[rows],
+            None if self.old_logprobs is None else self.old_logprobs[rows],
+            None if self.old_values is None else self.old_values[rows],
+        )
+
+    @staticmethod
+    def cat(parts: list["Groups"]) -> "Groups":
+        width = max(p.completions.completion_ids.shape[1] for p in parts)
+
+        def padded(t: Tensor, value: float = 0) -> Tensor:
+            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
+
+        first = parts[0]
+        return Groups(
+            sum((p.indices for p in parts), []),
+            sum((p.prompt_ids for p in parts), []),
+            Completions(
+                torch.cat([padded(p.completions.completion_ids) for p in parts]),
+                torch.cat([padded(p.completions.mask) for p in parts]),
+                torch.cat([p.completions.truncated for p in parts]),
+            ),
+            sum((p.texts for p in parts), []),
+            torch.cat([p.rewards for p in parts]),
+            {k: torch.cat([p.terms[k] for p in parts]) for k in first.terms},
+            None if first.correct is None else torch.cat([p.correct for p in parts]),
+            None if first.old_logprobs is None else torch.cat([padded(p.old_logprobs) for p in parts]),
+            None if first.old_values is None else torch.cat([padded(p.old_values) for p in parts]),
+        )
+
+    def pick(self, sample: Tensor) -> "Groups":
+        """One sample per group, ``sample`` [B] its index within the group: a batch with G = 1."""
+        rows = torch.arange(len(sample)) * self.group_size + sample
+        comp = self.completions
+        return Groups(
+            list(self.indices),
+            [self.prompt_ids[int(r)] for r in rows],
+            Completions(comp.completion_ids[rows], comp.mask[rows], comp.truncated[rows]),
+            [self.texts[int(r)] for r in rows],
+            self.rewards.gather(1, sample.unsqueeze(1)),
+            {k: v[rows] for k, v in self.terms.items()},
+            None if self.correct is None else self.correct[rows],
+            None if self.old_logprobs is None else self.old_logprobs[rows],
+            None if self.old_values is None else self.old_values[rows],
+        )
+
+    def split(self, count: int) -> tuple["Groups", "Groups | None"]:
+        """The first ``count`` groups and the rest (None when nothing is left)."""
+        b = self.rewards.shape[0]
+        head = torch.arange(b) < count
+        return self.select(head), (self.select(~head) if count < b else None)
+
+
+# ---------------------------------------------------------------------------------------
+# 1-4: sample, generate, score, shape, filter
+# ---------------------------------------------------------------------------------------
+
+
+def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, float]]:
+    """Generate and score ``G`` completions for each prompt; shape their rewards."""
+    alg, g = s.alg, s.config.rollout.group_size
+    rows = [s.train_rows[i] for i in indices]
+    prompt_ids = [s.encoded_prompts[i] for i in indices]
+    t0 = time.perf_counter()
+    completions = s.generator.generate(prompt_ids, num_samples=g)
+    texts = s.decode(completions)
+    t1 = time.perf_counter()
+    scores, correct = s.score_rows(rows, texts, g)
+    rewards = scores.total
+    if alg.binary_reward is not None:  # DAPO: +1 for a correct answer, -1 otherwise
+        low, high = alg.binary_reward
+        rewards = torch.where(correct, torch.tensor(high), torch.tensor(low))
+    if alg.overlong_buffer_ratio is not None:  # DAPO eq. (13), soft overlong punishment
+        budget = s.max_new_tokens
+        rewards = rewards + F.overlong_penalty(
+            completions.lengths, max_tokens=budget, buffer=max(1, round(alg.overlong_buffer_ratio * budget))
+        )
+    if correct is not None:
+        s.sampler.record_solved([i for i, ok in zip(indices, correct.view(-1, g).all(-1).tolist()) if ok])
+    groups = Groups(
+        list(indices), [p for p in prompt_ids for _ in range(g)], completions, texts,
+        rewards.view(-1, g), scores.terms, correct,
+    )
+    stats = {"time/generation": t1 - t0, "time/scoring": time.perf_counter() - t1,
+             **{f"reward_failures/{name}": count for name, count in scores.failures.items()}}
+    if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
+        groups = groups.select(~scores.failed.view(-1, g).any(-1))
+    return groups, stats
+
+
+def has_signal(rewards: Tensor) -> Tensor:
+    """[B, G] -> [B] True where the group's rewards are not all equal."""
+    return (rewards != rewards[:, :1]).any(-1)
+
+
+def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
+    """One step's groups; with dynamic sampling, refill until ``B`` groups carry signal."""
+    alg, b = s.alg, s.config.rollout.prompts_per_step
+    kept: list[Groups] = [s.surplus] if s.surplus is not None else []
+    have = sum(len(p.indices) for p in kept)
+    stats: dict[str, float] = {"time/generation": 0.0, "time/scoring": 0.0}
+    rounds, generated, zero_variance, fresh = 0, 0, 0, []
+    while have < b and rounds < (alg.max_generation_rounds if alg.dynamic_sampling else 1):
+        groups, times = rollout(s, s.sampler.next(b))
+        for key, value in times.items():
+            stats[key] = stats.get(key, 0.0) + value
+        signal = has_signal(groups.rewards)
+        rounds, generated, zero_variance = rounds + 1, generated + len(signal), zero_variance + int((~signal).sum())
+        fresh.append(groups)
+        if alg.dynamic_sampling:
+            groups = groups.select(signal)
+        if len(groups.indices):
+            if s.needs_rollout_logprobs:
+                groups.old_logprobs, groups.old_values = s.rollout_logprobs(groups)
+            kept.append(groups)
+            have += len(groups.indices)
+    if not kept:
+        raise RuntimeError(
+            f"no group left to train on after {rounds} generation round(s) of {b} prompts (dynamic sampling "
+            "keeps only groups with reward variance; reward_errors=skip drops groups with a failed reward); "
+            "raise max_generation_rounds or group_size, start from a policy that is sometimes right, "
+            "or fix the reward function"
+        )
+    batch, s.surplus = Groups.cat(kept).split(b)
+    stats.update({
+        "generation_rounds": rounds,
+        "zero_variance_groups": zero_variance / max(generated, 1),
+        "groups_trained": len(batch.indices),
+        "surplus_groups": 0 if s.surplus is None else len(s.surplus.indices),
+    })
+    return batch, {**stats, **rollout_metrics(Groups.cat(fresh))}
+
+
+def rollout_metrics(groups: Groups) -> dict[str, float]:
+    """Reward, length (overall and by correctness) and truncation of what was generated."""
+    lengths = groups.completions.lengths.float()
+    out = {
+        "reward/mean": groups.rewards.mean().item(),
+        "reward/std": groups.rewards.std().item() if groups.rewards.numel() > 1 else 0.0,
+        "completion_length/mean": lengths.mean().item(),
+        "truncation_rate": groups.completions.truncated.float().mean().item(),
+    }
+    for name, values in groups.terms.items():
+        out[f"reward/{name}"] = values.nanmean().item()
+    if groups.correct is not None:
+        out["accuracy"] = groups.correct.float().mean().item()
+        for label, rows in (("correct", groups.correct), ("incorrect", ~groups.correct)):
+            if rows.any():
+                out[f"completion_length/{label}"] = lengths[rows].mean().item()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# 5-7: log-probs, advantages, update
+# ---------------------------------------------------------------------------------------
+
+
+def step_normalizer(mask: Tensor, aggregation: str) -> Tensor:
+    """The optimizer step's denominator: valid tokens (token_mean) or non-empty sequences."""
+    if aggregation == "token_mean":
+        return mask.sum()
+    return (mask.sum(-1) > 0).sum()
+
+
+# Micro-batch losses are partial sums (the normaliser is the optimizer step's), so they add up
+# to the step's loss; every other metric is a per-token mean, averaged weighted by tokens.
+ADDITIVE_METRICS = ("loss", "policy_loss", "value_loss")
+
+
+def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor | None,
+           ref: Tensor | None) -> dict[str, float]:
+    """``num_epochs`` x ``mini_batches`` optimizer steps over one batch of groups."""
+    alg, optim = s.alg, s.config.optim
+    mask = groups.completions.mask
+    weighted: dict[str, float] = {}
+    additive: dict[str, float] = {}
+    tokens_seen, steps, skipped, grad_norms = 0.0, 0, 0, []
+    for _ in range(alg.num_epochs):
+        order = torch.randperm(len(mask)) if optim.mini_batches > 1 else torch.arange(len(mask))
+        for mini in order.chunk(optim.mini_batches):
+            normalizer = step_normalizer(mask[mini], alg.aggregation)
+            for micro in mini.split(optim.micro_batch_size):
+                metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer)
+                tokens = float(mask[micro].sum())
+                tokens_seen += tokens
+                for key, value in metrics.items():
+                    if key in ADDITIVE_METRICS:
+                        additive[key] = additive.get(key, 0.0) + value
+                    else:
+                        weighted[key] = weighted.get(key, 0.0) + tokens * value
+            grad_norms.append(s.optimizer_step())
+            steps += 1
+            skipped += not math.isfinite(grad_norms[-1])
+    out = {key: value / max(tokens_seen, 1.0) for key, value in weighted.items()}
+    out.update({key: value / steps for key, value in additive.items()})
+    out["grad_norm"] = sum(grad_norms) / steps
+    out["skipped_steps"] = skipped
+    return out
+
+
+def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages: Tensor,
+                      returns: Tensor | None, ref: Tensor | None, normalizer: Tensor) -> dict[str, float]:
+    """Forward, loss and backward for one micro-batch; returns its metrics."""
+    alg, comp = s.alg, groups.completions
+    batch = collate([groups.prompt_ids[int(r)] for r in rows], comp.completion_ids[rows], comp.mask[rows],
+                    s.pad_id, s.device)
+    out = forward(s.policy, batch, temperature=s.config.rollout.temperature, with_entropy=True,
+                  value_head=s.value_head)
+    t = out.logprobs.shape[1]
+
+    def cut(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x[rows, :t].to(s.device)
+
+    mask = batch.mask
+    old = cut(groups.old_logprobs) if groups.old_logprobs is not None else out.logprobs.detach()
+    ref_mb = cut(ref)
+    loss, metrics = alg.policy_loss(out.logprobs, old, cut(advantages), mask,
+                                    ref_logprobs=ref_mb if alg.kl_placement == "loss" else None,
+                                    normalizer=normalizer, max_tokens=s.max_new_tokens)
+    if s.value_head is not None:
+        value_loss, value_metrics = alg.value_loss(out.values, cut(groups.old_values), cut(returns), mask,
+                                                   normalizer=normalizer)
+        loss = loss + s.config.optim.value_loss_coef * value_loss
+        metrics = {**metrics, **{f"value/{k}": v for k, v in value_metrics.items()}, "value_loss": value_loss}
+    loss.backward()
+    tokens = mask.sum().clamp(min=1)
+    metrics = {**metrics, "loss": loss, "entropy": (out.entropy * mask).sum() / tokens}
+    if ref_mb is not None:  # KL to the reference, k3, whatever the preset puts in its loss
+        metrics["kl"] = (F.kl_estimate(out.logprobs.detach(), ref_mb, "k3") * mask).sum() / tokens
+    return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
+
+
+def train_step(s: OnlineSession) -> dict[str, float]:
+    """One optimizer step (several for PPO's epochs): the whole online algorithm."""
+    alg = s.alg
+    groups, metrics = collect_groups(s)
+    t0 = time.perf_counter()
+    if alg.advantage == "best_of_n":  # RAFT: train on the best sample of each group
+        groups = s.best_of_n(groups)
+    if alg.overlong_filter:  # DAPO: truncated completions keep their reward but leave the loss
+        comp = groups.completions
+        groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
+    ref = s.reference_logprobs(groups) if alg.needs_reference else None
+    baseline = s.greedy_rewards(groups.indices) if alg.needs_greedy_baseline else None
+    advantages, returns = alg.advantages_and_returns(
+        groups.rewards, mask=groups.completions.mask, logprobs=groups.old_logprobs,
+        ref_logprobs=ref, values=groups.old_values, baseline=baseline,
+    )
+    valid = groups.completions.mask.bool()
+    metrics["advantage/mean"] = advantages[valid].mean().item() if valid.any() else 0.0
+    metrics["advantage/std"] = advantages[valid].std().item() if valid.sum() > 1 else 0.0
+    metrics.update(update(s, groups, advantages, returns, ref))
+    metrics["time/training"] = time.perf_counter() - t0
+    metrics["lr"] = s.scheduler.get_last_lr()[0]
+    s.maybe_refresh_reference()
+    s.last_groups = groups
+    return metrics

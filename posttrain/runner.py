@@ -1,0 +1,136 @@
+"""The run around the loop: run directory, evaluation, logging, checkpoints, progress.
+
+A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl``,
+``samples.jsonl``, ``tensorboard/``, ``checkpoints/step_N/``, ``final_model/``
+and ``curves.png``. ``--resume RUN_DIR`` restores the latest complete checkpoint
+(weights, optimizer, scheduler, RNG, data order, dynamic-sampling surplus) so
+the resumed run logs the same metrics as an uninterrupted one.
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.checkpoint import (
+    CheckpointError, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint, save_final_model,
+)
+from posttrain.config import Config, save_yaml
+from posttrain.logging import MetricsLogger
+from posttrain.plots import plot_run
+
+
+def new_run_dir(config: Config) -> Path:
+    if config.run.output:
+        path = Path(config.run.output)
+        if (path / "metrics.jsonl").exists():
+            raise FileExistsError(f"output: {path} already holds a run; use --resume {path} or a new --output")
+    else:
+        path = Path("runs") / f"{config.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    save_yaml(config, path / "config.yaml")
+    return path
+
+
+def checkpoint_modules(session: Any) -> dict[str, torch.nn.Module]:
+    """The modules besides the policy that a checkpoint must hold for an exact resume."""
+    modules = {}
+    if getattr(session, "value_head", None) is not None:
+        modules["value_head"] = session.value_head
+    if getattr(session, "ref", None) is not None and session.config.optim.ref_refresh_every:
+        modules["reference"] = session.ref
+    return modules
+
+
+def save(session: Any, run_dir: Path) -> Path:
+    return save_checkpoint(
+        run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
+        optimizer=session.optimizer, scheduler=session.scheduler,
+        trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state()},
+        extra_modules=checkpoint_modules(session), extra_state=session.extra_state(),
+    )
+
+
+def restore(session: Any, run_dir: Path) -> int:
+    """Load the latest complete checkpoint of ``run_dir`` into the session; return its step."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
+    state = load_checkpoint(path, model=session.policy, optimizer=session.optimizer, scheduler=session.scheduler,
+                            extra_modules=checkpoint_modules(session), expected_fingerprint=session.fingerprint)
+    session.step = state["step"]
+    session.load_trainer_state(state, load_extra_state(path))
+    return session.step
+
+
+def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str, Any]:
+    """Drive ``train_step`` to ``max_steps`` with evaluation, logging and checkpoints."""
+    run = config.run
+    run_dir = Path(run.resume) if run.resume else new_run_dir(config)
+    if run.resume:
+        save_yaml(config, run_dir / "config.yaml")
+    start = restore(session, run_dir) if run.resume else 0
+    logger = MetricsLogger.open(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
+                                config=config.to_flat(), resume_step=start if run.resume else None)
+    first = {}
+    if not run.resume:
+        first = evaluate(session)
+        logger.log(0, first)
+        _say(f"before training: {_summary(first)}")
+    last_eval: dict[str, float] = {}
+    progress = _progress(run, start)
+    started = time.perf_counter()
+    with logger:
+        while session.step < run.max_steps:
+            if run.max_minutes and time.perf_counter() - started > 60 * run.max_minutes:
+                _say(f"stopping at step {session.step}: max_minutes={run.max_minutes} reached")
+                break
+            t0 = time.perf_counter()
+            metrics = train_step(session)
+            session.step += 1
+            step = session.step
+            metrics["time/step"] = time.perf_counter() - t0
+            if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
+                last_eval = evaluate(session)
+                metrics.update(last_eval)
+            logger.log(step, metrics)
+            if run.log_samples_every and step % run.log_samples_every == 0:
+                logger.log_samples(step, session.sample_rows())
+            if (run.save_every and step % run.save_every == 0) or step == run.max_steps:
+                save(session, run_dir)
+            progress.update(1)
+            progress.set_postfix(_postfix(metrics), refresh=False)
+        progress.close()
+    if not last_eval or session.step != run.max_steps:
+        last_eval = evaluate(session)
+    final_dir = save_final_model(run_dir, session.policy, session.tokenizer)
+    plot = plot_run(run_dir)
+    _say(f"after {session.step} steps: {_summary(last_eval)}")
+    _say(f"run directory: {run_dir}  (model: {final_dir.name}/, curves: {plot.name})")
+    return {"run_dir": run_dir, "before": first, "after": last_eval}
+
+
+def _progress(run: Any, start: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.max_steps, initial=start, desc="train", unit="step", disable=not run.progress,
+                dynamic_ncols=True, file=sys.stderr)
+
+
+def _postfix(metrics: dict[str, float]) -> dict[str, str]:
+    keys = {"reward/mean": "reward", "accuracy": "acc", "eval/accuracy": "eval_acc", "loss": "loss"}
+    return {short: f"{metrics[k]:.3f}" for k, short in keys.items() if k in metrics}
+
+
+def _summary(metrics: dict[str, float]) -> str:
+    if not metrics:
+        return "(no held-out set)"
+    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(metrics.items()))
+
+
+def _say(message: str) -> None:
+    print(f"[posttrain] {message}", file=sys.stderr, flush=True)

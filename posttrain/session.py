@@ -1,0 +1,283 @@
+"""Everything one online run holds, and the small operations the loop asks of it.
+
+``OnlineSession.create(config)`` validates the whole config first (before any
+model is loaded), then loads the task or dataset, the reward functions, the
+policy, and only the extra pieces the preset needs: a frozen reference model
+when it uses a KL term, a value head for GAE. The loop itself is in
+``posttrain/online.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import posttrain.functional as F
+from posttrain.algorithms import OnlineAlgorithm
+from posttrain.config import Config, ConfigError
+from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
+from posttrain.optim import apply_gradients, build_optimizer
+from posttrain.modeling import ValueHead, batched_logprobs, frozen_copy, load_model_and_tokenizer
+from posttrain.rollout import Completions, SamplingParams, make_generator
+from posttrain.scoring import RewardPolicy, Scores, score
+
+
+@dataclass
+class Workload:
+    """What to train on: prompts, reward functions and (for built-in tasks) a correctness check."""
+
+    train_rows: list[dict[str, Any]]
+    test_rows: list[dict[str, Any]]
+    reward_fns: list[Callable]
+    reward_weights: list[float]
+    correct: Callable | None  # (prompts, completions, **columns) -> list[bool]
+    max_new_tokens: int
+    default_model: str | None
+
+
+def load_workload(config: Config) -> Workload:
+    """The task or dataset named by the config, with its reward functions; checks the rows."""
+    from posttrain.rewards import load_reward_function
+    from posttrain.tasks import get_task
+
+    data = config.data
+    if data.dataset is not None:
+        train_rows = read_rows(data.dataset)
+        check_prompt_rows(train_rows, data.dataset)
+        test_rows = read_rows(data.eval_dataset) if data.eval_dataset else []
+        if test_rows:
+            check_prompt_rows(test_rows, data.eval_dataset)
+        if not data.reward:
+            raise ConfigError("reward: a --dataset needs at least one --reward FILE.py:FUNCTION")
+        task = None
+    else:
+        task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
+        train_rows, test_rows = list(task.train), list(task.test)
+    if data.reward:
+        fns = [load_reward_function(spec) for spec in data.reward]
+        weights = list(data.reward_weights) or [1.0] * len(fns)
+    else:
+        fns, weights = list(task.reward_funcs), list(task.reward_weights)
+    budget = config.rollout.max_new_tokens or (task.max_new_tokens if task else None)
+    if budget is None:
+        raise ConfigError("max_new_tokens: set the completion token budget for a --dataset run")
+    return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
+                    task.correct if task else None, budget, task.default_model if task else None)
+
+
+def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
+    """Reject impossible combinations before any model is loaded; say what to change."""
+    r = config.rollout
+    if alg.is_group_estimator and r.group_size < 2:
+        raise ConfigError(f"group_size: {alg.name}'s {alg.advantage!r} advantages compare samples of a group; "
+                          f"use group_size >= 2 (got {r.group_size})")
+    for flag, needed in (("binary_reward", alg.binary_reward is not None), ("history_resampling", alg.history_resampling)):
+        if needed and work.correct is None:
+            raise ConfigError(f"{flag}: needs a task that checks answers (a built-in --task); "
+                              f"set {flag} off to train on your reward functions' values")
+    if r.prompts_per_step > len(work.train_rows):
+        raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
+
+
+@dataclass
+class OnlineSession:
+    config: Config
+    alg: OnlineAlgorithm
+    work: Workload
+    policy: Any
+    tokenizer: Any
+    ref: Any | None
+    value_head: ValueHead | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    generator: Any
+    encoded_prompts: list[Tensor]
+    sampler: PromptSampler
+    eos_ids: list[int]
+    step: int = 0
+    surplus: Any = None  # dynamic sampling's groups with signal waiting for the next step
+    last_groups: Any = None
+    bad_steps: int = 0
+    greedy_decodes: int = 0  # prompts decoded greedily for ReMax's baseline (a test counts them)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, config: Config) -> "OnlineSession":
+        alg = config.preset()
+        if not isinstance(alg, OnlineAlgorithm):
+            raise ConfigError(f"algorithm: {alg.name} is an offline preference preset; the online trainer "
+                              "runs online presets (posttrain train routes it to the preference trainer)")
+        work = load_workload(config)
+        validate(config, alg, work)
+        torch.manual_seed(config.run.seed)
+        model_name = config.model.model or work.default_model
+        if model_name is None:
+            raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
+        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device)
+        policy.train()
+        ref = frozen_copy(policy) if alg.needs_reference else None
+        value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
+        params = list(policy.parameters()) + (list(value_head.parameters()) if value_head else [])
+        optimizer, scheduler = build_optimizer(params, config.optim)
+        eos_ids = eos_token_ids(policy, tokenizer)
+        r = config.rollout
+        params_ = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
+        return cls(
+            config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler,
+            make_generator(r.backend, policy, tokenizer, params_, eos_ids),
+            [encode_prompt(tokenizer, row["prompt"]) for row in work.train_rows],
+            PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
+            eos_ids,
+            fingerprint={"model": model_name, "algorithm": alg.name,
+                         "parameters": sum(p.numel() for p in policy.parameters())},
+        )
+
+    # -- what the loop asks ------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.work.max_new_tokens
+
+    @property
+    def train_rows(self) -> list[dict[str, Any]]:
+        return self.work.train_rows
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        """Whether log-probs (and values) of the sampling policy must be recorded at rollout time:
+        several updates or mini-batches per rollout (the policy moves before the last one),
+        KL in the reward (it needs the sampling policy's log-probs), PPO's values, or
+        dynamic sampling's surplus groups (trained one step later)."""
+        a = self.alg
+        kl_in_reward = a.needs_reference and a.kl_placement != "loss"
+        return a.needs_old_logprobs or self.config.optim.mini_batches > 1 or kl_in_reward or a.needs_value_model
+
+    def decode(self, completions: Completions) -> list[str]:
+        return self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+
+    def score_rows(self, rows: list[dict], texts: list[str], g: int) -> tuple[Scores, Tensor | None]:
+        """Score ``len(rows) * g`` completions (row i's samples at i*g .. i*g + g - 1)."""
+        prompts = [row["prompt"] for row in rows for _ in range(g)]
+        completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
+        columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+        policy = RewardPolicy(self.config.data.reward_timeout, self.config.data.reward_errors)
+        scores = score(self.work.reward_fns, self.work.reward_weights, prompts, completions, columns, policy)
+        correct = None
+        if self.work.correct is not None:
+            correct = torch.tensor(self.work.correct(prompts=prompts, completions=completions, **columns), dtype=torch.bool)
+        return scores, correct
+
+    def rollout_logprobs(self, groups) -> tuple[Tensor, Tensor | None]:
+        comp = groups.completions
+        return batched_logprobs(self.policy, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=self.pad_id,
+                                micro_batch_size=self.config.optim.micro_batch_size,
+                                temperature=self.config.rollout.temperature, value_head=self.value_head)
+
+    def reference_logprobs(self, groups) -> Tensor:
+        comp = groups.completions
+        logprobs, _ = batched_logprobs(self.ref, groups.prompt_ids, comp.completion_ids, comp.mask,
+                                       pad_id=self.pad_id, micro_batch_size=self.config.optim.micro_batch_size,
+                                       temperature=self.config.rollout.temperature)
+        return logprobs
+
+    def greedy_rewards(self, indices: list[int]) -> Tensor:
+        """ReMax's baseline: the raw reward of one greedy decode per prompt, [B]."""
+        completions = self.generator.generate([self.encoded_prompts[i] for i in indices], num_samples=1, greedy=True)
+        self.greedy_decodes += len(indices)
+        scores, _ = self.score_rows([self.train_rows[i] for i in indices], self.decode(completions), 1)
+        return scores.total
+
+    def best_of_n(self, groups):
+        """RAFT: each group's highest-reward sample (ties: the first), groups below min_reward dropped."""
+        index, keep = F.best_of_n(groups.rewards, min_reward=self.alg.min_reward)
+        return groups.pick(index).select(keep)
+
+    def optimizer_step(self) -> float:
+        """Clip and apply the accumulated gradient; a non-finite one is dropped, not applied."""
+        grad_norm, self.bad_steps = apply_gradients(self.optimizer, self.scheduler, self.config.optim, self.bad_steps)
+        return grad_norm
+
+    # -- checkpoint state --------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        """JSON-able state for an exact resume (weights and optimizer are saved separately)."""
+        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+
+    def extra_state(self) -> dict[str, Any]:
+        """Tensor state: dynamic sampling's surplus groups, which train at the next step."""
+        return {"surplus": None if self.surplus is None else dataclasses.asdict(self.surplus)}
+
+    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        from posttrain.online import Groups
+
+        self.sampler.load_state_dict(state["sampler"])
+        self.bad_steps = state["bad_steps"]
+        surplus = extra.get("surplus")
+        self.surplus = None if surplus is None else Groups(**{
+            **surplus, "completions": Completions(**surplus["completions"])})
+
+    def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
+        """The last step's first completions with their rewards, for samples.jsonl."""
+        g = self.last_groups
+        if g is None:
+            return []
+        rows = []
+        for i in range(min(limit, len(g.texts))):
+            group = i // g.group_size
+            row = {"prompt": self.train_rows[g.indices[group]]["prompt"], "completion": g.texts[i],
+                   "reward": float(g.rewards.view(-1)[i]), "length": int(g.completions.lengths[i])}
+            row.update({f"reward/{k}": float(v[i]) for k, v in g.terms.items()})
+            if g.correct is not None:
+                row["correct"] = bool(g.correct[i])
+            rows.append(row)
+        return rows
+
+    def maybe_refresh_reference(self) -> None:
+        every = self.config.optim.ref_refresh_every
+        if self.ref is not None and every and (self.step + 1) % every == 0:
+            self.ref.load_state_dict(self.policy.state_dict())
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids from the generation config (chat models end turns with their own token) and tokenizer."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ConfigError("model: the tokenizer defines no EOS token, so completions could never end")
+    return ids
+
+
+@torch.no_grad()
+def evaluate(s: OnlineSession, rows: list[dict[str, Any]] | None = None, chunk: int = 256) -> dict[str, float]:
+    """Greedy decodes of the held-out prompts: accuracy (when the task checks answers), reward, length."""
+    rows = s.work.test_rows if rows is None else rows
+    if not rows:
+        return {}
+    texts, lengths = [], []
+    for start in range(0, len(rows), chunk):
+        part = rows[start:start + chunk]
+        completions = s.generator.generate([encode_prompt(s.tokenizer, r["prompt"]) for r in part],
+                                           num_samples=1, greedy=True)
+        texts += s.decode(completions)
+        lengths.append(completions.lengths.float())
+    scores, correct = s.score_rows(rows, texts, 1)
+    out = {"eval/reward": scores.total.mean().item(), "eval/completion_length": torch.cat(lengths).mean().item()}
+    if correct is not None:
+        out["eval/accuracy"] = correct.float().mean().item()
+    return out

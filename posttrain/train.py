@@ -1,0 +1,21 @@
+"""``posttrain.train(config)``: route a config to the online or the preference trainer."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.algorithms import PreferenceAlgorithm
+from posttrain.config import Config
+
+
+def train(config: Config) -> dict[str, Any]:
+    """Run training as configured; returns the run directory and the held-out metrics before/after."""
+    if isinstance(config.preset(), PreferenceAlgorithm):
+        from posttrain.preference import train_preference
+
+        return train_preference(config)
+    from posttrain.online import train_step
+    from posttrain.runner import run_training
+    from posttrain.session import OnlineSession, evaluate
+
+    return run_training(OnlineSession.create(config), config, train_step, evaluate)

@@ -1,0 +1,48 @@
+"""Shared fixtures: a tiny random Llama saved to disk, and reward functions with variance."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+import torch
+
+# One thread per test worker (the suite runs with pytest -n 2 on 2 cores), no hub, no noise.
+torch.set_num_threads(1)
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+REWARDS = '''
+def starts_even(prompts, completions, **columns):
+    """1.0 when the completion starts with an even digit: a sparse reward with some zero-variance groups."""
+    return [1.0 if c[:1] in "02468" else 0.0 for c in completions]
+
+def sevens(prompts, completions, **columns):
+    """A dense reward with variance in almost every group: the share of 7s."""
+    return [c.count("7") / max(len(c), 1) for c in completions]
+
+def ones(prompts, completions, **columns):
+    """A constant reward: a fixed target for a value function."""
+    return [1.0 for _ in completions]
+'''
+
+
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory) -> Path:
+    """A 1-layer random Llama over the addition task's characters."""
+    from posttrain.models.tiny import build_tiny_model, char_tokenizer
+
+    path = tmp_path_factory.mktemp("tiny-model")
+    tokenizer = char_tokenizer("0123456789+=,|")
+    model = build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64)
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
+def reward_file(tmp_path_factory) -> Path:
+    path = tmp_path_factory.mktemp("rewards") / "rewards.py"
+    path.write_text(REWARDS)
+    return path

@@ -1,0 +1,205 @@
+"""The online loop on a tiny random model: every preset's update is the functional loss,
+the pieces a preset asks for behave as specified, micro-batching and resuming change nothing."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from posttrain.algorithms import ALGORITHMS, OnlineAlgorithm
+from posttrain.config import Config
+from posttrain.logging import read_metrics
+from posttrain.modeling import collate, forward
+from posttrain.online import has_signal, train_step
+from posttrain.runner import run_training
+from posttrain.session import OnlineSession, evaluate
+
+ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, OnlineAlgorithm)]
+
+
+def make_config(model_dir, reward_file, algorithm="grpo", reward="sevens", **flat) -> Config:
+    base = dict(
+        algorithm=algorithm, model=str(model_dir), task="addition", reward=[f"{reward_file}:{reward}"],
+        prompts_per_step=4, group_size=4, max_new_tokens=12, eval_size=8, micro_batch_size=64,
+        learning_rate=1e-3, max_steps=2, progress=False, tensorboard=False, seed=0,
+    )
+    base.update(flat)
+    return Config.from_flat(base)
+
+
+def recompute_loss(s: OnlineSession, policy, value_head) -> torch.Tensor:
+    """The step's loss from the logged batch, by the functional API, with the pre-update weights."""
+    g, alg = s.last_groups, s.alg
+    comp = g.completions
+    batch = collate(g.prompt_ids, comp.completion_ids, comp.mask, s.pad_id, s.device)
+    with torch.no_grad():
+        out = forward(policy, batch, value_head=value_head)
+    t = out.logprobs.shape[1]
+    ref = s.reference_logprobs(g) if s.ref is not None else None
+    baseline = s.greedy_rewards(g.indices) if alg.needs_greedy_baseline else None
+    adv, returns = alg.advantages_and_returns(g.rewards, mask=comp.mask, logprobs=g.old_logprobs,
+                                              ref_logprobs=ref, values=g.old_values, baseline=baseline)
+    old = g.old_logprobs[:, :t] if g.old_logprobs is not None else out.logprobs
+    loss, _ = alg.policy_loss(out.logprobs, old, adv[:, :t], batch.mask,
+                              ref_logprobs=ref[:, :t] if alg.kl_placement == "loss" else None,
+                              max_tokens=s.max_new_tokens)
+    if value_head is not None:
+        value_loss, _ = alg.value_loss(out.values, g.old_values[:, :t], returns[:, :t], batch.mask)
+        loss = loss + s.config.optim.value_loss_coef * value_loss
+    return loss
+
+
+@pytest.mark.parametrize("name", ONLINE)
+def test_each_online_preset_trains_on_exactly_the_functional_loss(name, tiny_model_dir, reward_file):
+    overrides = {"num_epochs": 1}
+    if ALGORITHMS[name].binary_reward is not None:
+        overrides["binary_reward"] = None  # the random model is never right: train on the dense reward
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, micro_batch_size=5, **overrides))
+    policy, head = copy.deepcopy(s.policy), copy.deepcopy(s.value_head)
+    metrics = train_step(s)
+    expected = recompute_loss(s, policy, head)
+    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert metrics["skipped_steps"] == 0
+    changed = any(not torch.equal(a, b) for a, b in zip(policy.parameters(), s.policy.parameters()))
+    assert changed == (metrics["grad_norm"] > 0)
+
+
+def test_reference_model_is_never_updated(tiny_model_dir, reward_file):
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo"))
+    ref_before = copy.deepcopy(s.ref.state_dict())
+    policy_before = copy.deepcopy(s.policy.state_dict())
+    for _ in range(2):
+        metrics = train_step(s)
+        s.step += 1
+    assert all(torch.equal(ref_before[k], v) for k, v in s.ref.state_dict().items())
+    assert any(not torch.equal(policy_before[k], v) for k, v in s.policy.state_dict().items())
+    assert metrics["kl"] > 0  # the policy moved away from the frozen reference
+
+
+def test_reference_refresh_copies_the_policy(tiny_model_dir, reward_file):
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", ref_refresh_every=2))
+    for _ in range(2):
+        train_step(s)
+        s.step += 1
+    assert all(torch.equal(s.ref.state_dict()[k], v) for k, v in s.policy.state_dict().items())
+
+
+def test_ppo_value_loss_falls(tiny_model_dir, reward_file):
+    # A constant reward of 1: the value head (initialised to 0) must learn to predict ~1.
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "ppo", reward="ones", learning_rate=1e-2))
+    losses = []
+    for _ in range(5):
+        losses.append(train_step(s)["value_loss"])
+        s.step += 1
+    assert losses[0] > 0.1
+    assert losses[-1] < 0.5 * losses[0]
+
+
+def test_dapo_trains_only_groups_with_reward_variance(tiny_model_dir, reward_file):
+    config = make_config(tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None,
+                         overlong_buffer_ratio=None, max_generation_rounds=4)
+    s = OnlineSession.create(config)
+    zero_variance = []
+    for _ in range(3):
+        metrics = train_step(s)
+        s.step += 1
+        assert has_signal(s.last_groups.rewards).all()
+        assert metrics["groups_trained"] == len(s.last_groups.indices) <= 4
+        zero_variance.append(metrics["zero_variance_groups"])
+    assert max(zero_variance) > 0  # the filter had something to drop
+
+
+def test_dapo_overlong_penalty_enters_the_reward(tiny_model_dir, reward_file):
+    # Budget 12, buffer 0.5 * 12 = 6: a length-12 completion gets (6 - 12) / 6 = -1, length 8 gets -1/3.
+    config = make_config(tiny_model_dir, reward_file, "dapo", reward="sevens", binary_reward=None,
+                         overlong_buffer_ratio=0.5, dynamic_sampling=False)
+    s = OnlineSession.create(config)
+    train_step(s)
+    g = s.last_groups
+    lengths = g.completions.lengths.float()
+    penalty = torch.where(lengths <= 6, torch.zeros_like(lengths), (6 - lengths) / 6)
+    assert torch.allclose(g.rewards.view(-1), g.terms["sevens"] + penalty, atol=1e-6)
+
+
+def test_overlong_filter_takes_truncated_completions_out_of_the_loss(tiny_model_dir, reward_file):
+    # A budget of 4 tokens: a random model rarely ends that early, so most completions are truncated.
+    config = make_config(tiny_model_dir, reward_file, "dapo", binary_reward=None, dynamic_sampling=False,
+                         overlong_filter=True, max_new_tokens=4)
+    s = OnlineSession.create(config)
+    metrics = train_step(s)
+    g = s.last_groups
+    assert g.completions.truncated.any()
+    assert torch.all(g.completions.mask[g.completions.truncated] == 0)
+    if g.completions.truncated.all():
+        assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+
+
+def test_remax_decodes_greedily_once_per_prompt(tiny_model_dir, reward_file):
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "remax"))
+    for _ in range(2):
+        train_step(s)
+        s.step += 1
+    assert s.greedy_decodes == 2 * 4
+
+
+def test_best_of_n_trains_on_the_best_sample_of_each_group(tiny_model_dir, reward_file):
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "best_of_n", seed=3))
+    torch.manual_seed(3)
+    train_step(s)
+    g = s.last_groups
+    assert g.group_size == 1 and len(g.indices) == 4
+    # Every kept sample's reward is the maximum the policy sampled for that prompt this step.
+    assert torch.all(g.rewards >= 0)
+
+
+@pytest.mark.parametrize("name", ["grpo", "cispo", "dr_grpo"])  # the three aggregations
+def test_micro_batching_gives_the_same_gradient(name, tiny_model_dir, reward_file):
+    """The normaliser is the optimizer step's: micro-batches of 3 accumulate the whole batch's gradient."""
+    grads = []
+    for micro in (64, 3):
+        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, micro_batch_size=micro))
+        captured = []
+
+        def capture(s=s, captured=captured):
+            captured += [p.grad.clone() for p in s.policy.parameters()]
+            s.optimizer.zero_grad()
+            return 1.0
+
+        s.optimizer_step = capture
+        train_step(s)
+        grads.append(captured)
+    assert any(g.abs().max() > 0 for g in grads[0])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-8)
+
+
+def test_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_path):
+    common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=0)
+    whole = make_config(tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None,
+                        output=str(tmp_path / "whole"), **common)
+    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
+
+    first = make_config(tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None,
+                        output=str(tmp_path / "split"), **{**common, "max_steps": 2})
+    run_training(OnlineSession.create(first), first, train_step, evaluate)
+    second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
+    run_training(OnlineSession.create(second), second, train_step, evaluate)
+
+    def comparable(run):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run)]
+
+    assert comparable(tmp_path / "whole") == comparable(tmp_path / "split")
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "split" / "final_model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_group_estimator_with_one_sample_is_rejected_before_loading(tiny_model_dir, reward_file):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="group_size"):
+        OnlineSession.create(make_config("does-not-exist", reward_file, "grpo", group_size=1))

@@ -1,0 +1,203 @@
+"""Failures lose nothing and explain themselves: bad rewards, NaN losses, kills, bad configs, bad data."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain.checkpoint import latest_checkpoint
+from posttrain.config import Config, ConfigError
+from posttrain.data import DataError, read_rows
+from posttrain.logging import read_metrics
+from posttrain.online import train_step
+from posttrain.runner import run_training
+from posttrain.scoring import RewardError
+from posttrain.session import OnlineSession, evaluate
+
+from test_online import make_config
+
+FAILING_REWARDS = '''
+def fails_on_sevens(prompts, completions, **columns):
+    if any("7" in c for c in completions):
+        raise ValueError("cannot score a 7")
+    return [float(len(c)) for c in completions]
+'''
+
+
+@pytest.fixture()
+def failing_reward_file(tmp_path):
+    path = tmp_path / "failing.py"
+    path.write_text(FAILING_REWARDS)
+    return path
+
+
+def test_reward_that_raises_stops_the_run_with_the_sample(tiny_model_dir, failing_reward_file):
+    s = OnlineSession.create(make_config(tiny_model_dir, failing_reward_file, reward="fails_on_sevens"))
+    with pytest.raises(RewardError, match=r"(?s)failed on sample \d+.*completion: '.*7.*ValueError: cannot score a 7"):
+        train_step(s)
+
+
+def test_skip_policy_drops_the_groups_of_failed_samples_and_counts_them(tiny_model_dir, failing_reward_file):
+    config = make_config(tiny_model_dir, failing_reward_file, reward="fails_on_sevens", reward_errors="skip",
+                         prompts_per_step=8)
+    s = OnlineSession.create(config)
+    metrics = train_step(s)
+    failures = metrics["reward_failures/fails_on_sevens"]
+    assert failures > 0
+    assert metrics["groups_trained"] < 8
+    assert not any("7" in text for text in s.last_groups.texts)
+
+
+def test_non_finite_loss_skips_the_step_and_stops_after_max_bad_steps(tiny_model_dir, reward_file):
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, max_bad_steps=2))
+    before = [p.detach().clone() for p in s.policy.parameters()]
+    assert train_step(s)["skipped_steps"] == 0  # one good step
+    good = [p.detach().clone() for p in s.policy.parameters()]
+    assert any(not torch.equal(a, b) for a, b in zip(before, good))
+
+    from posttrain import online
+
+    real_forward = online.forward
+
+    def nan_forward(model, batch, **kw):  # the training forward's log-probs (not generation) become NaN
+        out = real_forward(model, batch, **kw)
+        out.logprobs = out.logprobs * float("nan")
+        return out
+
+    online.forward = nan_forward
+    try:
+        metrics = train_step(s)
+        assert metrics["skipped_steps"] == 1
+        assert all(torch.equal(a, b) for a, b in zip(good, s.policy.parameters()))  # nothing applied
+        with pytest.raises(FloatingPointError, match="2 consecutive optimizer steps"):
+            train_step(s)
+    finally:
+        online.forward = real_forward
+
+
+KILLER = textwrap.dedent('''
+    import os, signal, sys
+    from posttrain.config import Config, load_yaml
+    from posttrain import checkpoint, online
+    from posttrain.runner import run_training
+    from posttrain.session import OnlineSession, evaluate
+
+    flat, kill = load_yaml(sys.argv[1]), sys.argv[2]
+    config = Config.from_flat(flat)
+    if kill.startswith("train:"):  # die in the middle of training step N (after its update)
+        at, real = int(kill[6:]), online.train_step
+        def train_step(s):
+            metrics = real(s)
+            if s.step + 1 == at:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return metrics
+    else:  # die while the checkpoint of step N is being written (files there, manifest not yet)
+        at, real_manifest, train_step = int(kill[5:]), checkpoint._write_manifest, online.train_step
+        def manifest(directory):
+            if directory.name.startswith(f".tmp-step_{at:06d}"):
+                os.kill(os.getpid(), signal.SIGKILL)
+            real_manifest(directory)
+        checkpoint._write_manifest = manifest
+    run_training(OnlineSession.create(config), config, train_step, evaluate)
+''')
+
+
+@pytest.mark.parametrize("kill", ["train:3", "save:4"])
+def test_killed_run_resumes_to_the_same_final_weights(kill, tiny_model_dir, reward_file, tmp_path):
+    common = dict(max_steps=6, eval_every=0, save_every=2, log_samples_every=0)
+    whole = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "whole"), **common)
+    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
+
+    killed = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "killed"), **common)
+    (tmp_path / "killed.yaml").write_text(json.dumps(killed.to_flat()))
+    script = tmp_path / "killer.py"
+    script.write_text(KILLER)
+    env = {**os.environ, "PYTHONPATH": os.getcwd()}
+    result = subprocess.run([sys.executable, str(script), str(tmp_path / "killed.yaml"), kill],
+                            env=env, capture_output=True, text=True, timeout=300)
+    assert result.returncode == -signal.SIGKILL, result.stderr[-2000:]
+    assert latest_checkpoint(tmp_path / "killed").name == "step_000002"
+
+    resumed = Config.from_flat({**killed.to_flat(), "resume": str(tmp_path / "killed")})
+    run_training(OnlineSession.create(resumed), resumed, train_step, evaluate)
+    a = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "killed" / "final_model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    assert [r["step"] for r in read_metrics(tmp_path / "killed")] == list(range(7))
+
+
+def test_resume_with_another_preset_is_a_clear_error(tiny_model_dir, reward_file, tmp_path):
+    from posttrain.checkpoint import CheckpointError
+
+    first = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "run"), max_steps=1,
+                        eval_every=0)
+    run_training(OnlineSession.create(first), first, train_step, evaluate)
+    other = Config.from_flat({**first.to_flat(), "algorithm": "dr_grpo", "beta": 0.0, "kl_estimator": None,
+                              "resume": str(tmp_path / "run"), "max_steps": 2})
+    with pytest.raises(CheckpointError, match="algorithm grpo.*dr_grpo"):
+        run_training(OnlineSession.create(other), other, train_step, evaluate)
+
+
+@pytest.mark.parametrize("flat, field", [
+    ({"prompts_per_step": 0}, "prompts_per_step"),
+    ({"group_size": 0}, "group_size"),
+    ({"max_new_tokens": 0}, "max_new_tokens"),
+    ({"temperature": 0.0}, "temperature"),
+    ({"learning_rate": -1.0}, "learning_rate"),
+    ({"micro_batch_size": 0}, "micro_batch_size"),
+    ({"dataset": "no/such/file.jsonl"}, "dataset"),
+    ({"reward": ["no/such/file.py:fn"]}, "reward"),
+    ({"reward": ["rewards.py"]}, "reward"),
+    ({"resume": "no/such/run"}, "resume"),
+    ({"dtype": "float16"}, "dtype"),
+    ({"reward_errors": "ignore"}, "reward_errors"),
+    ({"learning_rat": 1e-4}, "learning_rat"),
+])
+def test_bad_config_values_name_their_field(flat, field):
+    with pytest.raises(ConfigError, match=field):
+        Config.from_flat(flat)
+
+
+def test_group_estimators_need_two_samples_before_any_model_loads(reward_file):
+    with pytest.raises(ConfigError, match="group_size >= 2"):
+        OnlineSession.create(make_config("not/a/model", reward_file, "rloo", group_size=1))
+
+
+def test_dapo_binary_reward_on_a_dataset_without_correctness_says_what_to_change(tmp_path, reward_file):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1="}\n' * 8)
+    config = make_config("not/a/model", reward_file, "dapo", task=None, dataset=str(data))
+    with pytest.raises(ConfigError, match="binary_reward"):
+        OnlineSession.create(config)
+
+
+@pytest.mark.parametrize("content, message", [
+    (b'{"prompt": "1+1="}\n{"prompt": \n', r"prompts.jsonl:2: malformed JSON"),
+    (b'{"prompt": "1+1="}\n{"prompt": "\xff\xfe"}\n', r"prompts.jsonl:2: line is not valid UTF-8"),
+    (b'{"prompt": "1+1="}\n[1, 2]\n', r"prompts.jsonl:2: expected a JSON object"),
+])
+def test_bad_jsonl_lines_name_the_line(tmp_path, content, message):
+    path = tmp_path / "prompts.jsonl"
+    path.write_bytes(content)
+    with pytest.raises(DataError, match=message):
+        read_rows(str(path))
+
+
+@pytest.mark.parametrize("rows, message", [
+    ('{"prompt": "1+1="}\n{"question": "2+2="}\n', "row 2 has no 'prompt' column"),
+    ('{"prompt": "1+1="}\n{"prompt": "  "}\n', "row 2 has an empty prompt"),
+])
+def test_bad_rows_name_the_row(tmp_path, reward_file, rows, message):
+    data = tmp_path / "prompts.jsonl"
+    data.write_text(rows)
+    config = make_config("not/a/model", reward_file, "grpo", task=None, dataset=str(data), prompts_per_step=1)
+    with pytest.raises(DataError, match=message):
+        OnlineSession.create(config)
