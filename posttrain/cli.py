@@ -1,0 +1,172 @@
+"""The ``posttrain`` command.
+
+    posttrain train [--algorithm NAME] [--config run.yaml] [--FIELD VALUE ...]
+    posttrain eval --model PATH [--task NAME]
+    posttrain algorithms [NAME ...]
+
+Every config field and every preset field is a flag (``--learning-rate``,
+``--eps-high``); precedence is defaults < ``--config`` YAML < flags. With
+``--resume RUN_DIR`` the run's saved config is the base.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any, Sequence
+
+from posttrain.compare import _add_compare_parsers, compare_command, report_command
+from posttrain.config import SECTIONS, Config, ConfigError, load_yaml
+
+
+def _parse_value(text: str) -> Any:
+    """Flag text to a Python value for preset fields (types vary per preset)."""
+    lowered = text.lower()
+    if lowered in ("none", "null"):
+        return None
+    if lowered in ("true", "false"):
+        return lowered == "true"
+    if "," in text:
+        return tuple(_parse_value(part) for part in text.split(","))
+    for kind in (int, float):
+        try:
+            return kind(text)
+        except ValueError:
+            pass
+    return text
+
+
+def _flag_type(annotation: Any):
+    """argparse ``type`` for a config field annotation such as ``int | None``."""
+    args = [a for a in typing.get_args(annotation) if a is not type(None)] or [annotation]
+    base = args[0]
+    if typing.get_origin(base) is tuple:
+        return typing.get_args(base)[0]
+    return base if base in (int, float, str) else str
+
+
+def _add_config_flags(parser: argparse.ArgumentParser) -> None:
+    hints = {}
+    for title, klass in SECTIONS.items():
+        group = parser.add_argument_group(f"{title} options")
+        hints = typing.get_type_hints(klass)
+        for f in dataclasses.fields(klass):
+            flag = "--" + f.name.replace("_", "-")
+            help_text = f"{f.metadata.get('help', '')} [default: {f.default!r}]"
+            annotation = hints[f.name]
+            if annotation is bool:
+                group.add_argument(flag, action=argparse.BooleanOptionalAction, default=argparse.SUPPRESS,
+                                   help=help_text)
+            elif typing.get_origin(_strip_none(annotation)) is tuple:
+                group.add_argument(flag, action="append", type=_flag_type(annotation), default=argparse.SUPPRESS,
+                                   help=help_text + " (repeatable)")
+            else:
+                group.add_argument(flag, type=_flag_type(annotation), default=argparse.SUPPRESS, help=help_text)
+
+
+def _strip_none(annotation: Any) -> Any:
+    args = [a for a in typing.get_args(annotation) if a is not type(None)]
+    if isinstance(annotation, types.UnionType) and len(args) == 1:
+        return args[0]
+    return annotation
+
+
+def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
+    from posttrain.algorithms import OnlineAlgorithm, PreferenceAlgorithm, field_help
+
+    group = parser.add_argument_group("algorithm options (override the preset's defaults)")
+    seen = {"name", "paper", "summary"}
+    config_fields = {f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
+    for klass in (OnlineAlgorithm, PreferenceAlgorithm):
+        for name, text in field_help(klass).items():
+            if name in seen or name in config_fields:
+                continue
+            seen.add(name)
+            group.add_argument("--" + name.replace("_", "-"), type=_parse_value, default=argparse.SUPPRESS,
+                               metavar="VALUE", help=text)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="posttrain", description="Post-train language models with RL and "
+                                     "preference optimization.")
+    commands = parser.add_subparsers(dest="command", required=True)
+
+    train = commands.add_parser("train", help="train a model (no arguments: the embedded default)")
+    train.add_argument("--algorithm", default=argparse.SUPPRESS, help="preset name (posttrain algorithms lists them)")
+    train.add_argument("--config", help="YAML file of field: value pairs")
+    _add_config_flags(train)
+    _add_preset_flags(train)
+
+    evaluate = commands.add_parser("eval", help="greedy held-out accuracy of a model on a task")
+    evaluate.add_argument("--model", required=False, help="model directory or built-in name (default: the task's)")
+    evaluate.add_argument("--task", default="addition")
+    evaluate.add_argument("--eval-size", type=int, default=200)
+    evaluate.add_argument("--device", default="auto")
+
+    algorithms = commands.add_parser("algorithms", help="list presets, or compare the named ones side by side")
+    algorithms.add_argument("names", nargs="*")
+    _add_compare_parsers(commands)
+    return parser
+
+
+def resolve_config(args: argparse.Namespace) -> Config:
+    """Defaults < the resumed run's config < --config YAML < flags."""
+    flat: dict[str, Any] = {}
+    options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
+    if "resume" in options:
+        from pathlib import Path
+
+        flat.update(load_yaml(Path(options["resume"]) / "config.yaml"))
+    if args.config:
+        flat.update(load_yaml(args.config))
+    flat.update(options)
+    return Config.from_flat(flat)
+
+
+def _user_errors() -> tuple[type[BaseException], ...]:
+    """Errors that explain a problem with the user's input: printed as one line, no traceback."""
+    from posttrain.checkpoint import CheckpointError
+    from posttrain.data import DataError
+    from posttrain.scoring import RewardError
+
+    return (ConfigError, DataError, RewardError, CheckpointError, FileNotFoundError, FileExistsError)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()  # our own progress bar is the one to watch
+    try:
+        if args.command == "algorithms":
+            from posttrain.algorithms import format_presets_table, format_side_by_side
+
+            print(format_side_by_side(args.names) if args.names else format_presets_table())
+            return 0
+        if args.command == "eval":
+            from posttrain.evaluation import evaluate_model
+
+            print(evaluate_model(args.model, task=args.task, eval_size=args.eval_size, device=args.device))
+            return 0
+        if args.command == "compare":
+            return compare_command(args)
+        if args.command == "report":
+            return report_command(args)
+        try:
+            config = resolve_config(args)
+        except ValueError as error:  # an unknown preset, field or value: say which, no traceback
+            raise ConfigError(str(error)) from error
+        from posttrain.train import train
+
+        train(config)
+        return 0
+    except _user_errors() as error:
+        print(f"posttrain: error: {error}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,384 @@
+"""Offline preference optimization: every preference preset (DPO, ODPO, SimPO, ORPO, KTO) runs here.
+
+One optimizer step (``train_step``), top to bottom:
+
+1. take the next ``pairs_per_step`` examples (pairs; KTO: labelled completions) of a
+   shuffled, resumable order;
+2. unpaired presets (KTO): score the mismatched pairs, prompt ``i`` with completion
+   ``i-1`` cyclic in the step's batch, under the policy and the reference without
+   gradient: the input of KTO's reference point ``z``;
+3. per micro-batch: ONE forward pass of the policy over the chosen and the rejected
+   rows concatenated (KTO: the examples) gives each completion's summed log-prob and
+   token count; prompt tokens never enter (``modeling.forward`` scores completion
+   tokens only). Only a preset that needs a reference gets the reference's log-probs,
+   from a frozen copy without gradient or from the table precomputed at the start.
+   The preset's loss, scaled by the micro-batch's share of the step's examples, is
+   back-propagated: every preference loss is a mean over examples, so the accumulated
+   gradient is the whole batch's whatever the micro-batch size;
+4. one guarded optimizer step (``posttrain.optim``: a non-finite gradient is skipped);
+5. log the preset's loss and metrics on the whole step's detached log-probs.
+
+``evaluate``: held-out pairwise accuracy under the preset's own implicit reward and,
+for a built-in task, greedy generation accuracy on its held-out prompts.
+
+The loop never looks at the preset's name: ``needs_reference``, ``paired``,
+``needs_scores`` and ``preference_loss`` decide. Departures and decisions:
+
+1. KTO's ``z`` comes from all the optimizer step's mismatched pairs, not from each
+   micro-batch's, so micro-batching changes nothing (TRL: per batch; the paper: a
+   batch estimate too).
+2. The policy runs in eval mode (no dropout, as TRL's ``disable_dropout``), so the
+   policy and the reference agree exactly before the first update.
+3. ``micro_batch_size`` counts sequences: a pair is two (at least one example per pass).
+4. Held-out pairwise accuracy counts a tie as half a win: before training, the
+   reference presets' implicit rewards are all 0 (policy = reference) and score 0.5,
+   chance, rather than 0.
+5. With ``precompute_reference`` the reference scores every training and held-out
+   example once, then is freed; KTO keeps it for its batch-dependent mismatched pairs.
+   Held-out examples are always scored by the reference once, at the start.
+"""
+
+from __future__ import annotations
+
+import math
+import sys
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.algorithms import PreferenceAlgorithm
+from posttrain.config import Config, ConfigError
+from posttrain.data import PromptSampler, encode_prompt
+from posttrain.modeling import collate, forward, frozen_copy, load_model_and_tokenizer
+from posttrain.optim import apply_gradients, build_optimizer
+from posttrain.preference_data import PreferenceExamples, PreferenceTask, encode, load_rows
+from posttrain.rollout import HFGenerator, SamplingParams
+from posttrain.runner import run_training
+
+
+@dataclass
+class PreferenceSession:
+    config: Config
+    preset: PreferenceAlgorithm
+    policy: Any
+    tokenizer: Any
+    ref: Any | None  # frozen reference model, only for presets that need one
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train: PreferenceExamples
+    test: PreferenceExamples | None  # held-out pairs
+    task: PreferenceTask | None  # built-in task: held-out generation accuracy
+    generator: HFGenerator | None
+    sampler: PromptSampler
+    ref_logps: Tensor | None = None  # [K, N] precomputed reference log-probs of the training examples
+    test_ref_logps: Tensor | None = None  # [2, M] reference log-probs of the held-out pairs
+    step: int = 0
+    bad_steps: int = 0
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    value_head: None = None  # the runner's protocol: no value head here
+    last_batch: list[int] = field(default_factory=list)
+    last_inputs: dict[str, Tensor] = field(default_factory=dict)
+
+    @classmethod
+    def create(cls, config: Config) -> "PreferenceSession":
+        preset = config.preset()
+        if not isinstance(preset, PreferenceAlgorithm):
+            raise ConfigError(f"algorithm: {preset.name} is an online preset; the preference trainer runs "
+                              "dpo, odpo, simpo, orpo and kto")
+        if config.optim.ref_refresh_every:
+            raise ConfigError("ref_refresh_every: the preference trainer keeps its reference fixed; set it to 0")
+        data = config.data
+        train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task, paired=preset.paired,
+                                                needs_scores=preset.needs_scores)
+        test_rows = test_rows[:data.eval_size]
+        validate(config, preset, len(train_rows))
+        torch.manual_seed(config.run.seed)
+        model_name = config.model.model or (task.source.default_model if task else None)
+        if model_name is None:
+            raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
+        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device)
+        policy.eval()  # no dropout (decision 2); gradients flow all the same
+        pc = config.preference
+        lengths = dict(max_length=pc.max_length, max_prompt_length=pc.max_prompt_length)
+        train = encode(train_rows, tokenizer, paired=preset.paired, with_scores=preset.needs_scores and preset.paired,
+                       source=data.dataset or f"task {data.task}", **lengths)
+        test = encode(test_rows, tokenizer, paired=True, with_scores=preset.needs_scores,
+                      source=data.eval_dataset or f"task {data.task} (held-out)", **lengths) if test_rows else None
+        _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated "
+             f"(max_length {pc.max_length}, max_prompt_length {pc.max_prompt_length})")
+        ref = frozen_copy(policy) if preset.needs_reference else None
+        chunk = config.optim.micro_batch_size  # sequences per no-grad forward pass
+        pad = tokenizer.pad_token_id
+        ref_logps = dataset_logps(ref, train, pad, chunk)[0] if ref is not None and pc.precompute_reference else None
+        test_ref_logps = dataset_logps(ref, test, pad, chunk)[0] if ref is not None and test is not None else None
+        if ref_logps is not None and preset.paired:
+            ref = None  # everything it would score is scored: free it (decision 5)
+        optimizer, scheduler = build_optimizer(policy.parameters(), config.optim)
+        generator = None
+        if task is not None:
+            from posttrain.session import eos_token_ids
+
+            budget = config.rollout.max_new_tokens or task.source.max_new_tokens
+            generator = HFGenerator(policy, tokenizer, SamplingParams(budget), eos_token_ids(policy, tokenizer))
+        return cls(config, preset, policy, tokenizer, ref, optimizer, scheduler, train, test, task, generator,
+                   PromptSampler(len(train), config.run.seed), ref_logps, test_ref_logps,
+                   fingerprint={"model": model_name, "algorithm": preset.name,
+                                "parameters": sum(p.numel() for p in policy.parameters())})
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def examples_per_pass(self) -> int:
+        """Examples per micro-batch: ``micro_batch_size`` sequences, K per example (decision 3)."""
+        return max(1, self.config.optim.micro_batch_size // len(self.train.completion_ids))
+
+    # -- the runner's protocol -----------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.bad_steps = state["bad_steps"]
+
+    def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
+        """The last step's first examples with their log-probs, for samples.jsonl."""
+        per_example = {k: v for k, v in self.last_inputs.items() if k.endswith("logps") and v.dim() == 1}
+        return [{**self.train.rows[i], **{k: float(v[j]) for k, v in per_example.items()}}
+                for j, i in enumerate(self.last_batch[:limit])]
+
+
+def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int) -> None:
+    """Reject impossible combinations before any model is loaded; say what to change."""
+    per_step = config.preference.pairs_per_step
+    if per_step > num_examples:
+        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training examples")
+    if not preset.paired and per_step < 2:
+        raise ConfigError(f"pairs_per_step: {preset.name} pairs each prompt with another example's completion "
+                          "for its reference point; use pairs_per_step >= 2")
+
+
+def _say(message: str) -> None:
+    print(f"[posttrain] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------
+# Sequence log-probs
+# ---------------------------------------------------------------------------------------
+
+
+def right_pad(sequences: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad 1-D token tensors: ([M, T] ids, [M, T] float mask)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    mask = torch.zeros((len(sequences), width))
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)] = seq
+        mask[row, :len(seq)] = 1.0
+    return ids, mask
+
+
+def sequence_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Summed completion log-probs [M] and completion token counts [M] of M sequences, in one forward pass."""
+    ids_MT, mask_MT = right_pad(completions, pad_id)
+    batch = collate(prompts, ids_MT, mask_MT, pad_id, model.device)
+    logp_MT = forward(model, batch).logprobs.masked_fill(batch.mask == 0, 0.0)
+    return logp_MT.sum(-1), batch.mask.sum(-1)
+
+
+def example_sequences(data: PreferenceExamples, idx: list[int]) -> tuple[list[Tensor], list[Tensor]]:
+    """The K * n (prompt, completion) sequences of examples ``idx``: all chosen, then all rejected."""
+    prompts = [data.prompt_ids[i] for _ in data.completion_ids for i in idx]
+    completions = [column[i] for column in data.completion_ids for i in idx]
+    return prompts, completions
+
+
+def mismatched_sequences(data: PreferenceExamples, idx: list[int],
+                         max_length: int) -> tuple[list[Tensor], list[Tensor]]:
+    """KTO's mismatched pairs: prompt ``idx[i]`` with the completion of ``idx[i-1]``, cyclic in the batch
+    (cut to fit ``max_length`` after the new prompt)."""
+    prompts = [data.prompt_ids[i] for i in idx]
+    shifted = idx[-1:] + idx[:-1]
+    completions = [data.completion_ids[0][j][:max_length - len(p)] for p, j in zip(prompts, shifted)]
+    return prompts, completions
+
+
+@torch.no_grad()
+def chunked_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int,
+                  chunk: int) -> tuple[Tensor, Tensor]:
+    """``sequence_logps`` without gradient, ``chunk`` sequences per forward pass: ([M], [M])."""
+    parts = [sequence_logps(model, prompts[i:i + chunk], completions[i:i + chunk], pad_id)
+             for i in range(0, len(prompts), chunk)]
+    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
+
+
+def dataset_logps(model: Any, data: PreferenceExamples, pad_id: int, chunk: int) -> tuple[Tensor, Tensor]:
+    """Summed log-probs and token counts of every completion of ``data``, on the CPU: ([K, N], [K, N])."""
+    logps, lengths = chunked_logps(model, *example_sequences(data, list(range(len(data)))), pad_id, chunk)
+    k = len(data.completion_ids)
+    return logps.view(k, -1).cpu(), lengths.view(k, -1).cpu()
+
+
+# ---------------------------------------------------------------------------------------
+# The loss inputs
+# ---------------------------------------------------------------------------------------
+
+
+def pair_inputs(logps_2n: Tensor, lengths_2n: Tensor, ref_2n: Tensor | None,
+                scores_2n: Tensor | None) -> dict[str, Tensor]:
+    """``preference_loss`` keywords of n pairs; row 0 of each [2, n] is the chosen, row 1 the rejected."""
+    inputs = {"chosen_logps": logps_2n[0], "rejected_logps": logps_2n[1],
+              "chosen_lengths": lengths_2n[0], "rejected_lengths": lengths_2n[1]}
+    if ref_2n is not None:
+        inputs.update(ref_chosen_logps=ref_2n[0], ref_rejected_logps=ref_2n[1])
+    if scores_2n is not None:
+        inputs.update(chosen_scores=scores_2n[0], rejected_scores=scores_2n[1])
+    return inputs
+
+
+def loss_inputs(preset: PreferenceAlgorithm, data: PreferenceExamples, idx: list[int], logps_Kn: Tensor,
+                lengths_Kn: Tensor, ref_Kn: Tensor | None) -> dict[str, Tensor]:
+    """``preference_loss`` keywords (named as in posttrain.functional) for examples ``idx``."""
+    device = logps_Kn.device
+    if preset.paired:
+        scores = None if data.scores is None else data.scores[:, idx].to(device)
+        return pair_inputs(logps_Kn, lengths_Kn, ref_Kn, scores)
+    inputs = {"logps": logps_Kn[0], "desirable": data.desirable[idx].to(device)}
+    if ref_Kn is not None:
+        inputs["ref_logps"] = ref_Kn[0]
+    return inputs
+
+
+def reference_logps(s: PreferenceSession, idx: list[int]) -> Tensor | None:
+    """[K, n] reference log-probs of examples ``idx`` (precomputed or a no-grad pass), None without a reference."""
+    if not s.preset.needs_reference:
+        return None
+    if s.ref_logps is not None:
+        return s.ref_logps[:, idx].to(s.policy.device)
+    with torch.no_grad():
+        logps, _ = sequence_logps(s.ref, *example_sequences(s.train, idx), s.pad_id)
+    return logps.view(len(s.train.completion_ids), -1)
+
+
+def kl_inputs(s: PreferenceSession, idx: list[int]) -> dict[str, Tensor]:
+    """KTO: the step's mismatched pairs under policy and reference, no gradient; {} for paired presets."""
+    if s.preset.paired:
+        return {}
+    sequences = mismatched_sequences(s.train, idx, s.config.preference.max_length)
+    chunk = s.config.optim.micro_batch_size
+    return {"kl_logps": chunked_logps(s.policy, *sequences, s.pad_id, chunk)[0],
+            "kl_ref_logps": chunked_logps(s.ref, *sequences, s.pad_id, chunk)[0]}
+
+
+# ---------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------
+
+
+def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
+                      kl: dict[str, Tensor]) -> dict[str, Tensor]:
+    """One forward pass over the examples' K * n sequences, the loss, backward; returns the detached inputs."""
+    k, n = len(s.train.completion_ids), len(idx)
+    logps, lengths = sequence_logps(s.policy, *example_sequences(s.train, idx), s.pad_id)
+    inputs = loss_inputs(s.preset, s.train, idx, logps.view(k, n), lengths.view(k, n), reference_logps(s, idx))
+    loss, _ = s.preset.preference_loss(**inputs, **kl)
+    (loss * share).backward()  # a mean over n examples, weighted n / N: the step's mean over N
+    return {name: value.detach() for name, value in inputs.items()}
+
+
+def train_step(s: PreferenceSession) -> dict[str, float]:
+    """One optimizer step of the preset's preference loss over ``pairs_per_step`` examples."""
+    idx = s.sampler.next(s.config.preference.pairs_per_step)
+    kl = kl_inputs(s, idx)
+    m = s.examples_per_pass
+    parts = [train_micro_batch(s, idx[i:i + m], len(idx[i:i + m]) / len(idx), kl) for i in range(0, len(idx), m)]
+    grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
+    inputs = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+    with torch.no_grad():
+        loss, metrics = s.preset.preference_loss(**inputs, **kl)  # the step's loss, from its log-probs
+    if not s.preset.paired:  # F.kto_loss reports rewards; show each kind's log-probs as the pairs do
+        desirable = inputs["desirable"]
+        for name, rows in (("desirable", desirable), ("undesirable", ~desirable)):
+            if rows.any():
+                metrics[f"logps/{name}"] = inputs["logps"][rows].mean()
+    s.last_batch, s.last_inputs = idx, inputs
+    return {
+        "loss": float(loss),
+        **{name: float(value) for name, value in metrics.items()},
+        "grad_norm": grad_norm,
+        "skipped_steps": float(not math.isfinite(grad_norm)),
+        "lr": s.scheduler.get_last_lr()[0],
+        "data/truncated": float(s.train.truncated[idx].sum()),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------
+
+
+def implicit_rewards(preset: PreferenceAlgorithm, logps_2M: Tensor, lengths_2M: Tensor, ref_2M: Tensor | None,
+                     scores_2M: Tensor | None) -> Tensor:
+    """[2, M] (chosen, rejected) implicit reward of each pair under the preset's own definition.
+
+    Read from the preset's loss metrics one pair at a time (the loss reports batch means), so the
+    definition is the loss's: beta * (pi - ref) for DPO, ODPO and KTO (a pair is then a desirable and
+    an undesirable example), beta * pi / |y| for SimPO, the log-odds of the mean token log-prob for ORPO.
+    """
+    names = ("rewards/chosen", "rewards/rejected") if preset.paired else ("rewards/desirable", "rewards/undesirable")
+    rewards = []
+    for m in range(logps_2M.shape[1]):
+        one = slice(m, m + 1)
+        if preset.paired:
+            inputs = pair_inputs(logps_2M[:, one], lengths_2M[:, one], None if ref_2M is None else ref_2M[:, one],
+                                 None if scores_2M is None else scores_2M[:, one])
+        else:
+            inputs = {"logps": logps_2M[:, m], "ref_logps": ref_2M[:, m], "desirable": torch.tensor([True, False]),
+                      "kl_logps": torch.zeros(1), "kl_ref_logps": torch.zeros(1)}
+        _, metrics = preset.preference_loss(**inputs)
+        rewards.append([float(metrics[name]) for name in names])
+    return torch.tensor(rewards).T
+
+
+@torch.no_grad()
+def evaluate(s: PreferenceSession) -> dict[str, float]:
+    """Held-out pairwise accuracy (ties count half), reward margin and log-probs; generation accuracy."""
+    out: dict[str, float] = {}
+    if s.test is not None:
+        logps, lengths = dataset_logps(s.policy, s.test, s.pad_id, s.config.optim.micro_batch_size)
+        chosen, rejected = implicit_rewards(s.preset, logps, lengths, s.test_ref_logps, s.test.scores)
+        wins = (chosen > rejected).float() + 0.5 * (chosen == rejected).float()
+        out.update({
+            "eval/pairwise_accuracy": wins.mean().item(),
+            "eval/reward_margin": (chosen - rejected).mean().item(),
+            "eval/logps_chosen": logps[0].mean().item(),
+            "eval/logps_rejected": logps[1].mean().item(),
+        })
+    if s.task is not None and s.config.data.eval_size:
+        out["eval/accuracy"] = generation_accuracy(s, s.task.source.test[:s.config.data.eval_size])
+    return out
+
+
+def generation_accuracy(s: PreferenceSession, rows: list[dict[str, Any]], chunk: int = 256) -> float:
+    """Fraction of ``rows`` whose greedy completion the task's ``correct`` accepts."""
+    right = 0
+    for start in range(0, len(rows), chunk):
+        part = rows[start:start + chunk]
+        completions = s.generator.generate([encode_prompt(s.tokenizer, r["prompt"]) for r in part],
+                                           num_samples=1, greedy=True)
+        texts = s.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+        columns = {key: [r[key] for r in part] for key in part[0] if key != "prompt"}
+        right += sum(s.task.source.correct([r["prompt"] for r in part], texts, **columns))
+    return right / len(rows)
+
+
+def train_preference(config: Config) -> dict[str, Any]:
+    """Train a preference preset as configured; returns the run directory and held-out metrics before/after."""
+    return run_training(PreferenceSession.create(config), config, train_step, evaluate)

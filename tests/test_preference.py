@@ -1,0 +1,327 @@
+"""The preference loop on a tiny random model: every preset trains on exactly its functional loss
+from completion-only log-probs; the reference is frozen, absent when unused, and precomputable;
+micro-batching and resuming change nothing; held-out accuracy uses each preset's implicit reward."""
+
+from __future__ import annotations
+
+import copy
+import json
+import math
+
+import pytest
+import torch
+from torch.nn.functional import log_softmax
+
+import posttrain.functional as F
+import posttrain.preference as preference
+from posttrain.algorithms import ALGORITHMS, PreferenceAlgorithm
+from posttrain.config import Config, ConfigError, OptimConfig
+from posttrain.logging import read_metrics
+from posttrain.optim import apply_gradients, build_optimizer
+from posttrain.preference import (
+    PreferenceSession, evaluate, example_sequences, implicit_rewards, mismatched_sequences, reference_logps,
+    sequence_logps, train_step,
+)
+from posttrain.preference_data import encode, unpair
+from posttrain.runner import run_training
+from posttrain.tasks.addition import make_rows
+from posttrain.tasks.addition_pairs import pair_row
+
+PRESETS = [name for name, preset in ALGORITHMS.items() if isinstance(preset, PreferenceAlgorithm)]
+
+
+@pytest.fixture(scope="module")
+def pair_files(tmp_path_factory):
+    """32 training and 8 held-out addition pairs as JSONL files."""
+    train, test = make_rows(seed=1, n_train=32, n_test=8)
+    root = tmp_path_factory.mktemp("pairs")
+    for name, rows in (("train", train), ("test", test)):
+        (root / f"{name}.jsonl").write_text("".join(json.dumps(pair_row(r)) + "\n" for r in rows))
+    return root / "train.jsonl", root / "test.jsonl"
+
+
+def make_config(model_dir, pair_files, algorithm="dpo", **flat) -> Config:
+    base = dict(
+        algorithm=algorithm, model=str(model_dir), dataset=str(pair_files[0]), eval_dataset=str(pair_files[1]),
+        pairs_per_step=4, micro_batch_size=64, learning_rate=1e-3, max_steps=2, eval_size=8,
+        progress=False, tensorboard=False, seed=0,
+    )
+    base.update(flat)
+    return Config.from_flat(base)
+
+
+def manual_logp(model, prompt: torch.Tensor, completion: torch.Tensor) -> torch.Tensor:
+    """sum_t log p(completion_t | prompt, completion_<t) from one unpadded forward pass of the whole text."""
+    ids = torch.cat([prompt, completion]).unsqueeze(0)
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits[0, :-1]  # position j predicts token j + 1
+    token_logps = log_softmax(logits.float(), -1).gather(-1, ids[0, 1:, None]).squeeze(-1)
+    return token_logps[len(prompt) - 1:].sum()  # the predictions of completion tokens only
+
+
+def manual_logps(model, data, pairs: list[tuple[int, int]]) -> torch.Tensor:
+    """[K, n] for (prompt example, completion example) index pairs; K columns of completions."""
+    return torch.stack([torch.stack([manual_logp(model, data.prompt_ids[i], column[j]) for i, j in pairs])
+                        for column in data.completion_ids])
+
+
+def test_sums_hold_completion_tokens_only(tiny_model_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    prompts = [torch.tensor([1, 4, 5, 6, 7]), torch.tensor([1, 8])]  # different lengths: left padding
+    completions = [torch.tensor([9, 10, 2]), torch.tensor([11, 12, 13, 14, 2])]
+    with torch.no_grad():
+        sums, lengths = sequence_logps(model, prompts, completions, pad_id=0)
+    for got, p, c in zip(sums, prompts, completions):
+        expected = manual_logp(model, p, c)
+        assert float(got) == pytest.approx(float(expected), abs=1e-5)
+        # The prompt's own tokens would change the sum: the test can tell them apart.
+        assert abs(float(manual_logp(model, p[:1], torch.cat([p[1:], c]))) - float(expected)) > 1e-2
+    assert lengths.tolist() == [3.0, 5.0]
+
+
+def expected_loss(name, alg, pi, ref, lengths, data, idx, kl_pi=None, kl_ref=None):
+    """The preset's loss by the functional API, written out per loss (the test may branch on names)."""
+    if name == "dpo":
+        return F.dpo_loss(pi[0], pi[1], ref[0], ref[1], beta=alg.beta)[0]
+    if name == "odpo":
+        offset = F.odpo_offset(data.scores[0, idx], data.scores[1, idx], alpha=alg.alpha)
+        return F.dpo_loss(pi[0], pi[1], ref[0], ref[1], beta=alg.beta, offset=offset)[0]
+    if name == "simpo":
+        return F.simpo_loss(pi[0], pi[1], lengths[0], lengths[1], beta=alg.beta, gamma=alg.gamma)[0]
+    if name == "orpo":
+        return F.orpo_loss(pi[0], pi[1], lengths[0], lengths[1], lam=alg.lam)[0]
+    return F.kto_loss(pi[0], ref[0], data.desirable[idx], kl_pi, kl_ref, beta=alg.beta)[0]
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_preset_trains_on_exactly_its_functional_loss(name, tiny_model_dir, pair_files):
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, micro_batch_size=3))
+    initial = copy.deepcopy(s.policy)  # the reference's weights
+    train_step(s)  # move the policy away from the reference first: at step 0 DPO's loss is log 2 for any data
+    s.step += 1
+    before = copy.deepcopy(s.policy)
+    metrics = train_step(s)
+    idx = s.last_batch
+    data = s.train
+    matched = [(i, i) for i in idx]
+    pi, ref = manual_logps(before, data, matched), manual_logps(initial, data, matched)
+    lengths = torch.stack([torch.tensor([float(len(column[i])) for i in idx]) for column in data.completion_ids])
+    kl_pi = kl_ref = None
+    if name == "kto":  # prompt i with completion i - 1, cyclic
+        shifted = list(zip(idx, idx[-1:] + idx[:-1]))
+        kl_pi, kl_ref = manual_logps(before, data, shifted)[0], manual_logps(initial, data, shifted)[0]
+    expected = expected_loss(name, s.preset, pi, ref, lengths, data, idx, kl_pi, kl_ref)
+    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
+    logged = s.last_inputs["chosen_logps" if s.preset.paired else "logps"]
+    assert torch.allclose(logged, pi[0], atol=1e-5)
+    assert metrics["skipped_steps"] == 0 and metrics["grad_norm"] > 0
+
+
+@pytest.mark.parametrize("name", ["dpo", "kto"])
+def test_reference_model_is_never_updated(name, tiny_model_dir, pair_files):
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name))
+    ref_before = copy.deepcopy(s.ref.state_dict())
+    policy_before = copy.deepcopy(s.policy.state_dict())
+    for _ in range(2):
+        metrics = train_step(s)
+        s.step += 1
+    assert all(torch.equal(ref_before[k], v) for k, v in s.ref.state_dict().items())
+    assert not any(p.requires_grad for p in s.ref.parameters())
+    assert any(not torch.equal(policy_before[k], v) for k, v in s.policy.state_dict().items())
+    assert metrics["rewards/margin" if name == "dpo" else "rewards/desirable"] != 0  # the policy left the reference
+
+
+@pytest.mark.parametrize("name", ["simpo", "orpo"])
+def test_reference_free_presets_never_create_a_reference(name, tiny_model_dir, pair_files, monkeypatch):
+    def no_copy(model):
+        raise AssertionError(f"{name} made a reference model")
+
+    monkeypatch.setattr(preference, "frozen_copy", no_copy)
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, precompute_reference=True))
+    assert s.ref is None and s.ref_logps is None and s.test_ref_logps is None
+    assert [v for v in vars(s).values() if isinstance(v, torch.nn.Module)] == [s.policy]  # one model
+    assert math.isfinite(train_step(s)["loss"])
+    assert 0 <= evaluate(s)["eval/pairwise_accuracy"] <= 1
+
+
+@pytest.mark.parametrize("name", ["dpo", "kto"])
+def test_precomputed_reference_equals_on_the_fly(name, tiny_model_dir, pair_files):
+    live = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name))
+    table = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, precompute_reference=True))
+    assert (table.ref is None) == table.preset.paired  # freed unless KTO's mismatched pairs need it
+    idx = list(range(len(live.train)))
+    assert torch.allclose(reference_logps(table, idx), reference_logps(live, idx), atol=1e-5)
+    a, b = train_step(live), train_step(table)
+    assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
+
+
+@pytest.mark.parametrize("name", PRESETS)
+def test_micro_batching_gives_the_same_gradient(name, tiny_model_dir, pair_files, monkeypatch):
+    """Micro-batches of 3 sequences (one pair; three KTO examples) accumulate the whole batch's gradient."""
+    grads = []
+
+    def capture(optimizer, scheduler, optim, bad_steps):
+        grads[-1] += [p.grad.clone() for group in optimizer.param_groups for p in group["params"]]
+        optimizer.zero_grad()
+        return 1.0, 0
+
+    monkeypatch.setattr(preference, "apply_gradients", capture)
+    for micro in (64, 3):
+        s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, micro_batch_size=micro,
+                                                 pairs_per_step=5))
+        grads.append([])
+        train_step(s)
+    assert any(g.abs().max() > 0 for g in grads[0])
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+
+
+def test_kto_mismatched_pairs_are_the_cyclic_shift(tiny_model_dir, pair_files):
+    from transformers import AutoTokenizer
+
+    from posttrain.data import read_rows
+
+    rows = unpair(read_rows(str(pair_files[0])))
+    data = encode(rows, AutoTokenizer.from_pretrained(tiny_model_dir), paired=False, with_scores=False,
+                  max_length=1024, max_prompt_length=512)
+    idx = [5, 2, 7, 0]
+    prompts, completions = mismatched_sequences(data, idx, max_length=1024)
+    for i, j, p, c in zip(idx, [0, 5, 2, 7], prompts, completions):  # example i gets example (i-1)'s completion
+        assert torch.equal(p, data.prompt_ids[i]) and torch.equal(c, data.completion_ids[0][j])
+    _, cut = mismatched_sequences(data, idx, max_length=12)
+    assert all(len(p) + len(c) <= 12 for p, c in zip(prompts, cut))
+
+
+def test_one_forward_pass_holds_chosen_then_rejected(tiny_model_dir, pair_files):
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, "dpo"))
+    prompts, completions = example_sequences(s.train, [3, 1])
+    assert [c.tolist() for c in completions] == [s.train.completion_ids[k][i].tolist() for k in (0, 1) for i in (3, 1)]
+    assert all(torch.equal(p, s.train.prompt_ids[i]) for p, i in zip(prompts, [3, 1, 3, 1]))
+
+
+def test_truncated_examples_are_counted_per_step(tiny_model_dir, pair_files):
+    # Prompts are 7-9 tokens (BOS included), chosen completions 8-30: max_length 16 cuts most of them.
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, "dpo", max_length=16, max_prompt_length=6))
+    lengths = [len(p) + max(len(c[i]) for c in s.train.completion_ids) for i, p in enumerate(s.train.prompt_ids)]
+    assert max(lengths) == 16
+    metrics = train_step(s)
+    assert metrics["data/truncated"] == float(s.train.truncated[s.last_batch].sum()) > 0
+
+
+def test_implicit_rewards_by_hand():
+    """Pairs: (pi_w, pi_l) = (-1, -3) and (-2, -1); ref -2 everywhere; lengths (2, 4) and (1, 1)."""
+    logps = torch.tensor([[-1.0, -2.0], [-3.0, -1.0]])
+    lengths = torch.tensor([[2.0, 1.0], [4.0, 1.0]])
+    ref = torch.full((2, 2), -2.0)
+    # DPO and KTO: beta (pi - ref) = 0.1 * (1, 0) chosen, 0.1 * (-1, 1) rejected.
+    for name in ("dpo", "kto"):
+        r = implicit_rewards(ALGORITHMS[name], logps, lengths, ref, None)
+        assert torch.allclose(r, torch.tensor([[0.1, 0.0], [-0.1, 0.1]]))
+    # SimPO: beta pi / |y| = 2 * (-1/2, -2/1) chosen, 2 * (-3/4, -1/1) rejected.
+    r = implicit_rewards(ALGORITHMS["simpo"], logps, lengths, None, None)
+    assert torch.allclose(r, torch.tensor([[-1.0, -4.0], [-1.5, -2.0]]))
+    # ORPO: log odds of a = pi / |y|: a - log(1 - e^a).
+    a = torch.tensor([[-0.5, -2.0], [-0.75, -1.0]])
+    r = implicit_rewards(ALGORITHMS["orpo"], logps, lengths, None, None)
+    assert torch.allclose(r, a - torch.log(1 - torch.exp(a)), atol=1e-6)
+
+
+def test_held_out_accuracy_is_chance_before_training_for_reference_presets(tiny_model_dir, pair_files):
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, "dpo"))
+    before = evaluate(s)
+    assert before["eval/pairwise_accuracy"] == 0.5 and before["eval/reward_margin"] == 0  # all ties
+    train_step(s)
+    assert evaluate(s)["eval/pairwise_accuracy"] != 0.5
+
+
+def test_builtin_task_gives_generation_accuracy(tiny_model_dir, monkeypatch):
+    from posttrain import preference_data
+    from posttrain.tasks import addition_pairs
+
+    monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition",
+                        lambda seed: addition_pairs.make_task(seed, n_train=16, n_test=4))
+    config = Config.from_flat(dict(algorithm="kto", model=str(tiny_model_dir), task="addition", pairs_per_step=4,
+                                   progress=False, tensorboard=False))
+    s = PreferenceSession.create(config)
+    assert len(s.train) == 32 and s.train.desirable.sum() == 16  # the pairs, unpaired
+    metrics = evaluate(s)
+    assert set(metrics) >= {"eval/pairwise_accuracy", "eval/accuracy"}
+    assert metrics["eval/accuracy"] == 0.0  # a random model does not add
+
+
+def test_non_finite_gradient_skips_the_step(tiny_model_dir, pair_files):
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, "simpo", max_bad_steps=2))
+    with torch.no_grad():
+        s.policy.get_input_embeddings().weight[4:] = float("nan")  # every sequence's log-prob is NaN
+    before = copy.deepcopy(s.policy.state_dict())
+    metrics = train_step(s)
+    assert metrics["skipped_steps"] == 1 and s.bad_steps == 1
+    assert all(torch.equal(before[k].nan_to_num(), v.nan_to_num()) for k, v in s.policy.state_dict().items())
+    with pytest.raises(FloatingPointError, match="2 consecutive"):
+        train_step(s)
+
+
+def test_apply_gradients_drops_a_non_finite_gradient_and_counts():
+    weight = torch.nn.Parameter(torch.ones(2))
+    optim = OptimConfig(max_bad_steps=3)
+    optimizer, scheduler = build_optimizer([weight], optim)
+    weight.grad = torch.tensor([1.0, float("inf")])
+    norm, bad = apply_gradients(optimizer, scheduler, optim, bad_steps=1)
+    assert math.isinf(norm) and bad == 2 and torch.equal(weight.detach(), torch.ones(2)) and weight.grad is None
+    weight.grad = torch.tensor([3.0, 4.0])  # norm 5, clipped to 1, then applied
+    norm, bad = apply_gradients(optimizer, scheduler, optim, bad_steps=bad)
+    assert norm == pytest.approx(5.0) and bad == 0 and not torch.equal(weight.detach(), torch.ones(2))
+
+
+def test_resumed_run_equals_uninterrupted(tiny_model_dir, pair_files, tmp_path):
+    common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=2)
+    whole = make_config(tiny_model_dir, pair_files, "kto", output=str(tmp_path / "whole"), **common)
+    run_training(PreferenceSession.create(whole), whole, train_step, evaluate)
+
+    first = make_config(tiny_model_dir, pair_files, "kto", output=str(tmp_path / "split"), **{**common, "max_steps": 2})
+    run_training(PreferenceSession.create(first), first, train_step, evaluate)
+    second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
+    run_training(PreferenceSession.create(second), second, train_step, evaluate)
+
+    def comparable(run):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run)]
+
+    assert comparable(tmp_path / "whole") == comparable(tmp_path / "split")
+    assert len(comparable(tmp_path / "whole")) == 5  # step 0 evaluation + 4 steps
+    from safetensors.torch import load_file
+
+    a = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "split" / "final_model" / "model.safetensors")
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_config_errors_name_the_field(tiny_model_dir, pair_files):
+    with pytest.raises(ConfigError, match="pairs_per_step"):
+        make_config(tiny_model_dir, pair_files, pairs_per_step=0)
+    with pytest.raises(ConfigError, match="max_length > max_prompt_length"):
+        make_config(tiny_model_dir, pair_files, max_length=8, max_prompt_length=8)
+    with pytest.raises(ConfigError, match="pairs_per_step >= 2"):  # before any model is loaded
+        PreferenceSession.create(make_config("does-not-exist", pair_files, "kto", pairs_per_step=1))
+    with pytest.raises(ConfigError, match="more than the 32"):
+        PreferenceSession.create(make_config("does-not-exist", pair_files, "dpo", pairs_per_step=33))
+
+
+def test_cli_has_the_preference_flags():
+    from posttrain.cli import build_parser
+
+    args = build_parser().parse_args(["train", "--algorithm", "dpo", "--pairs-per-step", "8",
+                                      "--precompute-reference", "--max-length", "64"])
+    assert (args.pairs_per_step, args.precompute_reference, args.max_length) == (8, True, 64)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", PRESETS)
+def test_each_preset_raises_held_out_pairwise_accuracy(name, tmp_path):
+    """The built-in task and model with the default settings, 100 steps."""
+    config = Config.from_flat(dict(algorithm=name, max_steps=100, eval_every=0, save_every=0, log_samples_every=0,
+                                   output=str(tmp_path / name), progress=False, tensorboard=False))
+    result = preference.train_preference(config)
+    before, after = result["before"]["eval/pairwise_accuracy"], result["after"]["eval/pairwise_accuracy"]
+    assert after > before + 0.02, (before, after)
