@@ -1,0 +1,529 @@
+"""The comparison report: figures and one self-contained HTML page from run directories.
+
+``build_report(run_dirs, output)`` groups the runs by their config's ``algorithm`` (seeds by its
+``seed``) and writes ``output/figures/*.png`` and ``output/report.html``, which embeds the same
+PNGs as base64 data URIs, with inline CSS and no script: it opens offline and travels as one file.
+
+The page holds:
+
+1. a summary table, one row per algorithm: final held-out accuracy and reward (mean ± sample std
+   over seeds), steps and training time to reach a target accuracy, total training time,
+   process wall time and peak memory (``resources.json``, written by ``posttrain compare``); the
+   best value of each column is bold. The target defaults to halfway between the start (the
+   runs' mean first evaluation) and the best algorithm's mean final value, and the page says so;
+2. the figures of ``FIGURES``, each with a caption saying what to look for: every curve is the
+   mean across seeds with a shaded min-max band, one colour per algorithm in every figure. A
+   panel whose metric no run logged is left out; a figure left without panels is not drawn;
+3. the settings the runs share, the preset fields that differ between the algorithms, the runs.
+
+Decisions:
+
+1. **Time is training time**: the cumulative sum of the logged ``time/step`` (sample, generate,
+   score, update), without evaluations, checkpoints and model loading, which cost every preset
+   the same. A resumed run re-logs the steps it redoes, so this clock stays exact where a process
+   clock would not. On a time axis each step sits at the seeds' mean time to reach it.
+2. **Seeds are aligned by step**: mean, min and max over the runs that logged that step (a run
+   cut short counts until it stops). Each run's series is smoothed first exactly as in
+   ``posttrain.plots`` (bias-corrected EMA, series of ``MIN_POINTS_TO_SMOOTH`` points or more
+   only, so sparse evaluations stay raw); summary numbers use the raw values.
+3. **The headline metric** is ``eval/accuracy`` when any run logged it, else
+   ``eval/pairwise_accuracy`` (preference runs on a dataset), else ``eval/reward``.
+4. A column's best is chosen among the algorithms with a value for every seed (for "to target":
+   every seed reached it). Table cells carry the exact mean in ``data-value`` (the text is
+   rounded), so scripts and tests can read the page back.
+"""
+
+from __future__ import annotations
+
+import base64
+import dataclasses
+import html
+import json
+import math
+import os
+import statistics
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from matplotlib.backends.backend_agg import FigureCanvasAgg
+from matplotlib.figure import Figure
+
+from posttrain.config import load_yaml
+from posttrain.logging import read_metrics
+from posttrain.plots import MIN_POINTS_TO_SMOOTH, _series, smooth
+
+REPORT_FILE = "report.html"
+FIGURES_DIR = "figures"
+RESOURCES_FILE = "resources.json"  # written by posttrain.compare
+HEADLINE_KEYS = {"eval/accuracy": "held-out accuracy", "eval/pairwise_accuracy": "held-out pairwise accuracy",
+                 "eval/reward": "held-out reward"}  # the first one logged is the headline (decision 3)
+
+
+@dataclass(frozen=True)
+class FigureSpec:
+    name: str  # figures/<name>.png
+    title: str
+    panels: tuple[tuple[str, str], ...]  # (metric key, x axis: "step" or "time")
+    caption: str  # what to look for
+
+
+FIGURES: tuple[FigureSpec, ...] = (
+    FigureSpec("heldout_accuracy", "Held-out accuracy (greedy)", (("eval/accuracy", "step"), ("eval/accuracy", "time")),
+               "Held-out accuracy: higher and earlier is better; the right panel charges each preset for its "
+               "time per step (DAPO's dynamic sampling generates extra groups, ReMax an extra greedy decode)."),
+    FigureSpec("heldout_reward", "Held-out reward (greedy)", (("eval/reward", "step"), ("eval/reward", "time")),
+               "Held-out reward of the task's reward functions: the same ranking as accuracy unless a preset "
+               "games a partial-credit reward term."),
+    FigureSpec("pairwise_accuracy", "Held-out pairwise accuracy",
+               (("eval/pairwise_accuracy", "step"), ("eval/pairwise_accuracy", "time")),
+               "Pairwise accuracy: how often the preset's implicit reward ranks the chosen completion above the "
+               "rejected one; 0.5 is chance."),
+    FigureSpec("train_reward", "Training reward (sampled completions)", (("reward/mean", "step"),),
+               "Training reward: DAPO's +-1 reward and overlong penalty put it on its own scale, so compare "
+               "shapes, not levels, across presets."),
+    FigureSpec("entropy", "Policy entropy (nats per token)", (("entropy", "step"),),
+               "Entropy: a fast fall means the policy stops exploring (GRPO's symmetric clip tends to collapse "
+               "first); DAPO's clip-higher and CISPO's clipped IS weight should keep it up longer."),
+    FigureSpec("clip_fraction", "Clip fraction (share of tokens clipped)", (("clip_fraction", "step"),),
+               "Clip fraction: 0 while each rollout gets one update as soon as it is sampled (the ratio is "
+               "exactly 1); PPO's epochs, DAPO's carried-over groups or mini_batches > 1 show how far updates "
+               "push past the trust region."),
+    FigureSpec("kl", "KL to the reference", (("kl", "step"),),
+               "KL to the reference (k3), for the presets that keep one (KTO: its reference point z): a steep "
+               "climb means the policy drifts faster than the KL penalty holds it."),
+    FigureSpec("completion_length", "Completion length (tokens)",
+               (("completion_length/correct", "step"), ("completion_length/incorrect", "step")),
+               "Length of correct and incorrect completions, one panel each: GRPO's per-sequence mean lets wrong "
+               "answers grow long (the bias Dr.GRPO removes); token-mean and constant normalisers should not."),
+    FigureSpec("zero_variance_groups", "Zero-variance groups (share of prompts)", (("zero_variance_groups", "step"),),
+               "Zero-variance groups: prompts whose samples all got the same reward have zero group advantage and "
+               "teach nothing; the share rises as prompts become all-solved (DAPO logs it before its filter)."),
+    FigureSpec("reward_margin", "Implicit reward margin (chosen - rejected)", (("rewards/margin", "step"),),
+               "Reward margin on the training batch should grow; a margin that keeps growing while held-out "
+               "pairwise accuracy stalls is overfitting."),
+    FigureSpec("preference_logps", "Log-probs of the training pairs",
+               (("logps/chosen", "step"), ("logps/rejected", "step")),
+               "Chosen and rejected log-probs: DPO-style losses may push both down, as only the gap "
+               "counts; a falling chosen log-prob is the failure that ORPO's NLL term counters."),
+    FigureSpec("loss", "Training loss", (("loss", "step"),),
+               "Loss: the presets' losses differ in form and normaliser, so read each curve's shape, not levels "
+               "across presets."),
+)
+
+
+# ---------------------------------------------------------------------------------------
+# Runs
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class Run:
+    run_dir: Path
+    config: dict[str, Any]  # config.yaml, flat
+    rows: list[dict[str, Any]]  # metrics.jsonl
+    resources: dict[str, Any] | None  # resources.json, when posttrain compare trained it
+
+    @property
+    def algorithm(self) -> str:
+        return str(self.config.get("algorithm", "?"))
+
+    @property
+    def seed(self) -> int:
+        return int(self.config.get("seed", 0))
+
+    def values(self, key: str) -> dict[int, float]:
+        """step -> the finite value logged for ``key``."""
+        return dict(zip(*_series(self.rows, key)))
+
+    def elapsed(self) -> dict[int, float]:
+        """step -> training seconds to reach it (decision 1); empty when ``time/step`` was never logged."""
+        out, total = {0: 0.0}, 0.0
+        for row in self.rows:
+            if "time/step" in row:
+                total += row["time/step"]
+                out[row["step"]] = total
+        return out if len(out) > 1 else {}
+
+
+def load_run(run_dir: str | os.PathLike) -> Run:
+    run_dir = Path(run_dir)
+    if not (run_dir / "config.yaml").exists():
+        raise FileNotFoundError(f"{run_dir} is not a run directory: it has no config.yaml")
+    path = run_dir / RESOURCES_FILE
+    return Run(run_dir, load_yaml(run_dir / "config.yaml"), read_metrics(run_dir),
+               json.loads(path.read_text()) if path.exists() else None)
+
+
+def find_runs(paths: Sequence[str | os.PathLike]) -> list[Path]:
+    """Each path that is a run directory (has config.yaml), else the run directories below it."""
+    runs = []
+    for path in map(Path, paths):
+        found = [path] if (path / "config.yaml").exists() else sorted(p.parent for p in path.rglob("config.yaml"))
+        if not found:
+            raise FileNotFoundError(f"{path} holds no run directory (no config.yaml in or below it)")
+        runs += found
+    return runs
+
+
+def group_runs(runs: Sequence[Run], order: Sequence[str] | None = None) -> dict[str, list[Run]]:
+    """Algorithm -> its runs by seed; algorithms in ``order``, then in the preset registry's order."""
+    from posttrain.algorithms import ALGORITHMS
+
+    rank = {name: i for i, name in enumerate([*(order or []), *ALGORITHMS])}
+    names = sorted({run.algorithm for run in runs}, key=lambda n: (rank.get(n, len(rank)), n))
+    return {name: sorted((r for r in runs if r.algorithm == name), key=lambda r: r.seed) for name in names}
+
+
+# ---------------------------------------------------------------------------------------
+# Curves across seeds
+# ---------------------------------------------------------------------------------------
+
+
+def across_runs(per_run: Sequence[Mapping[int, float]]) -> dict[int, tuple[float, float, float]]:
+    """step -> (mean, min, max) over the runs that have that step, steps ascending (decision 2)."""
+    out = {}
+    for step in sorted(set().union(*per_run)):
+        values = [run[step] for run in per_run if step in run]
+        out[step] = (statistics.fmean(values), min(values), max(values))
+    return out
+
+
+def _smoothed(values: dict[int, float]) -> dict[int, float]:
+    if len(values) < MIN_POINTS_TO_SMOOTH:
+        return values
+    return dict(zip(values, smooth(list(values.values()))))
+
+
+def curve(runs: Sequence[Run], key: str, x: str) -> tuple[list[float], list[float], list[float], list[float]]:
+    """(x, mean, min, max) of ``key`` across ``runs``; x is the step or the mean training seconds."""
+    per_run = [s for s in (_smoothed(run.values(key)) for run in runs) if s]
+    stats = across_runs(per_run) if per_run else {}
+    steps = list(stats)
+    xs: list[float] = list(steps)
+    if x == "time":
+        times = across_runs([e for e in (run.elapsed() for run in runs) if e])
+        steps = [s for s in steps if s in times]
+        xs = [times[s][0] for s in steps]
+    return xs, [stats[s][0] for s in steps], [stats[s][1] for s in steps], [stats[s][2] for s in steps]
+
+
+def colours(names: Sequence[str]) -> dict[str, tuple[str, str]]:
+    """One (colour, line style) per algorithm, the same in every figure: tab10, dashed after ten."""
+    return {name: (f"C{i % 10}", "-" if i < 10 else "--") for i, name in enumerate(names)}
+
+
+def _time_unit(groups: Mapping[str, Sequence[Run]]) -> tuple[str, float]:
+    longest = max((max(e.values()) for runs in groups.values() for e in (r.elapsed() for r in runs) if e), default=0)
+    if longest > 10 * 3600:
+        return "h", 3600.0
+    return ("min", 60.0) if longest > 600 else ("s", 1.0)
+
+
+def draw_figure(spec: FigureSpec, groups: Mapping[str, Sequence[Run]]) -> Figure | None:
+    """The figure of ``spec`` with the panels some run logged; None when there are none."""
+    curves = {(key, x): {name: curve(runs, key, x) for name, runs in groups.items()} for key, x in spec.panels}
+    panels = {panel: {n: c for n, c in per_alg.items() if c[0]} for panel, per_alg in curves.items()}
+    panels = {panel: per_alg for panel, per_alg in panels.items() if per_alg}
+    if not panels:
+        return None
+    style, (unit, scale) = colours(list(groups)), _time_unit(groups)
+    figure = Figure(figsize=(5.2 * len(panels) + 1.4, 3.6), layout="constrained")
+    FigureCanvasAgg(figure)
+    handles = {}
+    for ax, ((key, x), per_alg) in zip(figure.subplots(1, len(panels), squeeze=False)[0], panels.items()):
+        for name, (xs, mean, low, high) in per_alg.items():
+            xs = [v / scale for v in xs] if x == "time" else xs
+            colour, line = style[name]
+            handles[name], = ax.plot(xs, mean, line, color=colour, linewidth=1.6, label=name,
+                                     marker="o" if len(xs) <= 30 else None, markersize=3)
+            if len(groups[name]) > 1:
+                ax.fill_between(xs, low, high, color=colour, alpha=0.15, linewidth=0)
+        ax.set_title(key, fontsize=10)
+        ax.set_xlabel("step" if x == "step" else f"training time ({unit})")
+        ax.grid(alpha=0.3)
+    names = [name for name in groups if name in handles]
+    figure.legend([handles[name] for name in names], names, loc="outside right upper", fontsize=8)
+    figure.suptitle(spec.title)
+    return figure
+
+
+# ---------------------------------------------------------------------------------------
+# The summary table
+# ---------------------------------------------------------------------------------------
+
+
+def final_value(run: Run, key: str) -> float | None:
+    values = run.values(key)
+    return values[max(values)] if values else None
+
+
+def first_step_reaching(run: Run, key: str, target: float) -> int | None:
+    return next((step for step, value in sorted(run.values(key).items()) if value >= target), None)
+
+
+def time_to_target(run: Run, key: str, target: float) -> float | None:
+    step = first_step_reaching(run, key, target)
+    return None if step is None else run.elapsed().get(step)
+
+
+def training_seconds(run: Run) -> float | None:
+    elapsed = run.elapsed()
+    return elapsed[max(elapsed)] if elapsed else None
+
+
+def _resource(name: str) -> Callable[[Run], float | None]:
+    return lambda run: None if run.resources is None else run.resources.get(name)
+
+
+@dataclass(frozen=True)
+class Column:
+    title: str
+    per_run: Callable[[Run], float | None]
+    better: str  # "max" or "min"
+    digits: int
+    spread: bool = False  # show ± the sample std over seeds
+    reduce: str = "mean"  # or "max" (peak memory: the largest seed's)
+
+
+@dataclass(frozen=True)
+class Cell:
+    value: float | None  # mean (or max) over the seeds with a value
+    std: float | None
+    seeds: int  # seeds with a value
+    of: int  # seeds in the group
+
+    def text(self, column: Column) -> str:
+        if self.value is None:
+            return "—"
+        text = f"{self.value:.{column.digits}f}"
+        if column.spread and self.std is not None:
+            text += f" ± {self.std:.{column.digits}f}"
+        return text if self.seeds == self.of else f"{text} ({self.seeds}/{self.of} seeds)"
+
+
+def cell(column: Column, runs: Sequence[Run]) -> Cell:
+    values = [v for v in map(column.per_run, runs) if v is not None and math.isfinite(v)]
+    if not values:
+        return Cell(None, None, 0, len(runs))
+    value = max(values) if column.reduce == "max" else statistics.fmean(values)
+    return Cell(value, statistics.stdev(values) if len(values) > 1 else None, len(values), len(runs))
+
+
+def headline_key(runs: Sequence[Run]) -> str | None:
+    return next((k for k in HEADLINE_KEYS if any(run.values(k) for run in runs)), None)
+
+
+def default_target(groups: Mapping[str, Sequence[Run]], key: str) -> tuple[float, float, float, str]:
+    """(target, start, best final, best algorithm): halfway between the mean first value and the best mean final."""
+    starts = [v[min(v)] for v in (run.values(key) for runs in groups.values() for run in runs) if v]
+    final = Column("", lambda r: final_value(r, key), "max", 3)
+    finals = {name: cell(final, runs).value for name, runs in groups.items()}
+    best_name = max((n for n in finals if finals[n] is not None), key=lambda n: finals[n])
+    start, best = statistics.fmean(starts), finals[best_name]
+    return start + (best - start) / 2, start, best, best_name
+
+
+def summary_columns(runs: Sequence[Run], key: str | None, target: float | None) -> list[Column]:
+    """The table's columns; those no run can fill (no headline, no resources.json) are left out."""
+    logged = [k for k in HEADLINE_KEYS if any(run.values(k) for run in runs)]  # the headline first
+    columns = [Column(f"final {HEADLINE_KEYS[k]}", lambda r, k=k: final_value(r, k), "max", 3, spread=True)
+               for k in logged]
+    if key is not None and target is not None:
+        columns += [Column("steps to target", lambda r: first_step_reaching(r, key, target), "min", 1),
+                    Column("training time to target (s)", lambda r: time_to_target(r, key, target), "min", 1)]
+    columns.append(Column("training time (s)", training_seconds, "min", 1))
+    for name, title, reduce in (("wall_seconds", "wall time (s)", "mean"), ("peak_rss_mib", "peak RSS (MiB)", "max"),
+                                ("peak_cuda_mib", "peak GPU memory (MiB)", "max")):
+        if any(_resource(name)(run) is not None for run in runs):
+            columns.append(Column(title, _resource(name), "min", 0 if "MiB" in title else 1, reduce=reduce))
+    return columns
+
+
+def best_rows(column: Column, cells: Mapping[str, Cell]) -> set[str]:
+    """Algorithms holding the column's best value, among those with a value for every seed (decision 4)."""
+    complete = {name: c.value for name, c in cells.items() if c.value is not None and c.seeds == c.of}
+    if not complete:
+        return set()
+    best = (max if column.better == "max" else min)(complete.values())
+    return {name for name, value in complete.items() if value == best}
+
+
+# ---------------------------------------------------------------------------------------
+# HTML
+# ---------------------------------------------------------------------------------------
+
+CSS = """
+body { font: 15px/1.5 system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif; max-width: 1180px;
+       margin: 2em auto; padding: 0 1em; color: #222; }
+h1 { font-size: 1.6em; } h2 { margin-top: 2em; border-bottom: 1px solid #ddd; }
+table { border-collapse: collapse; margin: 1em 0; font-size: 0.92em; }
+th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: right; }
+th:first-child, td:first-child { text-align: left; } th { background: #f4f4f4; }
+td.best { font-weight: bold; } .note { color: #555; font-size: 0.92em; }
+figure { margin: 1.5em 0; } figure img { max-width: 100%; }
+figcaption { color: #444; font-size: 0.95em; } .swatch { display: inline-block; width: 0.9em; height: 0.9em;
+       margin-right: 0.4em; vertical-align: -0.1em; }
+"""
+
+
+def _e(value: Any) -> str:
+    return html.escape(str(value))
+
+
+def _format(value: Any) -> str:
+    if value is None:
+        return "—"
+    if isinstance(value, float):
+        return f"{value:g}"
+    if isinstance(value, (list, tuple)):
+        return ", ".join(map(_format, value)) or "—"
+    return str(value)
+
+
+def table_html(groups: Mapping[str, Sequence[Run]], columns: Sequence[Column]) -> str:
+    cells = {c.title: {name: cell(c, runs) for name, runs in groups.items()} for c in columns}
+    best = {c.title: best_rows(c, cells[c.title]) for c in columns}
+    style = colours(list(groups))
+    head = "".join(f"<th>{_e(c.title)}</th>" for c in columns)
+    lines = [f'<table id="summary"><tr><th>algorithm</th><th>seeds</th>{head}</tr>']
+    for name, runs in groups.items():
+        colour = style[name][0]
+        swatch = f'<span class="swatch" style="background:{_swatch(colour)}"></span>'
+        row = [f"<td>{swatch}{_e(name)}</td>", f"<td>{_e(', '.join(str(r.seed) for r in runs))}</td>"]
+        for c in columns:
+            value = cells[c.title][name]
+            attrs = "" if value.value is None else f' data-value="{value.value!r}"'
+            attrs += "" if value.std is None else f' data-std="{value.std!r}"'
+            klass = ' class="best"' if name in best[c.title] else ""
+            row.append(f"<td{klass}{attrs}>{_e(value.text(c))}</td>")
+        lines.append(f'<tr data-algorithm="{_e(name)}">{"".join(row)}</tr>')
+    return "\n".join(lines + ["</table>"])
+
+
+def _swatch(colour: str) -> str:
+    from matplotlib.colors import to_hex
+
+    return to_hex(colour)
+
+
+def target_html(groups: Mapping[str, Sequence[Run]], key: str | None, target: float | None) -> tuple[str, float | None]:
+    """The sentence that states the target, and the target."""
+    if key is None:
+        return "<p class=note>No run logged a held-out metric: no target.</p>", None
+    if target is not None:
+        return f"<p>Target: <b>{HEADLINE_KEYS[key]} ≥ {target:.3f}</b> (given with <code>--target</code>).</p>", target
+    target, start, best, name = default_target(groups, key)
+    text = (f"<p>Target: <b>{HEADLINE_KEYS[key]} ≥ {target:.3f}</b> (<code>{key}</code>), halfway between the "
+            f"start ({start:.3f}, the runs' mean first evaluation) and the best final value ({best:.3f}, {_e(name)}).")
+    if best <= start:
+        text += " No preset improved on the start, so every run reaches it at its first evaluation."
+    return text + "</p>", target
+
+
+def settings_html(runs: Sequence[Run]) -> str:
+    """The fields every run shares (a chosen few) and every field that differs beyond algorithm and seed."""
+    from posttrain.algorithms import ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm
+
+    kinds = {type(ALGORITHMS.get(run.algorithm)) for run in runs}
+    per_kind = {OnlineAlgorithm: ("prompts_per_step", "group_size", "max_new_tokens", "temperature"),
+                PreferenceAlgorithm: ("pairs_per_step",)}
+    shown = ("model", "task", "dataset", "eval_dataset", "reward", "max_steps",
+             *(name for kind, names in per_kind.items() if kind in kinds for name in names),
+             "learning_rate", "eval_size", "eval_every", "device")
+    skip = {"algorithm", "seed", "output", "resume", "progress"}
+    keys = sorted({k for run in runs for k in run.config} - skip)
+    differ = [k for k in keys if len({json.dumps(run.config.get(k), sort_keys=True) for run in runs}) > 1]
+    shared = [k for k in shown if k in keys and k not in differ and runs[0].config.get(k) not in (None, [])]
+    items = "".join(f"<tr><td>{_e(k)}</td><td>{_e(_format(runs[0].config.get(k)))}</td></tr>" for k in shared)
+    text = f"<table>{items}</table>"
+    if differ:
+        text += f"<p class=note>Fields that differ between runs besides algorithm and seed: {_e(', '.join(differ))}</p>"
+    return text
+
+
+def presets_html(groups: Mapping[str, Sequence[Run]]) -> str:
+    """The preset fields (overrides applied) whose values differ between the algorithms."""
+    from posttrain.algorithms import ALGORITHMS, algorithm
+
+    presets = {}
+    for name, runs in groups.items():
+        if name in ALGORITHMS:
+            names = {f.name for f in dataclasses.fields(ALGORITHMS[name])}
+            overrides = {k: v for k, v in runs[0].config.items() if k in names}
+            presets[name] = dataclasses.asdict(algorithm(name, **overrides))
+    if len(presets) < 2:
+        return ""
+    fields = list(dict.fromkeys(k for p in presets.values() for k in p if k not in ("name", "paper", "summary")))
+    differ = [f for f in fields if len({json.dumps(p.get(f), default=str) for p in presets.values()}) > 1]
+    head = "".join(f"<th>{_e(n)}</th>" for n in presets)
+    rows = "".join(f"<tr><td>{_e(f)}</td>{''.join(f'<td>{_e(_format(p.get(f)))}</td>' for p in presets.values())}</tr>"
+                   for f in differ)
+    return f"<h2>How the presets differ</h2><table><tr><th>field</th>{head}</tr>{rows}</table>"
+
+
+def runs_html(groups: Mapping[str, Sequence[Run]], output: Path) -> str:
+    rows = []
+    for name, runs in groups.items():
+        for run in runs:
+            last = run.rows[-1]["step"] if run.rows else 0
+            total = run.config.get("max_steps", "?")
+            status = "finished" if last == total else ("stopped early" if run.resources else "incomplete")
+            where = os.path.relpath(run.run_dir, output)
+            rows.append(f"<tr><td>{_e(name)}</td><td>{run.seed}</td><td>{last} / {_e(total)}</td>"
+                        f"<td>{status}</td><td>{_e(where)}</td></tr>")
+    return ("<table><tr><th>algorithm</th><th>seed</th><th>steps</th><th>status</th><th>run directory</th></tr>"
+            + "".join(rows) + "</table>")
+
+
+def build_report(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLike, *, target: float | None = None,
+                 order: Sequence[str] | None = None) -> Path:
+    """Write ``output/figures/*.png`` and ``output/report.html`` for ``run_dirs``; return the page's path."""
+    runs = [load_run(d) for d in run_dirs]
+    if not runs:
+        raise FileNotFoundError("report: no run directories given")
+    output = Path(output)
+    (output / FIGURES_DIR).mkdir(parents=True, exist_ok=True)
+    groups = group_runs(runs, order)
+    key = headline_key(runs)
+    target_text, target = target_html(groups, key, target)
+    figures = []
+    for spec in FIGURES:
+        figure = draw_figure(spec, groups)
+        if figure is not None:
+            path = output / FIGURES_DIR / f"{spec.name}.png"
+            figure.savefig(path, dpi=100)
+            data = base64.b64encode(path.read_bytes()).decode("ascii")
+            figures.append(f'<figure id="fig-{spec.name}"><img alt="{_e(spec.title)}" src="data:image/png;base64,'
+                           f'{data}"><figcaption>{_e(spec.caption)}</figcaption></figure>')
+    names = ", ".join(groups)
+    seeds = sorted({len(g) for g in groups.values()})
+    page = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8"><title>posttrain comparison: {_e(names)}</title>
+<style>{CSS}</style></head><body>
+<h1>Comparison: {_e(names)}</h1>
+<p class=note>{len(runs)} runs, {_e('/'.join(map(str, seeds)))} seed(s) per algorithm; written
+{_e(time.strftime('%Y-%m-%d %H:%M'))} by <code>posttrain report</code>.</p>
+<h2>Summary</h2>
+{target_text}
+{table_html(groups, summary_columns(runs, key, target))}
+<p class=note>Mean over seeds (± sample std for the final values; "k/n seeds" when only k seeds have a value, e.g.
+reached the target). Training time sums the logged <code>time/step</code>: sampling, generation, scoring and updates,
+without evaluations and checkpoints. Wall time is the training process's whole <code>train()</code> call; peak
+RSS is the largest seed's peak resident memory. Bold: the best value among algorithms with a value for every seed.</p>
+<h2>Settings shared by every run</h2>
+{settings_html(runs)}
+<h2>Curves</h2>
+<p class=note>Mean across seeds, shaded from the seeds' minimum to their maximum; training metrics smoothed
+(bias-corrected EMA), held-out evaluations raw.</p>
+{''.join(figures) or '<p>No run logged any of the plotted metrics.</p>'}
+{presets_html(groups)}
+<h2>Runs</h2>
+{runs_html(groups, output)}
+</body></html>
+"""
+    path = output / REPORT_FILE
+    path.write_text(page, encoding="utf-8")
+    return path
