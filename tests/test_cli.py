@@ -1,0 +1,73 @@
+"""The command line: pinned flags, config precedence, errors as one line, the presets views."""
+
+from __future__ import annotations
+
+import pytest
+import yaml
+
+from posttrain.cli import build_parser, main, resolve_config
+
+PINNED = ["--algorithm", "--model", "--task", "--dataset", "--reward", "--config", "--output", "--max-steps",
+          "--save-every", "--resume", "--seed"]
+
+
+def test_train_has_the_pinned_flags_and_every_config_and_preset_field(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = capsys.readouterr().out
+    for flag in PINNED + ["--learning-rate", "--group-size", "--eps-high", "--beta", "--history-resampling",
+                          "--reward-timeout", "--reward-errors", "--lora-r"]:
+        assert flag in text, flag
+
+
+def test_precedence_defaults_then_yaml_then_flags(tmp_path):
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"algorithm": "dapo", "learning_rate": 3e-5, "eps_high": 0.3, "group_size": 4}))
+    args = build_parser().parse_args(["train", "--config", str(path), "--group-size", "6"])
+    config = resolve_config(args)
+    assert config.algorithm == "dapo"
+    assert config.optim.learning_rate == 3e-5  # from YAML
+    assert config.rollout.group_size == 6  # the flag wins over YAML
+    assert config.preset().eps_high == 0.3 and config.preset().eps_low == 0.2  # override + preset default
+
+
+def test_repeatable_reward_flag_collects_every_function(tmp_path, reward_file):
+    args = build_parser().parse_args(["train", "--reward", f"{reward_file}:sevens", "--reward",
+                                      f"{reward_file}:ones", "--reward-weights", "1", "--reward-weights", "0.5"])
+    config = resolve_config(args)
+    assert config.data.reward == (f"{reward_file}:sevens", f"{reward_file}:ones")
+    assert config.data.reward_weights == (1.0, 0.5)
+
+
+def test_resolved_config_round_trips_through_yaml(tmp_path):
+    from posttrain.config import Config, load_yaml, save_yaml
+
+    config = Config.from_flat({"algorithm": "cispo", "eps_high": 3.0, "max_steps": 7, "top_k": 5})
+    save_yaml(config, tmp_path / "config.yaml")
+    assert Config.from_flat(load_yaml(tmp_path / "config.yaml")) == config
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--algorithm", "grpoo"], "Did you mean 'grpo'"),
+    (["train", "--beta", "-1"], "beta"),
+    (["train", "--group-size", "0"], "group_size"),
+    (["train", "--algorithm", "dpo", "--eps-high", "0.3"], "eps_high"),
+])
+def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("posttrain: error:") and message in err
+    assert "Traceback" not in err
+
+
+def test_algorithms_lists_every_preset_and_marks_differences(capsys):
+    from posttrain.algorithms import ALGORITHMS
+
+    assert main(["algorithms"]) == 0
+    table = capsys.readouterr().out
+    assert all(name in table for name in ALGORITHMS)
+    assert main(["algorithms", "grpo", "dr_grpo"]) == 0
+    side = capsys.readouterr().out
+    marked = {line.split()[1] for line in side.splitlines() if line.startswith("*")}
+    assert {"advantage", "aggregation", "beta"} <= marked
+    assert "eps_high" not in marked
