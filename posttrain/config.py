@@ -167,7 +167,7 @@ class PreferenceConfig:
 @dataclass(frozen=True)
 class RunConfig:
     output: str | None = _help("Run directory (default: runs/<algorithm>-<time>).")
-    max_steps: int = _help("Optimizer steps to run.", 150)
+    max_steps: int = _help("Optimizer steps to run.", 200)
     max_minutes: float = _help("Stop after this much training time (0 = no limit).", 0.0)
     seed: int = _help("Seed for sampling, data order and initialisation.", 0)
     eval_every: int = _help("Evaluate on held-out prompts every N steps (0 = only before and after).", 25)

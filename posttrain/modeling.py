@@ -31,31 +31,17 @@ def resolve_device(device: str) -> torch.device:
 
 
 def resolve_model_path(name: str) -> Path:
-    """A local directory, or a built-in model name built on first use."""
-    from posttrain.models.tiny import BUILTIN_MODELS, ensure_tiny_model
+    """A local directory, a .gguf file, an alias or a built-in model: see :mod:`posttrain.models.loading`."""
+    from posttrain.models import loading
 
-    if name in BUILTIN_MODELS:
-        return ensure_tiny_model(name)
-    path = Path(name).expanduser()
-    if path.is_dir():
-        if not (path / "config.json").exists():
-            raise FileNotFoundError(f"model directory {path} has no config.json: is it a Hugging Face model?")
-        return path
-    raise FileNotFoundError(
-        f"model {name!r} is neither a local directory nor a built-in model ({', '.join(BUILTIN_MODELS)}); "
-        "posttrain runs offline and does not download from a model hub"
-    )
+    return loading.resolve_model_path(name)
 
 
 def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto") -> tuple[Any, Any]:
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    """The model and tokenizer of a model spec: see :mod:`posttrain.models.loading`."""
+    from posttrain.models import loading
 
-    path = resolve_model_path(name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(resolve_device(device))
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model, tokenizer
+    return loading.load_model_and_tokenizer(name, dtype=dtype, device=device)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:

@@ -61,10 +61,10 @@ def _boxed(text: str) -> str | None:
 
 
 def extract_answer(text: str, delimiter: str | None = None) -> str | None:
-    """The final answer written in ``text``, or None if none can be found.
+    r"""The final answer written in ``text``, or None if none can be found.
 
     Tried in order: the text after the last ``delimiter`` (when given and
-    present); the content of the last ``\\boxed{...}``; what follows the last
+    present); the content of the last ``\boxed{...}``; what follows the last
     "answer is" up to a full stop or line end; the last number.
 
     >>> extract_answer("7+5=12|12", delimiter="|")
@@ -245,3 +245,45 @@ def load_reward_function(spec: str) -> RewardFn:
     if not callable(fn):
         raise TypeError(f"{name!r} in {str(path)!r} is a {type(fn).__name__}, not a callable reward function")
     return fn
+
+
+def _math_equal(predicted: str, gold: str, rel_tol: float, abs_tol: float) -> bool:
+    """Whether two final answers agree: by ``math_verify`` when installed (``\\frac{1}{2}`` equals
+    ``0.5``, ``7 apples`` equals ``7``), else as the last number each one writes, within tolerance."""
+    if importlib.util.find_spec("math_verify") is not None:
+        import threading
+
+        from math_verify import parse, verify
+
+        # math_verify's timeouts use signal.alarm, which works only in the main thread.
+        timeout = 5 if threading.current_thread() is threading.main_thread() else None
+        return verify(parse(gold, parsing_timeout=timeout), parse(predicted, parsing_timeout=timeout),
+                      timeout_seconds=timeout)
+    numbers = [parse_number(text) for text in (predicted, gold)]
+    if numbers[0] is None:  # "7 apples": the answer's last number
+        found = re.findall(_NUMBER, predicted)
+        numbers[0] = parse_number(found[-1]) if found else None
+    return None not in numbers and math.isclose(numbers[0], numbers[1], rel_tol=rel_tol, abs_tol=abs_tol)
+
+
+def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
+    """1.0 when the final answer written in free text equals ``answer`` mathematically, else 0.0.
+
+    The final answer is :func:`extract_answer`'s (``\\boxed{}``, then "answer is", then the last
+    number); it is compared with the gold answer by ``math_verify.verify`` when the ``math-verify``
+    package is installed, otherwise numerically (``math.isclose`` with the given tolerances). A
+    completion without an answer scores 0.0; a row whose answer is None scores None.
+    """
+
+    def math_answer(prompts: list, completions: list, answer: Sequence[Any] | None = None, **columns: Any):
+        answers = _answers("math_answer", answer, len(completions))
+        scores: list[float | None] = []
+        for completion, gold in zip(completions, answers):
+            if gold is None:
+                scores.append(None)
+                continue
+            predicted = extract_answer(completion_text(completion))
+            scores.append(float(predicted is not None and _math_equal(predicted, str(gold), rel_tol, abs_tol)))
+        return scores
+
+    return math_answer

@@ -21,6 +21,7 @@ from posttrain.checkpoint import (
 )
 from posttrain.config import Config, save_yaml
 from posttrain.logging import MetricsLogger
+from posttrain.models.lora import merged_for_saving
 from posttrain.plots import plot_run
 
 
@@ -107,7 +108,7 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
         progress.close()
     if not last_eval or session.step != run.max_steps:
         last_eval = evaluate(session)
-    final_dir = save_final_model(run_dir, session.policy, session.tokenizer)
+    final_dir = save_final_model(run_dir, merged_for_saving(session.policy), session.tokenizer)
     plot = plot_run(run_dir)
     _say(f"after {session.step} steps: {_summary(last_eval)}")
     _say(f"run directory: {run_dir}  (model: {final_dir.name}/, curves: {plot.name})")

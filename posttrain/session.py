@@ -21,7 +21,8 @@ from posttrain.algorithms import OnlineAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
 from posttrain.optim import apply_gradients, build_optimizer
-from posttrain.modeling import ValueHead, batched_logprobs, frozen_copy, load_model_and_tokenizer
+from posttrain.modeling import ValueHead, batched_logprobs, load_model_and_tokenizer
+from posttrain.models.lora import apply_lora, reference_model
 from posttrain.rollout import Completions, SamplingParams, make_generator
 from posttrain.scoring import RewardPolicy, Scores, score
 
@@ -119,11 +120,17 @@ class OnlineSession:
         model_name = config.model.model or work.default_model
         if model_name is None:
             raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
+        if config.model.lora_r and config.optim.ref_refresh_every:
+            raise ConfigError("ref_refresh_every: with LoRA the reference is the policy with its adapters off "
+                              "and cannot be refreshed; set ref_refresh_every 0, or lora_r 0 to train all weights")
         policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device)
+        if config.model.lora_r:
+            policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.train()
-        ref = frozen_copy(policy) if alg.needs_reference else None
+        ref = reference_model(policy) if alg.needs_reference else None
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
-        params = list(policy.parameters()) + (list(value_head.parameters()) if value_head else [])
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        params = trainable + (list(value_head.parameters()) if value_head else [])
         optimizer, scheduler = build_optimizer(params, config.optim)
         eos_ids = eos_token_ids(policy, tokenizer)
         r = config.rollout

@@ -44,7 +44,13 @@ def _addition(seed: int) -> Task:
     return addition.make_task(seed)
 
 
-TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition}
+def _gsm(seed: int) -> Task:
+    from posttrain.tasks import gsm
+
+    return gsm.make_task(seed)
+
+
+TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "gsm": _gsm}
 """Task name -> builder taking the split seed."""
 
 
