@@ -299,7 +299,7 @@ def test_gsm_split_is_fixed_disjoint_and_every_answer_checks_out():
         numbers = [int(n) for n in re.findall(r"\d+", question.split("\n")[0])]
         assert row["answer"] == str(GSM_ANSWERS[row["template"]](*numbers)), question
         assert int(row["answer"]) >= 0
-        assert question.endswith('end with "The answer is N." where N is a number.')
+        assert question.endswith('then end with "The answer is N." where N is a number.')
         if row["template"] == "sharing":
             assert numbers[0] % numbers[1] == 0
     assert task.default_model == "smollm2-135m" and 128 <= task.max_new_tokens <= 192

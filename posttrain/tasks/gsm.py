@@ -25,7 +25,7 @@ from typing import Any
 from posttrain.rewards import math_answer
 from posttrain.tasks import Task
 
-INSTRUCTION = 'Solve the problem step by step, then end with "The answer is N." where N is a number.'
+INSTRUCTION = 'Show your calculation briefly, then end with "The answer is N." where N is a number.'
 
 NAMES = ("Ava", "Ben", "Carla", "Dev", "Emma", "Finn", "Grace", "Hugo", "Isla", "Jack", "Kira", "Liam",
          "Maya", "Noah", "Olivia", "Pablo", "Quinn", "Rosa", "Sam", "Tara")
@@ -185,6 +185,6 @@ def make_task(seed: int = 0, n_train: int = 2000, n_test: int = 200) -> Task:
         reward_funcs=(answer_reward,),
         reward_weights=(1.0,),
         correct=correct,
-        max_new_tokens=160,
+        max_new_tokens=128,
         default_model="smollm2-135m",
     )
