@@ -27,6 +27,7 @@ import importlib.util
 import json
 import re
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -109,9 +110,8 @@ def convert_gguf(gguf_file: str | Path, cache_dir: str | Path | None = None) -> 
         raise ConfigError(f"model: loading {gguf_file.name} needs the gguf package; install it with: {GGUF_INSTALL}")
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.models.tiny import _log
-
-    _log(f"converting {gguf_file} to a float32 Hugging Face model in {target} (first use only)")
+    print(f"[posttrain] converting {gguf_file} to a float32 Hugging Face model in {target} (first use only)",
+          file=sys.stderr, flush=True)
     target.parent.mkdir(parents=True, exist_ok=True)
     scratch = Path(tempfile.mkdtemp(prefix=f".{target.name}-", dir=target.parent))
     try:

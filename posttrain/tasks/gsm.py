@@ -5,7 +5,8 @@ drawn from a seeded ``random.Random``; it takes 1-3 arithmetic operations and it
 whole number (divisions are built from their quotient, so they come out even). Half of the
 problems come from four easy templates (one small addition or multiplication), so that a
 135M-parameter instruct model solves some of them: RL needs a starting policy that is sometimes
-right (measured: SmolLM2-135M-Instruct answers about XX% of the held-out problems greedily).
+right (measured: SmolLM2-135M-Instruct answers 21.5% of the 200 held-out problems greedily,
+32% of the easy ones, 11% of the others).
 
 Prompts are chat messages (one user turn: the problem and an instruction to end with
 "The answer is N."); the chat template renders them for the model. The split is deterministic:
