@@ -163,7 +163,7 @@ def load_checkpoint(
     state = json.loads((path / TRAINER_STATE).read_text())
     if expected_fingerprint is not None:
         _check_fingerprint(path, state.get("fingerprint"), expected_fingerprint)
-    _load_strict(model, _read_model_weights(path), path)
+    _load_model_weights(model, path)
     for name, module in (extra_modules or {}).items():
         _load_strict(module, load_file(_existing(path, f"{name}.safetensors")), path / f"{name}.safetensors")
     if optimizer is not None:
@@ -312,19 +312,42 @@ def _read_model_weights(path: Path) -> dict[str, Tensor]:
     return tensors
 
 
+def _load_model_weights(model: nn.Module, path: Path) -> None:
+    """Full weights into a plain model; under LoRA (a ``peft`` model, which ``save_pretrained``
+    writes as ``adapter_model.safetensors`` only) the adapter weights, checked key by key the same
+    way: the frozen base weights come from the model the run was started from."""
+    from posttrain.models.lora import is_lora
+
+    if not is_lora(model):
+        _load_strict(model, _read_model_weights(path), path)
+        return
+    from peft import get_peft_model_state_dict, set_peft_model_state_dict
+
+    source = path / "adapter_model.safetensors"
+    tensors = load_file(_existing(path, source.name))
+    _check_keys(tensors.keys(), get_peft_model_state_dict(model).keys(), source, "LoRA adapters")
+    result = set_peft_model_state_dict(model, tensors)
+    if result.unexpected_keys:  # peft renames keys: a key it could not place would be lost silently
+        raise CheckpointError(f"{source}: peft could not place adapter weights {sorted(result.unexpected_keys)[:5]}")
+
+
+def _check_keys(found: Any, expected: Any, source: Path, what: str) -> None:
+    missing, unexpected = sorted(set(expected) - set(found)), sorted(set(found) - set(expected))
+    if missing or unexpected:
+        raise CheckpointError(
+            f"{source} does not match the {what} it is loaded into: "
+            f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
+            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
+        )
+
+
 def _load_strict(module: nn.Module, tensors: Mapping[str, Tensor], source: Path) -> None:
     """Load ``tensors`` into ``module``, failing (before any change) on a missing or unexpected
     key; a missing key is fine when its parameter is tied to a loaded one."""
     own = module.state_dict()
-    unexpected = sorted(tensors.keys() - own.keys())
     loaded = {(own[k].data_ptr(), own[k].shape) for k in tensors.keys() & own.keys()}
-    missing = sorted(k for k in own.keys() - tensors.keys() if (own[k].data_ptr(), own[k].shape) not in loaded)
-    if missing or unexpected:
-        raise CheckpointError(
-            f"{source} does not match the {type(module).__name__} it is loaded into: "
-            f"missing keys {missing[:5]}{'...' if len(missing) > 5 else ''}, "
-            f"unexpected keys {unexpected[:5]}{'...' if len(unexpected) > 5 else ''}"
-        )
+    tied = {k for k in own.keys() - tensors.keys() if (own[k].data_ptr(), own[k].shape) in loaded}
+    _check_keys(tensors.keys(), own.keys() - tied, source, type(module).__name__)
     module.load_state_dict(tensors, strict=False)
 
 

@@ -40,7 +40,7 @@ def _require(ok: bool, field_name: str, message: str) -> None:
 class ModelConfig:
     model: str | None = _help(
         "Policy model: a local Hugging Face directory, a .gguf file, or a built-in name "
-        "(tiny-addition). Default: the task's own starting model."
+        "(tiny-addition, smollm2-135m). Default: the task's own starting model."
     )
     dtype: str = _help("Parameter and compute dtype: float32 or bfloat16.", "float32")
     device: str = _help("cpu, cuda, or auto (cuda when available).", "auto")
@@ -61,7 +61,7 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str | None = _help("Built-in task (e.g. addition); ignored when --dataset is given.", "addition")
+    task: str | None = _help("Built-in task: addition or gsm; ignored when --dataset is given.", "addition")
     dataset: str | None = _help(
         "Prompt dataset: a JSONL/Parquet/CSV file or anything datasets.load_dataset reads, "
         "with a `prompt` column; other columns reach the reward functions."

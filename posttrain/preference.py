@@ -51,7 +51,8 @@ from torch import Tensor
 from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, encode_prompt
-from posttrain.modeling import collate, forward, frozen_copy, load_model_and_tokenizer
+from posttrain.modeling import collate, forward, load_model_and_tokenizer
+from posttrain.models.lora import apply_lora, reference_model
 from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.preference_data import PreferenceExamples, PreferenceTask, encode, load_rows
 from posttrain.rollout import HFGenerator, SamplingParams
@@ -99,6 +100,8 @@ class PreferenceSession:
         if model_name is None:
             raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
         policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device)
+        if config.model.lora_r:
+            policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.eval()  # no dropout (decision 2); gradients flow all the same
         pc = config.preference
         lengths = dict(max_length=pc.max_length, max_prompt_length=pc.max_prompt_length)
@@ -108,14 +111,14 @@ class PreferenceSession:
                       source=data.eval_dataset or f"task {data.task} (held-out)", **lengths) if test_rows else None
         _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated "
              f"(max_length {pc.max_length}, max_prompt_length {pc.max_prompt_length})")
-        ref = frozen_copy(policy) if preset.needs_reference else None
+        ref = reference_model(policy) if preset.needs_reference else None
         chunk = config.optim.micro_batch_size  # sequences per no-grad forward pass
         pad = tokenizer.pad_token_id
         ref_logps = dataset_logps(ref, train, pad, chunk)[0] if ref is not None and pc.precompute_reference else None
         test_ref_logps = dataset_logps(ref, test, pad, chunk)[0] if ref is not None and test is not None else None
         if ref_logps is not None and preset.paired:
             ref = None  # everything it would score is scored: free it (decision 5)
-        optimizer, scheduler = build_optimizer(policy.parameters(), config.optim)
+        optimizer, scheduler = build_optimizer([p for p in policy.parameters() if p.requires_grad], config.optim)
         generator = None
         if task is not None:
             from posttrain.session import eos_token_ids

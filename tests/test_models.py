@@ -13,7 +13,10 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from posttrain.config import ConfigError, ModelConfig
+from safetensors.torch import load_file
+
+from posttrain.config import Config, ConfigError, ModelConfig
+from posttrain.logging import read_metrics
 from posttrain.modeling import batched_logprobs
 from posttrain.models import loading
 from posttrain.online import train_step
@@ -306,3 +309,43 @@ def test_gsm_split_is_fixed_disjoint_and_every_answer_checks_out():
     row = task.test[0]
     assert task.correct(prompts=[row["prompt"]] * 2, answer=[row["answer"]] * 2,
                         completions=[f"The answer is {row['answer']}.", "The answer is -1."]) == [True, False]
+
+
+@needs_peft
+def test_lora_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_path):
+    from posttrain.runner import run_training
+    from posttrain.session import evaluate
+
+    common = dict(lora_r=4, lora_alpha=8.0, learning_rate=1e-2, eval_every=2, save_every=2,
+                  log_samples_every=0, eval_size=4)
+    whole = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "whole"), max_steps=4, **common)
+    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
+    first = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "split"), max_steps=2, **common)
+    run_training(OnlineSession.create(first), first, train_step, evaluate)
+    checkpoint = tmp_path / "split" / "checkpoints" / "step_000002"
+    assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
+    second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
+    run_training(OnlineSession.create(second), second, train_step, evaluate)
+
+    def comparable(run):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run)]
+
+    assert comparable(tmp_path / "whole") == comparable(tmp_path / "split")
+    a = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "split" / "final_model" / "model.safetensors")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_peft
+def test_lora_checkpoint_into_another_rank_names_the_mismatch(tiny_model_dir, reward_file, tmp_path):
+    from posttrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+    s = lora_session(tiny_model_dir, reward_file, output=str(tmp_path / "run"), save_every=1, eval_size=2,
+                     max_steps=1)
+    from posttrain.runner import run_training
+    from posttrain.session import evaluate
+
+    run_training(s, s.config, train_step, evaluate)
+    other = lora_session(tiny_model_dir, reward_file, lora_target_modules=["q_proj"])
+    with pytest.raises(CheckpointError, match="LoRA adapters it is loaded into: missing keys"):
+        load_checkpoint(latest_checkpoint(tmp_path / "run"), model=other.policy)

@@ -5,6 +5,7 @@ micro-batching and resuming change nothing; held-out accuracy uses each preset's
 from __future__ import annotations
 
 import copy
+import importlib.util
 import json
 import math
 
@@ -287,12 +288,17 @@ def test_apply_gradients_drops_a_non_finite_gradient_and_counts():
     assert norm == pytest.approx(5.0) and bad == 0 and not torch.equal(weight.detach(), torch.ones(2))
 
 
-def test_resumed_run_equals_uninterrupted(tiny_model_dir, pair_files, tmp_path):
-    common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=2)
-    whole = make_config(tiny_model_dir, pair_files, "kto", output=str(tmp_path / "whole"), **common)
+LORA = dict(lora_r=4, lora_alpha=8.0)
+needs_peft = pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+
+
+@pytest.mark.parametrize("name, extra", [("kto", {}), pytest.param("dpo", LORA, marks=needs_peft, id="dpo-lora")])
+def test_resumed_run_equals_uninterrupted(name, extra, tiny_model_dir, pair_files, tmp_path):
+    common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=2, **extra)
+    whole = make_config(tiny_model_dir, pair_files, name, output=str(tmp_path / "whole"), **common)
     run_training(PreferenceSession.create(whole), whole, train_step, evaluate)
 
-    first = make_config(tiny_model_dir, pair_files, "kto", output=str(tmp_path / "split"), **{**common, "max_steps": 2})
+    first = make_config(tiny_model_dir, pair_files, name, output=str(tmp_path / "split"), **{**common, "max_steps": 2})
     run_training(PreferenceSession.create(first), first, train_step, evaluate)
     second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
     run_training(PreferenceSession.create(second), second, train_step, evaluate)
@@ -307,6 +313,29 @@ def test_resumed_run_equals_uninterrupted(tiny_model_dir, pair_files, tmp_path):
     a = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
     b = load_file(tmp_path / "split" / "final_model" / "model.safetensors")
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+@needs_peft
+@pytest.mark.parametrize("precompute", [False, True])
+def test_lora_dpo_trains_only_the_adapters_against_the_base_model(precompute, tiny_model_dir, pair_files):
+    from transformers import AutoModelForCausalLM
+
+    s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, "dpo", precompute_reference=precompute,
+                                             **LORA))
+    named = dict(s.policy.named_parameters())
+    adapters = {n for n in named if ".lora_A." in n or ".lora_B." in n}
+    assert len(adapters) == 14  # 7 projections x (A, B) in the one layer
+    assert {id(p) for g in s.optimizer.param_groups for p in g["params"]} == {id(named[n]) for n in adapters}
+    # The reference is the base model: its log-probs equal a fresh copy's.
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir).eval()
+    idx = list(range(len(s.train)))
+    expected = manual_logps(base, s.train, [(i, i) for i in idx])
+    before = copy.deepcopy(s.policy.state_dict())
+    for _ in range(2):
+        train_step(s)
+    assert torch.allclose(reference_logps(s, idx), expected, atol=1e-5)
+    changed = {n for n, v in s.policy.state_dict().items() if not torch.equal(before[n], v)}
+    assert changed and all(".lora_A." in n or ".lora_B." in n for n in changed)
 
 
 def test_config_errors_name_the_field(tiny_model_dir, pair_files):
