@@ -20,6 +20,9 @@ decoding (posttrain's ``time/generation``; TRL's ``_generate``), ``scoring`` the
 log-probs, advantages, forward, backward, optimizer step, bookkeeping. posttrain is driven by its
 ``train_step`` directly (no run directory, evaluation or checkpoints); TRL by ``Trainer.train``
 with logging, saving and evaluation switched off, a step timed from one ``on_step_end`` to the next.
+The posttrain child keeps freed memory in the process (``posttrain.allocator``, what every
+``posttrain train`` does); TRL runs with glibc's defaults, as its users get it (preloading jemalloc
+would give it a similar gain, FACTS.md).
 
 TRL is set up as FACTS.md measured it: float32 (``bf16=False``), no gradient checkpointing, no vLLM,
 ``report_to="none"``, the GRPO preset's loss (``loss_type="grpo"``: per-sequence token mean,
@@ -179,9 +182,12 @@ def step_record(seconds: float, generation: float = 0.0, scoring: float = 0.0, g
 
 
 def posttrain_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, float]]:
+    from posttrain.allocator import keep_freed_memory
     from posttrain.config import Config
     from posttrain.online import train_step
     from posttrain.session import OnlineSession
+
+    keep_freed_memory()  # as posttrain.train does for every CLI run
 
     config = Config.from_flat(dict(
         algorithm="grpo", model=str(path), dataset=str(write_jsonl(prompt_rows(), data / "prompts.jsonl")),
@@ -207,8 +213,11 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[st
 
 
 def posttrain_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, float]]:
+    from posttrain.allocator import keep_freed_memory
     from posttrain.config import Config
     from posttrain.preference import PreferenceSession, train_step
+
+    keep_freed_memory()  # as posttrain.train does for every CLI run
 
     config = Config.from_flat(dict(
         algorithm="dpo", model=str(path), dataset=str(write_jsonl(pair_rows(), data / "pairs.jsonl")),

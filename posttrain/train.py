@@ -5,11 +5,13 @@ from __future__ import annotations
 from typing import Any
 
 from posttrain.algorithms import PreferenceAlgorithm
+from posttrain.allocator import keep_freed_memory
 from posttrain.config import Config
 
 
 def train(config: Config) -> dict[str, Any]:
     """Run training as configured; returns the run directory and the held-out metrics before/after."""
+    keep_freed_memory()  # about a third less CPU time per step on CPU (posttrain/allocator.py)
     if isinstance(config.preset(), PreferenceAlgorithm):
         from posttrain.preference import train_preference
 
