@@ -7,6 +7,8 @@
 - ``run_dir/tensorboard/``: every scalar, and the first rows of each sample batch as a markdown table;
 - a Weights & Biases run, when a project is named (``pip install 'posttrain[wandb]'``).
 
+``NullLogger`` has the same methods and writes nothing: with several processes only rank 0 logs.
+
 Decisions:
 
 1. Non-finite floats are written as the JSON strings ``"NaN"``, ``"Infinity"`` and ``"-Infinity"``.
@@ -135,6 +137,25 @@ class MetricsLogger:
 
     def __exit__(self, *exc_info: object) -> None:
         self.close()
+
+
+class NullLogger:
+    """``MetricsLogger``'s interface, writing nothing: the logger of every process but rank 0."""
+
+    def log(self, step: int, metrics: Mapping[str, float | int | Tensor]) -> None:
+        pass
+
+    def log_samples(self, step: int, rows: Sequence[Mapping[str, Any]]) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+    def __enter__(self) -> NullLogger:
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        pass
 
 
 def read_metrics(run_dir: str | os.PathLike) -> list[dict[str, Any]]:

@@ -3,6 +3,7 @@
 One step, top to bottom:
 
 1. sample ``B`` prompts (SRPO's history resampling leaves solved prompts out);
+   with ``W`` processes each takes its ``B / W`` of them;
 2. generate ``G`` completions per prompt and score them with the reward functions;
 3. shape the rewards: the preset's binary reward (DAPO's +-1) and overlong penalty;
 4. filter groups: dynamic sampling keeps only groups with reward variance and
@@ -10,11 +11,13 @@ One step, top to bottom:
 5. compute the log-probs the preset needs: the sampling policy's (for several
    updates per rollout, mini-batches, KL in the reward or surplus groups), the
    reference's (KL), and the value head's (GAE);
-6. advantages (and returns) from the preset's estimator;
+6. advantages (and returns) from the preset's estimator, on the whole step's batch
+   (every process's rows), so batch statistics are the same for any ``W``;
 7. ``num_epochs`` passes over the rollout in ``mini_batches`` optimizer steps;
    micro-batches accumulate gradients, and the aggregation's normaliser is the
-   optimizer step's, so the micro-batch size never changes the update;
-8. log.
+   optimizer step's (over all processes, whose gradients are summed), so neither
+   the micro-batch size nor the process count changes the update;
+8. log metrics of the whole step (reduced over processes).
 
 The loop never looks at the algorithm's name: the preset's pieces decide.
 Departures from the papers, all documented in docs/decisions.md: PPO's critic is
@@ -34,6 +37,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
+from posttrain import distributed
 from posttrain.modeling import batched_logprobs, collate, forward
 from posttrain.rollout import Completions
 from posttrain.scoring import score
@@ -77,26 +81,20 @@ class Groups:
 
     @staticmethod
     def cat(parts: list["Groups"]) -> "Groups":
-        width = max(p.completions.completion_ids.shape[1] for p in parts)
-
-        def padded(t: Tensor, value: float = 0) -> Tensor:
-            return torch.nn.functional.pad(t, (0, width - t.shape[1]), value=value)
-
-        first = parts[0]
         return Groups(
             sum((p.indices for p in parts), []),
             sum((p.prompt_ids for p in parts), []),
             Completions(
-                torch.cat([padded(p.completions.completion_ids) for p in parts]),
-                torch.cat([padded(p.completions.mask) for p in parts]),
-                torch.cat([p.completions.truncated for p in parts]),
+                cat_rows([p.completions.completion_ids for p in parts]),
+                cat_rows([p.completions.mask for p in parts]),
+                cat_rows([p.completions.truncated for p in parts]),
             ),
             sum((p.texts for p in parts), []),
-            torch.cat([p.rewards for p in parts]),
-            {k: torch.cat([p.terms[k] for p in parts]) for k in first.terms},
-            None if first.correct is None else torch.cat([p.correct for p in parts]),
-            None if first.old_logprobs is None else torch.cat([padded(p.old_logprobs) for p in parts]),
-            None if first.old_values is None else torch.cat([padded(p.old_values) for p in parts]),
+            cat_rows([p.rewards for p in parts]),
+            {k: cat_rows([p.terms[k] for p in parts]) for k in parts[0].terms},
+            cat_rows([p.correct for p in parts]),
+            cat_rows([p.old_logprobs for p in parts]),
+            cat_rows([p.old_values for p in parts]),
         )
 
     def pick(self, sample: Tensor) -> "Groups":
@@ -121,14 +119,31 @@ class Groups:
         head = torch.arange(b) < count
         return self.select(head), (self.select(~head) if count < b else None)
 
+    def shard(self) -> "Groups | None":
+        """This process's contiguous share of the groups (None when it is empty)."""
+        keep = torch.zeros(len(self.indices), dtype=torch.bool)
+        keep[distributed.shard(range(len(self.indices)))] = True
+        return self.select(keep) if keep.any() else None
+
+
+def cat_rows(parts: list[Tensor | None]) -> Tensor | None:
+    """Concatenate along rows, right-padding [n, T] tensors with 0 to the widest; None stays None."""
+    if parts[0] is None:
+        return None
+    if parts[0].dim() == 1:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
+
 
 # ---------------------------------------------------------------------------------------
 # 1-4: sample, generate, score, shape, filter
 # ---------------------------------------------------------------------------------------
 
 
-def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, float]]:
-    """Generate and score ``G`` completions for each prompt; shape their rewards."""
+def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, float], dict[str, int]]:
+    """Generate and score ``G`` completions for each prompt; shape their rewards.
+    Also returns the generation and scoring times, and the count of failed rewards by function."""
     alg, g = s.alg, s.config.rollout.group_size
     rows = [s.train_rows[i] for i in indices]
     prompt_ids = [s.encoded_prompts[i] for i in indices]
@@ -146,17 +161,18 @@ def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, flo
         rewards = rewards + F.overlong_penalty(
             completions.lengths, max_tokens=budget, buffer=max(1, round(alg.overlong_buffer_ratio * budget))
         )
-    if correct is not None:
-        s.sampler.record_solved([i for i, ok in zip(indices, correct.view(-1, g).all(-1).tolist()) if ok])
+    if correct is not None:  # every process records every process's solved prompts: one sampler state
+        solved = [i for i, ok in zip(indices, correct.view(-1, g).all(-1).tolist()) if ok]
+        s.sampler.record_solved(distributed.concat(solved))
     groups = Groups(
         list(indices), [p for p in prompt_ids for _ in range(g)], completions, texts,
         rewards.view(-1, g), scores.terms, correct,
     )
-    stats = {"time/generation": t1 - t0, "time/scoring": time.perf_counter() - t1,
-             **{f"reward_failures/{name}": count for name, count in scores.failures.items()}}
+    times = {"time/generation": t1 - t0, "time/scoring": time.perf_counter() - t1}
+    failures = {f"reward_failures/{name}": count for name, count in scores.failures.items()}
     if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
         groups = groups.select(~scores.failed.view(-1, g).any(-1))
-    return groups, stats
+    return groups, times, failures
 
 
 def has_signal(rewards: Tensor) -> Tensor:
@@ -165,41 +181,56 @@ def has_signal(rewards: Tensor) -> Tensor:
 
 
 def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
-    """One step's groups; with dynamic sampling, refill until ``B`` groups carry signal."""
+    """This process's share of the step's groups, ``B / W`` of them; with dynamic sampling, refill
+    until they carry signal. All processes generate in the same rounds (so they keep drawing the
+    same prompt order) until each holds its share or the rounds run out."""
     alg, b = s.alg, s.config.rollout.prompts_per_step
+    share = b // distributed.world_size()
     kept: list[Groups] = [s.surplus] if s.surplus is not None else []
     have = sum(len(p.indices) for p in kept)
-    stats: dict[str, float] = {"time/generation": 0.0, "time/scoring": 0.0}
+    times: dict[str, float] = {"time/generation": 0.0, "time/scoring": 0.0}
+    failures: dict[str, float] = {}
     rounds, generated, zero_variance, fresh = 0, 0, 0, []
-    while have < b and rounds < (alg.max_generation_rounds if alg.dynamic_sampling else 1):
-        groups, times = rollout(s, s.sampler.next(b))
-        for key, value in times.items():
-            stats[key] = stats.get(key, 0.0) + value
+    while rounds < (alg.max_generation_rounds if alg.dynamic_sampling else 1) and distributed.any_true(have < share):
+        groups, round_times, round_failures = rollout(s, distributed.shard(s.sampler.next(b)))
+        for totals, new in ((times, round_times), (failures, round_failures)):
+            for key, value in new.items():
+                totals[key] = totals.get(key, 0.0) + value
         signal = has_signal(groups.rewards)
         rounds, generated, zero_variance = rounds + 1, generated + len(signal), zero_variance + int((~signal).sum())
         fresh.append(groups)
         if alg.dynamic_sampling:
             groups = groups.select(signal)
-        if len(groups.indices):
-            if s.needs_rollout_logprobs:
-                groups.old_logprobs, groups.old_values = s.rollout_logprobs(groups)
-            kept.append(groups)
-            have += len(groups.indices)
-    if not kept:
+        if s.needs_rollout_logprobs:  # (an empty selection costs no forward pass)
+            groups.old_logprobs, groups.old_values = s.rollout_logprobs(groups)
+        kept.append(groups)
+        have += len(groups.indices)
+    if not distributed.any_true(have > 0):
         raise RuntimeError(
             f"no group left to train on after {rounds} generation round(s) of {b} prompts (dynamic sampling "
             "keeps only groups with reward variance; reward_errors=skip drops groups with a failed reward); "
             "raise max_generation_rounds or group_size, start from a policy that is sometimes right, "
             "or fix the reward function"
         )
-    batch, s.surplus = Groups.cat(kept).split(b)
-    stats.update({
+    # A process whose share came back empty (the others' did not) trains on no rows this step. At most
+    # a step's share of groups waits for the next step (one process keeps fewer than B); more happens
+    # only when this process generated again for another that was still short.
+    batch, surplus = Groups.cat([p for p in kept if p.indices] or kept[-1:]).split(share)
+    s.surplus = None if surplus is None else surplus.split(share)[0]
+    # The step's metrics: counts summed over processes, times the slowest process's, the rollout's
+    # metrics over every process's new groups.
+    total = distributed.reduce_values({"generated": generated, "zero_variance": zero_variance,
+                                       "groups_trained": len(batch.indices),
+                                       "surplus_groups": 0 if s.surplus is None else len(s.surplus.indices)})
+    stats = {
+        **distributed.reduce_values(times, max),
+        **distributed.reduce_values(failures),
         "generation_rounds": rounds,
-        "zero_variance_groups": zero_variance / max(generated, 1),
-        "groups_trained": len(batch.indices),
-        "surplus_groups": 0 if s.surplus is None else len(s.surplus.indices),
-    })
-    return batch, {**stats, **rollout_metrics(Groups.cat(fresh))}
+        "zero_variance_groups": total["zero_variance"] / max(total["generated"], 1),
+        "groups_trained": total["groups_trained"],
+        "surplus_groups": total["surplus_groups"],
+    }
+    return batch, {**stats, **rollout_metrics(Groups.cat(distributed.concat(fresh)))}
 
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:
@@ -227,14 +258,16 @@ def rollout_metrics(groups: Groups) -> dict[str, float]:
 
 
 def step_normalizer(mask: Tensor, aggregation: str) -> Tensor:
-    """The optimizer step's denominator: valid tokens (token_mean) or non-empty sequences."""
+    """The optimizer step's denominator: valid tokens (token_mean) or non-empty sequences,
+    summed over processes (each holds its rows of the step; their gradients are summed)."""
     if aggregation == "token_mean":
-        return mask.sum()
-    return (mask.sum(-1) > 0).sum()
+        return distributed.all_sum(mask.sum())
+    return distributed.all_sum((mask.sum(-1) > 0).sum())
 
 
 # Micro-batch losses are partial sums (the normaliser is the optimizer step's), so they add up
-# to the step's loss; every other metric is a per-token mean, averaged weighted by tokens.
+# (over micro-batches and processes) to the step's loss; every other metric is a per-token mean,
+# averaged weighted by tokens.
 ADDITIVE_METRICS = ("loss", "policy_loss", "value_loss")
 
 
@@ -248,9 +281,11 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
     tokens_seen, steps, skipped, grad_norms = 0.0, 0, 0, []
     for _ in range(alg.num_epochs):
         order = torch.randperm(len(mask)) if optim.mini_batches > 1 else torch.arange(len(mask))
-        for mini in order.chunk(optim.mini_batches):
+        for mini in order.tensor_split(optim.mini_batches):  # always mini_batches steps, on every process
             normalizer = step_normalizer(mask[mini], alg.aggregation)
             for micro in mini.split(optim.micro_batch_size):
+                if len(micro) == 0:  # no rows here (on this process): it only joins the gradient sum
+                    continue
                 metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer)
                 tokens = float(mask[micro].sum())
                 tokens_seen += tokens
@@ -262,11 +297,32 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
             grad_norms.append(s.optimizer_step())
             steps += 1
             skipped += not math.isfinite(grad_norms[-1])
+    weighted, additive = distributed.reduce_values(weighted), distributed.reduce_values(additive)
+    tokens_seen = distributed.reduce_values({"tokens": tokens_seen})["tokens"]
     out = {key: value / max(tokens_seen, 1.0) for key, value in weighted.items()}
     out.update({key: value / steps for key, value in additive.items()})
     out["grad_norm"] = sum(grad_norms) / steps
     out["skipped_steps"] = skipped
     return out
+
+
+def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
+                    baseline: Tensor | None) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    """The preset's advantages (and returns) of this process's rows, computed on the whole step's batch:
+    every process's estimator inputs are gathered, so batch statistics (REINFORCE++'s and GAE's
+    whitening) are the whole batch's, as in one process. Also their mean and std over valid tokens."""
+    inputs = {"rewards": groups.rewards, "mask": groups.completions.mask, "logprobs": groups.old_logprobs,
+              "ref_logprobs": ref, "values": groups.old_values, "baseline": baseline}
+    parts = distributed.gather(inputs)
+    batch = {name: cat_rows([part[name] for part in parts]) for name in inputs}
+    advantages, returns = s.alg.advantages_and_returns(batch.pop("rewards"), **batch)
+    valid = batch["mask"].bool()
+    stats = {"advantage/mean": advantages[valid].mean().item() if valid.any() else 0.0,
+             "advantage/std": advantages[valid].std().item() if valid.sum() > 1 else 0.0}
+    start = sum(len(part["mask"]) for part in parts[:distributed.rank()])
+    mine = slice(start, start + len(groups.completions.mask))
+    width = groups.completions.mask.shape[1]
+    return advantages[mine, :width], None if returns is None else returns[mine, :width], stats
 
 
 def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages: Tensor,
@@ -313,15 +369,10 @@ def train_step(s: OnlineSession) -> dict[str, float]:
         groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
     ref = s.reference_logprobs(groups) if alg.needs_reference else None
     baseline = s.greedy_rewards(groups.indices) if alg.needs_greedy_baseline else None
-    advantages, returns = alg.advantages_and_returns(
-        groups.rewards, mask=groups.completions.mask, logprobs=groups.old_logprobs,
-        ref_logprobs=ref, values=groups.old_values, baseline=baseline,
-    )
-    valid = groups.completions.mask.bool()
-    metrics["advantage/mean"] = advantages[valid].mean().item() if valid.any() else 0.0
-    metrics["advantage/std"] = advantages[valid].std().item() if valid.sum() > 1 else 0.0
+    advantages, returns, stats = step_advantages(s, groups, ref, baseline)
+    metrics.update(stats)
     metrics.update(update(s, groups, advantages, returns, ref))
-    metrics["time/training"] = time.perf_counter() - t0
+    metrics.update(distributed.reduce_values({"time/training": time.perf_counter() - t0}, max))
     metrics["lr"] = s.scheduler.get_last_lr()[0]
     s.maybe_refresh_reference()
     s.last_groups = groups

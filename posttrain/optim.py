@@ -1,7 +1,8 @@
 """The optimizer and its guarded step, shared by the trainers.
 
 ``build_optimizer``: AdamW with a linear learning-rate warm-up, then constant.
-``apply_gradients``: clip the accumulated gradient to ``max_grad_norm`` and
+``apply_gradients``: sum the accumulated gradient over processes (a no-op in
+one process; see ``posttrain.distributed``), clip it to ``max_grad_norm`` and
 apply it, unless its norm is non-finite (a NaN/inf loss or gradient): then the
 step is skipped (the gradient is dropped, the weights and AdamW's moments stay
 as they were), and ``max_bad_steps`` consecutive skips stop the run. The
@@ -16,6 +17,7 @@ from collections.abc import Iterable
 
 import torch
 
+from posttrain import distributed
 from posttrain.config import OptimConfig
 
 
@@ -29,13 +31,14 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig):
 
 def apply_gradients(optimizer: torch.optim.Optimizer, scheduler, optim: OptimConfig,
                     bad_steps: int) -> tuple[float, int]:
-    """Clip and apply the accumulated gradient, or drop it when non-finite.
+    """Sum the accumulated gradient over processes, then clip and apply it, or drop it when non-finite.
 
     ``bad_steps`` counts the consecutive skipped steps before this one; returns
     (the gradient norm before clipping, the updated count). Raises FloatingPointError
     when the count reaches ``optim.max_bad_steps``.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
+    distributed.sum_gradients(params)  # every process then holds the same gradient and takes the same step
     grad_norm = float(torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm or math.inf))
     if math.isfinite(grad_norm):
         optimizer.step()

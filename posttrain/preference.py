@@ -35,7 +35,13 @@ The loop never looks at the preset's name: ``needs_reference``, ``paired``,
    chance, rather than 0.
 5. With ``precompute_reference`` the reference scores every training and held-out
    example once, then is freed; KTO keeps it for its batch-dependent mismatched pairs.
-   Held-out examples are always scored by the reference once, at the start.
+   Held-out examples are always scored by the reference once, at the start (by every
+   process, when there are several).
+6. With ``W`` processes (``posttrain.distributed``) each trains on a contiguous
+   ``pairs_per_step / W`` of the step's examples, each micro-batch's loss weighted by its
+   share of the whole step, and the gradients are summed: the update of one process.
+   KTO's mismatched pairs are the whole step's (each process scores its share of them),
+   and the logged loss and metrics are computed on the whole step's log-probs.
 """
 
 from __future__ import annotations
@@ -48,6 +54,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain import distributed
 from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, encode_prompt
@@ -95,7 +102,8 @@ class PreferenceSession:
                                                 needs_scores=preset.needs_scores)
         test_rows = test_rows[:data.eval_size]
         validate(config, preset, len(train_rows))
-        torch.manual_seed(config.run.seed)
+        distributed.init(config.model.device)
+        distributed.seed(config.run.seed)
         model_name = config.model.model or (task.source.default_model if task else None)
         if model_name is None:
             raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
@@ -118,7 +126,9 @@ class PreferenceSession:
         test_ref_logps = dataset_logps(ref, test, pad, chunk)[0] if ref is not None and test is not None else None
         if ref_logps is not None and preset.paired:
             ref = None  # everything it would score is scored: free it (decision 5)
-        optimizer, scheduler = build_optimizer([p for p in policy.parameters() if p.requires_grad], config.optim)
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        optimizer, scheduler = build_optimizer(trainable, config.optim)
+        distributed.broadcast_parameters(trainable)  # e.g. LoRA's random init: every process starts from rank 0's
         generator = None
         if task is not None:
             from posttrain.session import eos_token_ids
@@ -163,13 +173,18 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int) -> 
     per_step = config.preference.pairs_per_step
     if per_step > num_examples:
         raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training examples")
+    world = distributed.world_size()
+    if per_step % world:
+        raise ConfigError(f"pairs_per_step: {per_step} examples do not split evenly over {world} processes; "
+                          f"use a multiple of {world}")
     if not preset.paired and per_step < 2:
         raise ConfigError(f"pairs_per_step: {preset.name} pairs each prompt with another example's completion "
                           "for its reference point; use pairs_per_step >= 2")
 
 
 def _say(message: str) -> None:
-    print(f"[posttrain] {message}", file=sys.stderr, flush=True)
+    if distributed.is_main():
+        print(f"[posttrain] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -271,13 +286,15 @@ def reference_logps(s: PreferenceSession, idx: list[int]) -> Tensor | None:
 
 
 def kl_inputs(s: PreferenceSession, idx: list[int]) -> dict[str, Tensor]:
-    """KTO: the step's mismatched pairs under policy and reference, no gradient; {} for paired presets."""
+    """KTO: the step's mismatched pairs under policy and reference, no gradient; {} for paired presets.
+    ``idx`` is the whole step's examples; each process scores its share of the pairs and gets them all."""
     if s.preset.paired:
         return {}
-    sequences = mismatched_sequences(s.train, idx, s.config.preference.max_length)
+    prompts, completions = mismatched_sequences(s.train, idx, s.config.preference.max_length)
+    mine = (distributed.shard(prompts), distributed.shard(completions))
     chunk = s.config.optim.micro_batch_size
-    return {"kl_logps": chunked_logps(s.policy, *sequences, s.pad_id, chunk)[0],
-            "kl_ref_logps": chunked_logps(s.ref, *sequences, s.pad_id, chunk)[0]}
+    return {"kl_logps": distributed.gather_rows(chunked_logps(s.policy, *mine, s.pad_id, chunk)[0]),
+            "kl_ref_logps": distributed.gather_rows(chunked_logps(s.ref, *mine, s.pad_id, chunk)[0])}
 
 
 # ---------------------------------------------------------------------------------------
@@ -298,12 +315,13 @@ def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
 
 def train_step(s: PreferenceSession) -> dict[str, float]:
     """One optimizer step of the preset's preference loss over ``pairs_per_step`` examples."""
-    idx = s.sampler.next(s.config.preference.pairs_per_step)
+    idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
     kl = kl_inputs(s, idx)
-    m = s.examples_per_pass
-    parts = [train_micro_batch(s, idx[i:i + m], len(idx[i:i + m]) / len(idx), kl) for i in range(0, len(idx), m)]
+    mine, m = distributed.shard(idx), s.examples_per_pass
+    parts = [train_micro_batch(s, mine[i:i + m], len(mine[i:i + m]) / len(idx), kl) for i in range(0, len(mine), m)]
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
-    inputs = {name: torch.cat([part[name] for part in parts]) for name in parts[0]}
+    # every process's log-probs, in the order of idx
+    inputs = {name: distributed.gather_rows(torch.cat([part[name] for part in parts])) for name in parts[0]}
     with torch.no_grad():
         loss, metrics = s.preset.preference_loss(**inputs, **kl)  # the step's loss, from its log-probs
     if not s.preset.paired:  # F.kto_loss reports rewards; show each kind's log-probs as the pairs do

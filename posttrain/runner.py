@@ -5,24 +5,40 @@ A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl``,
 and ``curves.png``. ``--resume RUN_DIR`` restores the latest complete checkpoint
 (weights, optimizer, scheduler, RNG, data order, dynamic-sampling surplus) so
 the resumed run logs the same metrics as an uninterrupted one.
+
+With several processes (``posttrain.distributed``) every process runs this loop;
+only rank 0 writes the run directory and evaluates, the others wait for it and
+log nothing. A checkpoint holds the model once, every process's surplus groups
+and rank 0's random generators, so a run resumes with any process count (the
+other processes' generators are re-seeded from the seed, the step and their rank).
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from functools import partial
 from pathlib import Path
 from typing import Any
 
 import torch
 
+from posttrain import distributed
 from posttrain.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint, save_final_model,
 )
 from posttrain.config import Config, save_yaml
-from posttrain.logging import MetricsLogger
+from posttrain.logging import MetricsLogger, NullLogger
 from posttrain.models.lora import merged_for_saving
 from posttrain.plots import plot_run
+
+
+def open_run_dir(config: Config) -> Path:
+    """The resumed run's directory (its config.yaml rewritten), or a new one."""
+    if config.run.resume:
+        save_yaml(config, Path(config.run.resume) / "config.yaml")
+        return Path(config.run.resume)
+    return new_run_dir(config)
 
 
 def new_run_dir(config: Config) -> Path:
@@ -48,11 +64,13 @@ def checkpoint_modules(session: Any) -> dict[str, torch.nn.Module]:
 
 
 def save(session: Any, run_dir: Path) -> Path:
-    return save_checkpoint(
-        run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
+    """Rank 0 writes the checkpoint; every process calls this (it gathers their surplus groups)."""
+    extra_state = session.extra_state()
+    return distributed.on_main(
+        save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
         optimizer=session.optimizer, scheduler=session.scheduler,
         trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state()},
-        extra_modules=checkpoint_modules(session), extra_state=session.extra_state(),
+        extra_modules=checkpoint_modules(session), extra_state=extra_state,
     )
 
 
@@ -65,18 +83,21 @@ def restore(session: Any, run_dir: Path) -> int:
                             extra_modules=checkpoint_modules(session), expected_fingerprint=session.fingerprint)
     session.step = state["step"]
     session.load_trainer_state(state, load_extra_state(path))
+    if not distributed.is_main():  # the checkpoint holds rank 0's generators: the others start new streams
+        distributed.seed(session.config.run.seed + 1_000_003 * session.step)
     return session.step
 
 
 def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str, Any]:
     """Drive ``train_step`` to ``max_steps`` with evaluation, logging and checkpoints."""
     run = config.run
-    run_dir = Path(run.resume) if run.resume else new_run_dir(config)
-    if run.resume:
-        save_yaml(config, run_dir / "config.yaml")
+    run_dir = distributed.on_main(open_run_dir, config)
     start = restore(session, run_dir) if run.resume else 0
-    logger = MetricsLogger.open(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
-                                config=config.to_flat(), resume_step=start if run.resume else None)
+    logger = NullLogger()
+    if distributed.is_main():
+        logger = MetricsLogger.open(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
+                                    config=config.to_flat(), resume_step=start if run.resume else None)
+    evaluate = partial(distributed.on_main, evaluate)  # rank 0 evaluates, every process gets its metrics
     first = {}
     if not run.resume:
         first = evaluate(session)
@@ -87,7 +108,7 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
     started = time.perf_counter()
     with logger:
         while session.step < run.max_steps:
-            if run.max_minutes and time.perf_counter() - started > 60 * run.max_minutes:
+            if run.max_minutes and distributed.any_true(time.perf_counter() - started > 60 * run.max_minutes):
                 _say(f"stopping at step {session.step}: max_minutes={run.max_minutes} reached")
                 break
             t0 = time.perf_counter()
@@ -108,8 +129,9 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
         progress.close()
     if not last_eval or session.step != run.max_steps:
         last_eval = evaluate(session)
-    final_dir = save_final_model(run_dir, merged_for_saving(session.policy), session.tokenizer)
-    plot = plot_run(run_dir)
+    final_dir = distributed.on_main(lambda: save_final_model(run_dir, merged_for_saving(session.policy),
+                                                             session.tokenizer))
+    plot = distributed.on_main(plot_run, run_dir)
     _say(f"after {session.step} steps: {_summary(last_eval)}")
     _say(f"run directory: {run_dir}  (model: {final_dir.name}/, curves: {plot.name})")
     return {"run_dir": run_dir, "before": first, "after": last_eval}
@@ -118,8 +140,8 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
 def _progress(run: Any, start: int):
     from tqdm.auto import tqdm
 
-    return tqdm(total=run.max_steps, initial=start, desc="train", unit="step", disable=not run.progress,
-                dynamic_ncols=True, file=sys.stderr)
+    return tqdm(total=run.max_steps, initial=start, desc="train", unit="step",
+                disable=not run.progress or not distributed.is_main(), dynamic_ncols=True, file=sys.stderr)
 
 
 def _postfix(metrics: dict[str, float]) -> dict[str, str]:
@@ -134,4 +156,5 @@ def _summary(metrics: dict[str, float]) -> str:
 
 
 def _say(message: str) -> None:
-    print(f"[posttrain] {message}", file=sys.stderr, flush=True)
+    if distributed.is_main():
+        print(f"[posttrain] {message}", file=sys.stderr, flush=True)

@@ -4,7 +4,8 @@
 model is loaded), then loads the task or dataset, the reward functions, the
 policy, and only the extra pieces the preset needs: a frozen reference model
 when it uses a KL term, a value head for GAE. The loop itself is in
-``posttrain/online.py``.
+``posttrain/online.py``. Under ``torchrun`` every process builds the same
+session and joins the process group (``posttrain.distributed``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
+from posttrain import distributed
 from posttrain.algorithms import OnlineAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
@@ -82,6 +84,11 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
                               f"set {flag} off to train on your reward functions' values")
     if r.prompts_per_step > len(work.train_rows):
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
+    world = distributed.world_size()
+    if r.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
+                          f"processes (each samples prompts_per_step / {world} prompts and all their completions); "
+                          f"use a multiple of {world}")
 
 
 @dataclass
@@ -116,7 +123,8 @@ class OnlineSession:
                               "runs online presets (posttrain train routes it to the preference trainer)")
         work = load_workload(config)
         validate(config, alg, work)
-        torch.manual_seed(config.run.seed)
+        distributed.init(config.model.device)
+        distributed.seed(config.run.seed)
         model_name = config.model.model or work.default_model
         if model_name is None:
             raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
@@ -132,6 +140,7 @@ class OnlineSession:
         trainable = [p for p in policy.parameters() if p.requires_grad]
         params = trainable + (list(value_head.parameters()) if value_head else [])
         optimizer, scheduler = build_optimizer(params, config.optim)
+        distributed.broadcast_parameters(params)  # e.g. LoRA's random init: every process starts from rank 0's
         eos_ids = eos_token_ids(policy, tokenizer)
         r = config.rollout
         params_ = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
@@ -203,6 +212,8 @@ class OnlineSession:
 
     def greedy_rewards(self, indices: list[int]) -> Tensor:
         """ReMax's baseline: the raw reward of one greedy decode per prompt, [B]."""
+        if not indices:  # this process holds no group this step (reward_errors=skip dropped them)
+            return torch.zeros(0)
         completions = self.generator.generate([self.encoded_prompts[i] for i in indices], num_samples=1, greedy=True)
         self.greedy_decodes += len(indices)
         scores, _ = self.score_rows([self.train_rows[i] for i in indices], self.decode(completions), 1)
@@ -225,17 +236,21 @@ class OnlineSession:
         return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
 
     def extra_state(self) -> dict[str, Any]:
-        """Tensor state: dynamic sampling's surplus groups, which train at the next step."""
-        return {"surplus": None if self.surplus is None else dataclasses.asdict(self.surplus)}
+        """Tensor state: dynamic sampling's surplus groups of every process, which train at the next step
+        (every process must call it)."""
+        from posttrain.online import Groups
+
+        parts = [groups for groups in distributed.gather(self.surplus) if groups is not None]
+        return {"surplus": dataclasses.asdict(Groups.cat(parts)) if parts else None}
 
     def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
         from posttrain.online import Groups
 
         self.sampler.load_state_dict(state["sampler"])
         self.bad_steps = state["bad_steps"]
-        surplus = extra.get("surplus")
+        surplus = extra.get("surplus")  # every process's: each takes its share, whatever the process count
         self.surplus = None if surplus is None else Groups(**{
-            **surplus, "completions": Completions(**surplus["completions"])})
+            **surplus, "completions": Completions(**surplus["completions"])}).shard()
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first completions with their rewards, for samples.jsonl."""

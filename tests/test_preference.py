@@ -139,7 +139,7 @@ def test_reference_free_presets_never_create_a_reference(name, tiny_model_dir, p
     def no_copy(model):
         raise AssertionError(f"{name} made a reference model")
 
-    monkeypatch.setattr(preference, "frozen_copy", no_copy)
+    monkeypatch.setattr(preference, "reference_model", no_copy)
     s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, precompute_reference=True))
     assert s.ref is None and s.ref_logps is None and s.test_ref_logps is None
     assert [v for v in vars(s).values() if isinstance(v, torch.nn.Module)] == [s.policy]  # one model

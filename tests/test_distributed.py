@@ -1,0 +1,291 @@
+"""Two processes (gloo, CPU) train exactly as one process does on the same global batch.
+
+Sampling draws from a different random stream in every process, so the rollouts here come from
+``FixedGenerator``: each completion is a fixed function of its prompt and sample index, and the
+only difference between the runs is how the step's prompts are split over the processes.
+One ``torch.multiprocessing.spawn`` of two workers runs every scenario (the interpreter start
+dominates), once per test session even under pytest-xdist (a file lock); each worker saves what it
+ends with, and the tests compare it with one-process runs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import socket
+import sys
+from datetime import timedelta
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from posttrain import distributed
+from posttrain.config import Config, ConfigError
+from posttrain.logging import read_metrics
+from posttrain.online import train_step
+from posttrain.preference import PreferenceSession, train_step as preference_train_step
+from posttrain.rollout import Completions, completion_mask
+from posttrain.runner import run_training
+from posttrain.session import OnlineSession, evaluate
+
+from test_online import make_config
+
+# Sequence mean with KL in the loss; token mean with dynamic sampling; batch whitening; constant.
+PRESETS = {
+    "grpo": {},
+    "dapo": {"binary_reward": None},
+    "reinforce_pp": {},
+    "dr_grpo": {},
+}
+PREFERENCE = ("dpo", "kto")  # a mean over pairs; KTO's reference point from the whole step's batch
+STEPS = 2
+# Unclipped gradients (clipping would hide a wrong scale), on the CPU (gloo; one GPU cannot host two ranks).
+COMMON = dict(prompts_per_step=4, group_size=4, micro_batch_size=2, max_steps=STEPS, max_grad_norm=0.0, device="cpu")
+
+
+class FixedGenerator:
+    """Completions that depend only on the prompt and the sample index, in any process.
+
+    Sample 0 of a prompt has no 7 and every other sample starts with one, so under the
+    ``sevens`` reward every group has reward variance (dynamic sampling keeps them all),
+    except in process ``silent_rank``, where every sample is sample 0 (no group has any).
+    """
+
+    def __init__(self, tokenizer, eos_id: int, width: int, silent_rank: int | None = None):
+        self.digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("012345689")))
+        self.seven = tokenizer.convert_tokens_to_ids("7")
+        self.eos_id, self.pad_id, self.width = eos_id, tokenizer.pad_token_id, width
+        self.silent = silent_rank == distributed.rank()
+
+    def generate(self, prompt_ids: list[torch.Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+        rows = []
+        for prompt in prompt_ids:
+            key = sum((i + 1) * int(t) for i, t in enumerate(prompt))
+            for j in range(num_samples):
+                j = 0 if self.silent else j
+                g = torch.Generator().manual_seed(key * 101 + j)
+                tokens = self.digits[torch.randint(len(self.digits), (self.width,), generator=g)]
+                if j:
+                    tokens[0] = self.seven
+                length = int(torch.randint(1, self.width + 1, (1,), generator=g))
+                if length < self.width:
+                    tokens[length] = self.eos_id
+                rows.append(tokens)
+        tokens = torch.stack(rows)
+        mask, truncated = completion_mask(tokens, torch.tensor([self.eos_id]))
+        return Completions(tokens.masked_fill(mask == 0, self.pad_id), mask, truncated)
+
+
+def write_data(folder: Path) -> None:
+    """Sixteen prompts, and sixteen preference pairs over them (small files: sessions build fast)."""
+    sums = [(a, (3 * a + 1) % 10) for a in range(16)]
+    (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a, b in sums))
+    (folder / "pairs.jsonl").write_text("".join(
+        json.dumps({"prompt": f"{a}+{b}=", "chosen": str(a + b), "rejected": str(a + b + 1)}) + "\n" for a, b in sums))
+
+
+def online_config(data: Path, model_dir, reward_file, algorithm: str, **flat) -> Config:
+    prompts = str(data / "prompts.jsonl")
+    return make_config(model_dir, reward_file, algorithm, dataset=prompts, eval_dataset=prompts,
+                       **{**COMMON, **PRESETS.get(algorithm, {}), **flat})
+
+
+def fixed_session(config: Config, silent_rank: int | None = None) -> OnlineSession:
+    s = OnlineSession.create(config)
+    s.generator = FixedGenerator(s.tokenizer, s.eos_ids[0], s.max_new_tokens, silent_rank)
+    return s
+
+
+def train(s, step_fn) -> dict:
+    """``max_steps`` steps: the final weights, each step's metrics, and the first step's gradient as
+    AdamW received it (summed over processes). AdamW hides a wrong overall gradient scale
+    (its update is scale-invariant); the gradient and the logged loss do not."""
+    grads = []
+    s.optimizer.register_step_pre_hook(
+        lambda optimizer, *_: grads.append([p.grad.clone() for p in s.policy.parameters()]) if not grads else None)
+    metrics = []
+    for _ in range(s.config.run.max_steps):
+        metrics.append(step_fn(s))
+        s.step += 1
+    return {"weights": {k: v.detach().clone() for k, v in s.policy.state_dict().items()},
+            "gradient": grads[0], "metrics": metrics}
+
+
+def trained(data: Path, model_dir, reward_file, name: str) -> dict:
+    if name in PRESETS:
+        return train(fixed_session(online_config(data, model_dir, reward_file, name)), train_step)
+    return train(PreferenceSession.create(preference_config(data, model_dir, name)), preference_train_step)
+
+
+def run_config(data: Path, model_dir, reward_file, output, **flat) -> Config:
+    return online_config(data, model_dir, reward_file, "dapo", output=str(output), eval_every=1, save_every=1,
+                         log_samples_every=1, tensorboard=True, **flat)
+
+
+def preference_config(data: Path, model_dir, algorithm: str) -> Config:
+    return Config.from_flat(dict(
+        algorithm=algorithm, model=str(model_dir), dataset=str(data / "pairs.jsonl"), pairs_per_step=4,
+        micro_batch_size=2, learning_rate=1e-3, max_steps=STEPS, max_grad_norm=0.0, device="cpu", progress=False,
+        tensorboard=False, seed=0))
+
+
+def _writes_under(root: Path, record: list) -> None:
+    """Record every file or directory this process creates, changes or removes under ``root`` (files that
+    C++ or Rust code opens, as torch.save's and safetensors', are not seen; every save that writes them
+    first makes its directory, which is)."""
+    watched = {"open", "os.mkdir", "os.rename", "os.replace", "os.remove", "os.rmdir", "shutil.rmtree"}
+
+    def hook(event: str, args: tuple) -> None:
+        if event not in watched or not args or not isinstance(args[0], (str, os.PathLike)):
+            return
+        if event == "open":
+            mode, flags = args[1], args[2]
+            writes = any(c in mode for c in "wax+") if isinstance(mode, str) else flags & (os.O_WRONLY | os.O_RDWR)
+            if not writes:
+                return
+        if os.path.abspath(args[0]).startswith(str(root)):
+            record.append(f"{event} {args[0]}")
+
+    sys.addaudithook(hook)
+
+
+def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, out: str) -> None:
+    os.environ.update(RANK=str(rank), WORLD_SIZE=str(world), LOCAL_RANK=str(rank), MASTER_ADDR="127.0.0.1",
+                      MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    import torch.distributed as dist
+
+    dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # posttrain's init then joins this group
+    out = Path(out)
+    for name in [*PRESETS, *PREFERENCE]:
+        torch.save(trained(out, model_dir, reward_file, name), out / f"{name}-rank{rank}.pt")
+    # Dynamic sampling where rank 1's groups never carry signal: it trains on nothing, rank 0 refills.
+    s = fixed_session(online_config(out, model_dir, reward_file, "dapo", max_generation_rounds=2), silent_rank=1)
+    result = train(s, train_step)
+    extra = s.extra_state()  # every process's surplus groups, as a checkpoint saves them
+    s.load_trainer_state(s.trainer_state(), extra)  # ... and as a resumed run shares them out
+    result.update(saved_surplus=len(extra["surplus"]["indices"]), surplus_after_load=len(s.surplus.indices))
+    torch.save(result, out / f"uneven-rank{rank}.pt")
+    writes: list[str] = []
+    if rank:
+        _writes_under((out / "run").resolve(), writes)
+    config = run_config(out, model_dir, reward_file, out / "run")
+    run_training(fixed_session(config), config, train_step, evaluate)
+    (out / f"writes-rank{rank}.json").write_text(json.dumps(writes))
+    try:  # a new run into the same directory: rank 0 refuses, and every process must hear of it
+        run_training(fixed_session(config), config, train_step, evaluate)
+    except FileExistsError as error:
+        (out / f"error-rank{rank}.txt").write_text(str(error))
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="session")
+def two_processes(tiny_model_dir, reward_file, tmp_path_factory) -> tuple[Path, Path]:
+    """Every scenario run by two processes: (the folder of what they saved, read-only; the model they
+    started from, which a resumed run must name)."""
+    import torch.multiprocessing as mp
+    from filelock import FileLock
+
+    shared = tmp_path_factory.getbasetemp()
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        shared = shared.parent  # the session's folder, above every worker's
+    out = shared / "two-processes"
+    with FileLock(str(shared / "two-processes.lock")):
+        if not (out / "model_dir").exists():
+            out.mkdir()
+            write_data(out)
+            mp.spawn(_worker, args=(2, _free_port(), str(tiny_model_dir), str(reward_file), str(out)), nprocs=2)
+            (out / "model_dir").write_text(str(tiny_model_dir))
+    return out, Path((out / "model_dir").read_text())
+
+
+def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], atol: float) -> None:
+    assert a.keys() == b.keys()
+    for key in a:
+        assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
+
+
+@pytest.mark.parametrize("name", [*PRESETS, *PREFERENCE])
+def test_two_processes_train_as_one_on_the_same_global_batch(name, two_processes, reward_file):
+    out, tiny_model_dir = two_processes
+    rank0, rank1 = (torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1))
+    one = trained(out, tiny_model_dir, reward_file, name)
+    # Every process holds the same weights: the summed gradient is the same on every process.
+    assert_same_weights(rank0["weights"], rank1["weights"], atol=0)
+    # The gradient is the one-process gradient of the whole batch (the normaliser is global) ...
+    assert any(g.abs().max() > 1e-4 for g in one["gradient"])
+    for a, b in zip(rank0["gradient"], one["gradient"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8), (a - b).abs().max()
+    # ... so the weights are the one-process weights, and every logged metric is the whole batch's.
+    assert_same_weights(rank0["weights"], one["weights"], atol=1e-6)
+    for two, single in zip(rank0["metrics"], one["metrics"]):
+        assert two.keys() == single.keys()
+        for key in (k for k in single if not k.startswith("time/")):
+            assert two[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+    assert rank0["metrics"] == rank1["metrics"]  # (times too: the slowest process's)
+
+
+def test_a_process_without_groups_joins_the_step(two_processes):
+    """Dynamic sampling with no group with signal on rank 1 (``silent_rank``): rank 0 refills in a
+    second round and trains on its two groups, rank 1 on none; they still take the same steps."""
+    out, _ = two_processes
+    rank0, rank1 = (torch.load(out / f"uneven-rank{r}.pt") for r in (0, 1))
+    assert_same_weights(rank0["weights"], rank1["weights"], atol=0)
+    assert rank0["metrics"] == rank1["metrics"]
+    first = rank0["metrics"][0]
+    assert first["generation_rounds"] == 2  # rank 1 was short after round 1, so both generated again
+    assert first["zero_variance_groups"] == 4 / 8  # rank 1's 2 + 2 groups of the 8 generated
+    assert first["groups_trained"] == 2 and first["surplus_groups"] == 2  # rank 0's second round waits
+    assert first["loss"] != 0 and first["grad_norm"] > 0
+    assert rank0["saved_surplus"] == rank1["saved_surplus"] == 2  # the checkpoint holds rank 0's two
+    assert rank0["surplus_after_load"] == rank1["surplus_after_load"] == 1  # loaded, one per process
+
+
+def test_only_rank_0_writes_the_run_directory(two_processes):
+    out, _ = two_processes
+    run = out / "run"
+    assert json.loads((out / "writes-rank1.json").read_text()) == []
+    rows = read_metrics(run)
+    assert [row["step"] for row in rows] == list(range(STEPS + 1))  # one line per step: one writer
+    assert all("eval/reward" in row for row in rows)  # rank 0 evaluated at every step
+    assert rows[-1]["groups_trained"] == 4  # both processes' groups, counted once each
+    samples = [json.loads(line) for line in (run / "samples.jsonl").read_text().splitlines()]
+    assert len(samples) == STEPS * 8  # rank 0's two groups of four completions per step
+    assert sorted(p.name for p in (run / "checkpoints").iterdir()) == ["step_000001", "step_000002"]
+    assert (run / "final_model" / "model.safetensors").is_file()
+
+
+def test_an_error_on_rank_0_is_raised_on_every_process(two_processes):
+    out, _ = two_processes
+    for rank in (0, 1):
+        assert "already holds a run" in (out / f"error-rank{rank}.txt").read_text()
+
+
+def test_a_two_process_run_resumes_in_one_process(two_processes, reward_file, tmp_path):
+    out, tiny_model_dir = two_processes
+    shutil.copytree(out / "run", tmp_path / "run")
+    resumed = Config.from_flat({**run_config(out, tiny_model_dir, reward_file, tmp_path / "run").to_flat(),
+                                "max_steps": STEPS + 1, "resume": str(tmp_path / "run")})
+    run_training(fixed_session(resumed), resumed, train_step, evaluate)
+    whole = run_config(out, tiny_model_dir, reward_file, tmp_path / "whole", max_steps=STEPS + 1)
+    run_training(fixed_session(whole), whole, train_step, evaluate)
+    a = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
+    assert_same_weights(a, b, atol=1e-6)
+
+
+def test_prompts_per_step_must_split_evenly_over_the_processes(tiny_model_dir, reward_file, tmp_path, monkeypatch):
+    write_data(tmp_path)
+    monkeypatch.setenv("WORLD_SIZE", "3")  # rejected before any process group or model
+    with pytest.raises(ConfigError, match=r"prompts_per_step: 4 prompts do not split evenly over 3 processes"):
+        OnlineSession.create(online_config(tmp_path, tiny_model_dir, reward_file, "grpo"))
+    with pytest.raises(ConfigError, match=r"pairs_per_step: 4 examples do not split evenly over 3 processes"):
+        PreferenceSession.create(preference_config(tmp_path, tiny_model_dir, "dpo"))
