@@ -46,3 +46,17 @@ def reward_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("rewards") / "rewards.py"
     path.write_text(REWARDS)
     return path
+
+
+def assert_runs_identical(a: Path, b: Path) -> None:
+    """Two run directories logged the same metrics (timings aside) and saved the same final weights."""
+    from safetensors.torch import load_file
+
+    from posttrain.logging import read_metrics
+
+    def comparable(run):
+        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run)]
+
+    assert comparable(a) == comparable(b)
+    wa, wb = (load_file(run / "final_model" / "model.safetensors") for run in (a, b))
+    assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)

@@ -13,16 +13,14 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from safetensors.torch import load_file
-
 from posttrain.config import Config, ConfigError, ModelConfig
-from posttrain.logging import read_metrics
 from posttrain.modeling import batched_logprobs
 from posttrain.models import loading
 from posttrain.online import train_step
 from posttrain.rewards import math_answer
 from posttrain.rollout import completion_mask
 from posttrain.session import OnlineSession
+from conftest import assert_runs_identical
 from test_online import make_config
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -327,25 +325,4 @@ def test_lora_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_
     second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
     run_training(OnlineSession.create(second), second, train_step, evaluate)
 
-    def comparable(run):
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run)]
-
-    assert comparable(tmp_path / "whole") == comparable(tmp_path / "split")
-    a = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
-    b = load_file(tmp_path / "split" / "final_model" / "model.safetensors")
-    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
-
-
-@needs_peft
-def test_lora_checkpoint_into_another_rank_names_the_mismatch(tiny_model_dir, reward_file, tmp_path):
-    from posttrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
-
-    s = lora_session(tiny_model_dir, reward_file, output=str(tmp_path / "run"), save_every=1, eval_size=2,
-                     max_steps=1)
-    from posttrain.runner import run_training
-    from posttrain.session import evaluate
-
-    run_training(s, s.config, train_step, evaluate)
-    other = lora_session(tiny_model_dir, reward_file, lora_target_modules=["q_proj"])
-    with pytest.raises(CheckpointError, match="LoRA adapters it is loaded into: missing keys"):
-        load_checkpoint(latest_checkpoint(tmp_path / "run"), model=other.policy)
+    assert_runs_identical(tmp_path / "whole", tmp_path / "split")

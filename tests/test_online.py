@@ -10,11 +10,11 @@ import torch
 
 from posttrain.algorithms import ALGORITHMS, OnlineAlgorithm
 from posttrain.config import Config
-from posttrain.logging import read_metrics
 from posttrain.modeling import collate, forward
 from posttrain.online import has_signal, train_step
 from posttrain.runner import run_training
 from posttrain.session import OnlineSession, evaluate
+from conftest import assert_runs_identical
 
 ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, OnlineAlgorithm)]
 
@@ -187,19 +187,4 @@ def test_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_path)
     second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
     run_training(OnlineSession.create(second), second, train_step, evaluate)
 
-    def comparable(run):
-        return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run)]
-
-    assert comparable(tmp_path / "whole") == comparable(tmp_path / "split")
-    from safetensors.torch import load_file
-
-    a = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
-    b = load_file(tmp_path / "split" / "final_model" / "model.safetensors")
-    assert all(torch.equal(a[k], b[k]) for k in a)
-
-
-def test_group_estimator_with_one_sample_is_rejected_before_loading(tiny_model_dir, reward_file):
-    from posttrain.config import ConfigError
-
-    with pytest.raises(ConfigError, match="group_size"):
-        OnlineSession.create(make_config("does-not-exist", reward_file, "grpo", group_size=1))
+    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
