@@ -182,7 +182,10 @@ def step_record(seconds: float, generation: float = 0.0, scoring: float = 0.0, g
 
 
 def posttrain_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, float]]:
+    import torch
+
     from posttrain.allocator import keep_freed_memory
+    from posttrain.rollout import FastGenerator
     from posttrain.config import Config
     from posttrain.online import train_step
     from posttrain.session import OnlineSession
@@ -196,7 +199,11 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[st
         max_steps=total, eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu",
     ))
     s = OnlineSession.create(config)
-    s.policy.generation_config.min_new_tokens = b.new_tokens  # generate() merges it: no EOS before the budget
+    # Run to the budget as TRL does with min_new_tokens: no id ends a completion (EOS tokens sampled
+    # on the way stay in the text; the amount of work is the same).
+    s.policy.generation_config.min_new_tokens = b.new_tokens  # for POSTTRAIN_HF_GENERATE=1 (generate() reads it)
+    if isinstance(s.generator, FastGenerator):
+        s.generator.eos_ids = torch.tensor([-1])
     records = []
     for _ in range(total):
         t0 = time.perf_counter()

@@ -62,7 +62,7 @@ from posttrain.modeling import collate, forward, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.preference_data import PreferenceExamples, PreferenceTask, encode, load_rows
-from posttrain.rollout import HFGenerator, SamplingParams
+from posttrain.rollout import Generator, SamplingParams, make_generator
 from posttrain.runner import run_training
 
 
@@ -78,7 +78,7 @@ class PreferenceSession:
     train: PreferenceExamples
     test: PreferenceExamples | None  # held-out pairs
     task: PreferenceTask | None  # built-in task: held-out generation accuracy
-    generator: HFGenerator | None
+    generator: Generator | None
     sampler: PromptSampler
     ref_logps: Tensor | None = None  # [K, N] precomputed reference log-probs of the training examples
     test_ref_logps: Tensor | None = None  # [2, M] reference log-probs of the held-out pairs
@@ -134,7 +134,7 @@ class PreferenceSession:
             from posttrain.session import eos_token_ids
 
             budget = config.rollout.max_new_tokens or task.source.max_new_tokens
-            generator = HFGenerator(policy, tokenizer, SamplingParams(budget), eos_token_ids(policy, tokenizer))
+            generator = make_generator("hf", policy, tokenizer, SamplingParams(budget), eos_token_ids(policy, tokenizer))
         return cls(config, preset, policy, tokenizer, ref, optimizer, scheduler, train, test, task, generator,
                    PromptSampler(len(train), config.run.seed), ref_logps, test_ref_logps,
                    fingerprint={"model": model_name, "algorithm": preset.name,

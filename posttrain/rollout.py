@@ -1,19 +1,27 @@
 """Rollout: turning prompts into sampled completions.
 
 A generator is anything with ``generate(prompt_ids, num_samples=..., greedy=...)``
-returning :class:`Completions`; :class:`HFGenerator` runs Hugging Face
-``generate`` with a KV cache on all ``B*G`` sequences at once. Row ``i*G + j``
-of the result is sample ``j`` of prompt ``i`` everywhere in posttrain.
+returning :class:`Completions`. Row ``i*G + j`` of the result is sample ``j`` of
+prompt ``i`` everywhere in posttrain. Backend ``hf`` is :class:`FastGenerator`,
+posttrain's own decode loop around the model's forward pass
+(:mod:`posttrain.generation`: one prefill per prompt, a preallocated KV cache,
+finished rows dropped); :class:`HFGenerator` runs Hugging Face ``generate`` on
+all ``B*G`` sequences at once. ``FastGenerator`` falls back to it, with a logged
+reason, for models whose cache it cannot hold; ``POSTTRAIN_HF_GENERATE=1`` selects
+it outright, for comparison.
 """
 
 from __future__ import annotations
 
-import importlib.util
+import logging
+import os
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 from torch import Tensor
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -31,11 +39,14 @@ class Completions:
     completion_ids: [N, T] token ids, ``pad`` after the end.
     mask:           [N, T] 1.0 for completion tokens (the EOS token included), 0.0 for padding.
     truncated:      [N] bool, True when the budget ran out before EOS.
+    sampling_logprobs: [N, T] the sampling engine's log-probs of the tokens (vLLM only; a
+                    diagnostic, the trainer recomputes the log-probs it trains with), else None.
     """
 
     completion_ids: Tensor
     mask: Tensor
     truncated: Tensor
+    sampling_logprobs: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -102,22 +113,60 @@ class HFGenerator:
             **sampling,
         )
         self.model.train(was_training)
-        tokens = out[:, ids.shape[1]:].cpu()
-        if tokens.shape[1] == 0:  # nothing generated (budget of 0 is rejected by config)
-            raise RuntimeError("generate returned no new tokens")
-        mask, truncated = completion_mask(tokens, self.eos_ids)
-        tokens = tokens.masked_fill(mask == 0, self.pad_id)
-        return Completions(tokens, mask, truncated)
+        return to_completions(out[:, ids.shape[1]:].cpu(), self.eos_ids, self.pad_id)
 
 
-def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int]):
-    """The configured generator; vLLM needs a GPU and the ``vllm`` package."""
+class FastGenerator:
+    """Sampling with :func:`posttrain.generation.decode`; :class:`HFGenerator` for models it cannot hold."""
+
+    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int]):
+        self.model = model
+        self.params = params
+        self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        self.fallback = HFGenerator(model, tokenizer, params, eos_token_ids)
+        self.fallback_reason: str | None = None  # "" once checked and supported
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+        from posttrain.generation import decode, preallocated_cache, unsupported_reason
+
+        if self.fallback_reason is None:
+            self.fallback_reason = unsupported_reason(self.model.config) or ""
+            if self.fallback_reason:
+                logger.warning("posttrain's decode loop cannot run %s: %s; using transformers' generate",
+                               type(self.model).__name__, self.fallback_reason)
+        if self.fallback_reason:
+            return self.fallback.generate(prompt_ids, num_samples=num_samples, greedy=greedy)
+        ids, attention = left_pad(prompt_ids, self.pad_id)
+        cache = preallocated_cache(self.model.config, num_samples, ids.shape[1] + self.params.max_new_tokens)
+        device = self.model.device
+        was_training = self.model.training
+        self.model.eval()
+        p = self.params
+        tokens = decode(self.model, cache, ids.to(device), attention.to(device), num_samples=num_samples,
+                        max_new_tokens=p.max_new_tokens, eos_ids=self.eos_ids.to(device), pad_id=self.pad_id,
+                        greedy=greedy, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        self.model.train(was_training)
+        return to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
+
+
+def to_completions(tokens: Tensor, eos_ids: Tensor, pad_id: int) -> Completions:
+    """Generated tokens [N, T] as :class:`Completions`: masked through the first EOS, pad after it."""
+    if tokens.shape[1] == 0:  # nothing generated (budget of 0 is rejected by config)
+        raise RuntimeError("generate returned no new tokens")
+    mask, truncated = completion_mask(tokens, eos_ids)
+    return Completions(tokens.masked_fill(mask == 0, pad_id), mask, truncated)
+
+
+def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
+                   model_path: str | None = None, seed: int = 0):
+    """The configured generator; vLLM needs a GPU, the ``vllm`` package and the model's directory."""
     if backend == "hf":
-        return HFGenerator(model, tokenizer, params, eos_token_ids)
+        slow = os.environ.get("POSTTRAIN_HF_GENERATE", "0") == "1"
+        return (HFGenerator if slow else FastGenerator)(model, tokenizer, params, eos_token_ids)
     if backend == "vllm":
-        if not torch.cuda.is_available():
-            raise RuntimeError("backend=vllm needs a CUDA GPU and none is available; use --backend hf")
-        if importlib.util.find_spec("vllm") is None:
-            raise RuntimeError("backend=vllm needs the vllm package: pip install vllm; or use --backend hf")
-        raise NotImplementedError("the vLLM backend is not implemented yet (issue #9); use --backend hf")
+        from posttrain.vllm_rollout import VLLMGenerator
+
+        return VLLMGenerator(model, tokenizer, params, eos_token_ids, model_path=model_path, seed=seed)
     raise ValueError(f"unknown generation backend {backend!r}; valid: hf, vllm")

@@ -84,6 +84,13 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
                               f"set {flag} off to train on your reward functions' values")
     if r.prompts_per_step > len(work.train_rows):
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
+    if r.backend == "vllm":
+        from posttrain.vllm_rollout import check_vllm_available
+
+        try:
+            check_vllm_available()
+        except RuntimeError as error:
+            raise ConfigError(f"backend: {error}") from None
     world = distributed.world_size()
     if r.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
@@ -146,7 +153,8 @@ class OnlineSession:
         params_ = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler,
-            make_generator(r.backend, policy, tokenizer, params_, eos_ids),
+            make_generator(r.backend, policy, tokenizer, params_, eos_ids, model_path=policy.config.name_or_path,
+                           seed=config.run.seed + distributed.rank()),
             [encode_prompt(tokenizer, row["prompt"]) for row in work.train_rows],
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
             eos_ids,

@@ -1,0 +1,97 @@
+"""The vLLM backend: what runs without a GPU (errors, name mapping for weight sync, turning vLLM's
+samples into Completions), and an end-to-end check that runs only where vLLM and a GPU exist."""
+
+from __future__ import annotations
+
+import importlib.util
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import AutoModelForCausalLM
+
+from posttrain.vllm_rollout import check_vllm_available, completions_from_samples, named_weights, sample_row
+
+HAS_VLLM_GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
+
+
+def test_missing_gpu_or_package_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(RuntimeError, match="needs a CUDA GPU and none is available; use --backend hf"):
+        check_vllm_available()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match=r"needs the vllm package.*pip install 'posttrain\[vllm\]'"):
+        check_vllm_available()
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+def test_lora_weights_are_pushed_merged_under_the_base_models_names(tiny_model_dir):
+    from posttrain.config import ModelConfig
+    from posttrain.models.lora import apply_lora
+
+    base = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    plain = dict(named_weights(base))
+    assert plain.keys() == dict(base.named_parameters()).keys()
+    policy = apply_lora(AutoModelForCausalLM.from_pretrained(tiny_model_dir), ModelConfig(lora_r=4))
+    with torch.no_grad():  # B = 0 at init: make the adapters matter
+        for name, p in policy.named_parameters():
+            if ".lora_B." in name:
+                p.fill_(0.01)
+    policy.merge_adapter()
+    pushed = {name: w.clone() for name, w in named_weights(policy)}  # views: unmerging changes them back
+    policy.unmerge_adapter()
+    assert pushed.keys() == plain.keys()  # no lora_A/lora_B, no base_layer, no peft prefix
+    q = "model.layers.0.self_attn.q_proj.weight"
+    assert not torch.allclose(pushed[q], plain[q])  # the merged weight, not the base one
+
+
+def vllm_sample(ids, logprobs, finish_reason):
+    steps = [{t: SimpleNamespace(logprob=lp)} for t, lp in zip(ids, logprobs)]
+    return SimpleNamespace(token_ids=ids, logprobs=steps, finish_reason=finish_reason)
+
+
+def test_samples_become_right_padded_completions_ending_in_eos():
+    eos = torch.tensor([2, 7])
+    rows = [sample_row(vllm_sample([5, 6, 2], [-0.1, -0.2, -0.3], "stop"), eos),
+            sample_row(vllm_sample([5, 6], [-0.4, -0.5], "stop"), eos),  # stopped on EOS, EOS not returned
+            sample_row(vllm_sample([3, 3, 3, 3], [-1.0] * 4, "length"), eos)]
+    assert rows[1] == ([5, 6, 2], [-0.4, -0.5, 0.0])
+    comp = completions_from_samples([r[0] for r in rows], [r[1] for r in rows], eos, pad_id=0)
+    assert comp.completion_ids.tolist() == [[5, 6, 2, 0], [5, 6, 2, 0], [3, 3, 3, 3]]
+    assert comp.mask.tolist() == [[1, 1, 1, 0], [1, 1, 1, 0], [1, 1, 1, 1]]
+    assert comp.truncated.tolist() == [False, False, True]
+    assert torch.allclose(comp.sampling_logprobs[0], torch.tensor([-0.1, -0.2, -0.3, 0.0]))
+
+
+@pytest.mark.skipif(not HAS_VLLM_GPU, reason="needs vLLM and a CUDA GPU (backend=vllm)")
+def test_vllm_greedy_matches_hf_and_follows_weight_updates(tiny_model_dir):
+    from posttrain.rollout import HFGenerator, SamplingParams
+    from posttrain.vllm_rollout import VLLMGenerator
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    model = AutoModelForCausalLM.from_pretrained(tiny_model_dir).cuda()
+    eos = [tokenizer.eos_token_id]
+    params = SamplingParams(max_new_tokens=12)
+    prompts = [torch.tensor(tokenizer(text)["input_ids"]) for text in ("12+34=", "7+5=")]
+    fast = VLLMGenerator(model, tokenizer, params, eos, model_path=str(tiny_model_dir), gpu_memory_utilization=0.1)
+    hf = HFGenerator(model, tokenizer, params, eos)
+    a, b = fast.generate(prompts, num_samples=1, greedy=True), hf.generate(prompts, num_samples=1, greedy=True)
+    assert torch.equal(a.completion_ids.cpu(), b.completion_ids.cpu())
+    with torch.no_grad():
+        model.lm_head.weight.mul_(-1.0)  # a different policy: vLLM must follow it
+    a, b = fast.generate(prompts, num_samples=1, greedy=True), hf.generate(prompts, num_samples=1, greedy=True)
+    assert torch.equal(a.completion_ids.cpu(), b.completion_ids.cpu())
+    sampled = fast.generate(prompts, num_samples=4)
+    assert sampled.completion_ids.shape[0] == 8 and sampled.sampling_logprobs.shape == sampled.mask.shape
+
+
+@pytest.mark.skipif(HAS_VLLM_GPU, reason="checks the error on a machine without vLLM or a GPU")
+def test_selecting_vllm_here_is_a_config_error_before_any_model_loads(reward_file):
+    from posttrain.config import ConfigError
+    from posttrain.session import OnlineSession
+    from test_online import make_config
+
+    with pytest.raises(ConfigError, match="backend: backend=vllm needs"):
+        OnlineSession.create(make_config("does-not-exist", reward_file, "grpo", backend="vllm"))
