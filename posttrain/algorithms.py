@@ -116,7 +116,8 @@ class OnlineAlgorithm:
     overlong_filter: bool = _field("Mask truncated completions out of the loss (DAPO's overlong filtering).", False)
     history_resampling: bool = _field("Skip prompts solved by every completion in the previous epoch (SRPO, "
                                       "https://arxiv.org/abs/2504.14286).", False)
-    min_reward: float | None = _field("best_of_n: skip prompts whose best reward is below; None = keep all.")
+    min_reward: float | None = _field("best_of_n: skip prompts whose best reward is below; None = keep all "
+                                      "(with a 0/1 reward use 1, or groups with no right answer train on a wrong one).")
     eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
 
     @property
