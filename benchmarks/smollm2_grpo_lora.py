@@ -19,6 +19,7 @@ import time
 
 import torch
 
+from posttrain.allocator import keep_freed_memory
 from posttrain.config import Config
 from posttrain.online import train_step
 from posttrain.session import OnlineSession
@@ -61,6 +62,7 @@ def main() -> None:
         eval_size=args.eval_size, temperature=1.0, progress=False, tensorboard=False, seed=0, device="cpu",
     ))
     started = time.perf_counter()
+    keep_freed_memory()  # as posttrain.train does for every CLI run
     s = OnlineSession.create(config)
     trainable = sum(p.numel() for p in s.policy.parameters() if p.requires_grad)
     print(f"setup {time.perf_counter() - started:.1f}s; trainable {trainable:,} of "
