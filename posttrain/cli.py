@@ -103,7 +103,7 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate = commands.add_parser("eval", help="greedy held-out accuracy of a model on a task")
     evaluate.add_argument("--model", required=False, help="model directory or built-in name (default: the task's)")
     evaluate.add_argument("--task", default="addition")
-    evaluate.add_argument("--eval-size", type=int, default=200)
+    evaluate.add_argument("--eval-size", type=int, default=500)
     evaluate.add_argument("--device", default="auto")
 
     algorithms = commands.add_parser("algorithms", help="list presets, or compare the named ones side by side")

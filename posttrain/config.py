@@ -78,7 +78,7 @@ class DataConfig:
         "When a reward raises, times out or returns NaN: error (stop, showing the sample) or skip "
         "(drop that sample's group from the update, counted in reward/failures).", "error",
     )
-    eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation.", 200)
+    eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation (at most the task's held-out split).", 500)
 
     def __post_init__(self) -> None:
         _require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
@@ -167,7 +167,7 @@ class PreferenceConfig:
 @dataclass(frozen=True)
 class RunConfig:
     output: str | None = _help("Run directory (default: runs/<algorithm>-<time>).")
-    max_steps: int = _help("Optimizer steps to run.", 200)
+    max_steps: int = _help("Optimizer steps to run.", 250)
     max_minutes: float = _help("Stop after this much training time (0 = no limit).", 0.0)
     seed: int = _help("Seed for sampling, data order and initialisation.", 0)
     eval_every: int = _help("Evaluate on held-out prompts every N steps (0 = only before and after).", 25)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from posttrain.config import Config, DataConfig, ModelConfig, RolloutConfig
 
 
-def evaluate_model(model: str | None, *, task: str = "addition", eval_size: int = 200, device: str = "auto") -> str:
+def evaluate_model(model: str | None, *, task: str = "addition", eval_size: int = 500, device: str = "auto") -> str:
     from posttrain.session import OnlineSession, evaluate
 
     config = Config(
