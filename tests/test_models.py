@@ -326,3 +326,18 @@ def test_lora_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_
     run_training(OnlineSession.create(second), second, train_step, evaluate)
 
     assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+
+
+@needs_peft
+def test_lora_checkpoint_into_another_rank_names_the_mismatch(tiny_model_dir, reward_file, tmp_path):
+    from posttrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+
+    s = lora_session(tiny_model_dir, reward_file, output=str(tmp_path / "run"), save_every=1, eval_size=2,
+                     max_steps=1)
+    from posttrain.runner import run_training
+    from posttrain.session import evaluate
+
+    run_training(s, s.config, train_step, evaluate)
+    other = lora_session(tiny_model_dir, reward_file, lora_target_modules=["q_proj"])
+    with pytest.raises(CheckpointError, match="LoRA adapters it is loaded into: missing keys"):
+        load_checkpoint(latest_checkpoint(tmp_path / "run"), model=other.policy)

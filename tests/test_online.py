@@ -188,3 +188,10 @@ def test_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_path)
     run_training(OnlineSession.create(second), second, train_step, evaluate)
 
     assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+
+
+def test_group_estimator_with_one_sample_is_rejected_before_loading(tiny_model_dir, reward_file):
+    from posttrain.config import ConfigError
+
+    with pytest.raises(ConfigError, match="group_size"):
+        OnlineSession.create(make_config("does-not-exist", reward_file, "grpo", group_size=1))
