@@ -52,6 +52,8 @@ import torch
 from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
 
+from posttrain import fsdp
+
 CHECKPOINTS_DIR = "checkpoints"
 FINAL_MODEL_DIR = "final_model"
 MANIFEST = "manifest.json"
@@ -94,10 +96,14 @@ def save_checkpoint(
     extra_modules: Mapping[str, nn.Module] | None = None,
     extra_state: Mapping[str, Any] | None = None,
     keep_last: int | None = 2,
+    model_state: Mapping[str, Tensor] | None = None,
+    optimizer_state: Mapping[str, Any] | None = None,
 ) -> Path:
     """Write the checkpoint of ``step`` atomically and return its directory. ``model`` is a
     ``transformers`` model; ``extra_modules`` are saved as ``<name>.safetensors``. Afterwards at
-    most ``keep_last`` checkpoints remain (``None``: all), the new one always among them."""
+    most ``keep_last`` checkpoints remain (``None``: all), the new one always among them.
+    ``model_state``/``optimizer_state``, when given, are written instead of the model's and the
+    optimizer's own state dicts (FSDP: the full tensors, gathered beforehand by every process)."""
     if keep_last is not None and keep_last < 1:
         raise ValueError(f"keep_last must be None or >= 1, got {keep_last}")
     if trainer_state.get("step", step) != step:
@@ -107,11 +113,11 @@ def save_checkpoint(
     _remove_dirs(final.parent.glob(".tmp-*"))
 
     def write(directory: Path) -> None:
-        _save_model(directory, model, tokenizer)
+        _save_model(directory, model, tokenizer, model_state)
         for name, module in (extra_modules or {}).items():
             save_model(module, str(directory / f"{name}.safetensors"))
         if optimizer is not None:
-            torch.save(optimizer.state_dict(), directory / "optimizer.pt")
+            torch.save(optimizer_state or optimizer.state_dict(), directory / "optimizer.pt")
         if scheduler is not None:
             torch.save(scheduler.state_dict(), directory / "scheduler.pt")
         torch.save(_rng_state(), directory / "rng.pt")
@@ -123,12 +129,14 @@ def save_checkpoint(
     return final
 
 
-def save_final_model(run_dir: str | os.PathLike, model: nn.Module, tokenizer: Any | None = None) -> Path:
-    """Write ``run_dir/final_model/`` (``from_pretrained``-loadable, with a manifest) atomically."""
+def save_final_model(run_dir: str | os.PathLike, model: nn.Module, tokenizer: Any | None = None,
+                     model_state: Mapping[str, Tensor] | None = None) -> Path:
+    """Write ``run_dir/final_model/`` (``from_pretrained``-loadable, with a manifest) atomically;
+    ``model_state`` as in :func:`save_checkpoint`."""
     final = Path(run_dir) / FINAL_MODEL_DIR
     final.parent.mkdir(parents=True, exist_ok=True)
     _remove_dirs(final.parent.glob(f".tmp-{FINAL_MODEL_DIR}-*"))
-    _write_atomically(final, lambda directory: _save_model(directory, model, tokenizer))
+    _write_atomically(final, lambda directory: _save_model(directory, model, tokenizer, model_state))
     return final
 
 
@@ -167,7 +175,8 @@ def load_checkpoint(
     for name, module in (extra_modules or {}).items():
         _load_strict(module, load_file(_existing(path, f"{name}.safetensors")), path / f"{name}.safetensors")
     if optimizer is not None:
-        optimizer.load_state_dict(torch.load(_existing(path, "optimizer.pt"), map_location="cpu", weights_only=True))
+        saved = torch.load(_existing(path, "optimizer.pt"), map_location="cpu", weights_only=True)
+        optimizer.load_state_dict(fsdp.load_optimizer_state(optimizer, saved))  # FSDP: each process its shards
     if scheduler is not None:
         scheduler.load_state_dict(torch.load(_existing(path, "scheduler.pt"), map_location="cpu", weights_only=True))
     _set_rng_state(torch.load(_existing(path, "rng.pt"), weights_only=True))
@@ -207,10 +216,11 @@ def verify_checkpoint(path: str | os.PathLike, *, hashes: bool = True) -> None:
 # --- writing -------------------------------------------------------------------------------
 
 
-def _save_model(directory: Path, model: nn.Module, tokenizer: Any | None) -> None:
+def _save_model(directory: Path, model: nn.Module, tokenizer: Any | None,
+                state: Mapping[str, Tensor] | None = None) -> None:
     # save_original_format=False keeps the model's own parameter names (transformers 5 would
     # otherwise convert some architectures back to their hub layout), so strict loading works.
-    model.save_pretrained(directory, save_original_format=False)
+    model.save_pretrained(directory, save_original_format=False, **({"state_dict": dict(state)} if state else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
 
@@ -348,7 +358,7 @@ def _load_strict(module: nn.Module, tensors: Mapping[str, Tensor], source: Path)
     loaded = {(own[k].data_ptr(), own[k].shape) for k in tensors.keys() & own.keys()}
     tied = {k for k in own.keys() - tensors.keys() if (own[k].data_ptr(), own[k].shape) in loaded}
     _check_keys(tensors.keys(), own.keys() - tied, source, type(module).__name__)
-    module.load_state_dict(tensors, strict=False)
+    module.load_state_dict(fsdp.load_state(own, tensors), strict=False)  # FSDP: each process keeps its shards
 
 
 def _check_fingerprint(path: Path, stored: Mapping[str, Any] | None, expected: Mapping[str, Any]) -> None:

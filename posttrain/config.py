@@ -15,7 +15,6 @@ with a message that names the field and says what to change.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -49,6 +48,10 @@ class ModelConfig:
     lora_dropout: float = _help("Dropout on the LoRA branch.", 0.0)
     lora_target_modules: tuple[str, ...] = _help(
         "Module names that get adapters (repeatable). Default: every attention and MLP projection.", (),
+    )
+    fsdp: bool = _help(
+        "Shard the policy, its gradients and AdamW's state over processes with PyTorch FSDP2 "
+        "(on by itself under an `accelerate launch` FSDP config). Multi-process runs only.", False,
     )
 
     def __post_init__(self) -> None:
@@ -122,11 +125,17 @@ class RolloutConfig:
         _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
 
 
+LR_SCHEDULES = ("constant", "linear", "cosine")
+
+
 @dataclass(frozen=True)
 class OptimConfig:
     learning_rate: float = _help("AdamW learning rate.", 1e-4)
     weight_decay: float = _help("AdamW weight decay.", 0.0)
-    warmup_steps: int = _help("Linear learning-rate warm-up steps (then constant).", 0)
+    warmup_steps: int = _help("Linear learning-rate warm-up over this many optimizer steps.", 0)
+    lr_schedule: str = _help(
+        "Learning rate after the warm-up: constant, linear (to 0 at the last step) or cosine (to 0).", "constant",
+    )
     max_grad_norm: float = _help("Gradient clipping by global norm (0 = off).", 1.0)
     micro_batch_size: int = _help(
         "Sequences per forward/backward pass; gradients accumulate to the full optimizer step.", 64,
@@ -138,6 +147,9 @@ class OptimConfig:
 
     def __post_init__(self) -> None:
         _require(self.learning_rate > 0, "learning_rate", f"got {self.learning_rate}; use a value > 0")
+        _require(self.warmup_steps >= 0, "warmup_steps", f"got {self.warmup_steps}; use 0 or more")
+        _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
+                 f"got {self.lr_schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
         _require(self.micro_batch_size >= 1, "micro_batch_size", f"got {self.micro_batch_size}; use 1 or more")
         _require(self.mini_batches >= 1, "mini_batches", f"got {self.mini_batches}; use 1 or more")
         _require(self.max_grad_norm >= 0, "max_grad_norm", f"got {self.max_grad_norm}; use 0 (off) or more")

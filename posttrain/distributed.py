@@ -18,8 +18,9 @@ How the trainers use it (docs/decisions.md, "Multi-process training"):
    the reference copy and checkpoints use the plain model.
 3. Metrics are reduced over processes (``gather``, ``reduce_values``); only rank 0 writes the
    run directory and evaluates (``on_main``), the others wait for its result.
-4. FSDP, DeepSpeed, Megatron-LM and tensor parallelism (an ``accelerate config`` may ask for
-   them) are refused: every process holds a full copy of the model and of AdamW's state.
+4. FSDP (``posttrain.fsdp``, ``--fsdp`` or an accelerate FSDP config) shards the policy over the
+   same processes and keeps 1-3. DeepSpeed, Megatron-LM and tensor parallelism (an
+   ``accelerate config`` may ask for them) are refused.
 """
 
 from __future__ import annotations
@@ -27,6 +28,7 @@ from __future__ import annotations
 import atexit
 import os
 import pickle
+import sys
 from collections.abc import Callable, Iterable, Sequence
 from datetime import timedelta
 from typing import Any, TypeVar
@@ -43,7 +45,6 @@ T = TypeVar("T")
 TIMEOUT = timedelta(hours=1)
 BUCKET_BYTES = 128 << 20  # gradients are summed in flat buffers of at most this size
 _UNSUPPORTED = {  # what `accelerate launch` sets when its config asks for a sharded engine
-    "ACCELERATE_USE_FSDP": "FSDP",
     "ACCELERATE_USE_DEEPSPEED": "DeepSpeed",
     "ACCELERATE_USE_MEGATRON_LM": "Megatron-LM",
     "ACCELERATE_USE_PARALLELISM_CONFIG": "tensor/context parallelism",
@@ -65,6 +66,12 @@ def is_main() -> bool:
     return rank() == 0
 
 
+def say(message: str) -> None:
+    """A progress line on stderr, from rank 0 only."""
+    if is_main():
+        print(f"[posttrain] {message}", file=sys.stderr, flush=True)
+
+
 def init(device: str) -> None:
     """Join the process group when launched with several processes (idempotent)."""
     if world_size() == 1 or dist.is_initialized():
@@ -72,8 +79,8 @@ def init(device: str) -> None:
     for variable, engine in _UNSUPPORTED.items():
         if os.environ.get(variable, "").lower() == "true":
             raise ConfigError(
-                f"{engine}: posttrain trains data-parallel only (every process holds the whole model); "
-                f"choose 'multi-GPU' (DDP) in `accelerate config` or launch with torchrun ({variable} is set)"
+                f"{engine}: posttrain trains data-parallel, with or without FSDP; choose 'multi-GPU' or "
+                f"FSDP in `accelerate config`, or launch with torchrun ({variable} is set)"
             )
     cuda = device != "cpu" and torch.cuda.is_available()
     if cuda:
@@ -168,7 +175,8 @@ def broadcast_parameters(params: Iterable[torch.nn.Parameter]) -> None:
         return
     with torch.no_grad():
         for p in params:
-            dist.broadcast(p.data, src=0)
+            if type(p.data) is torch.Tensor:  # FSDP's shards (DTensor) are each process's own by design
+                dist.broadcast(p.data, src=0)
 
 
 def sum_gradients(params: Sequence[torch.nn.Parameter]) -> None:

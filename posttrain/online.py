@@ -30,17 +30,15 @@ from __future__ import annotations
 
 import math
 import time
-from dataclasses import dataclass, field
-from typing import Any
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain import distributed
-from posttrain.modeling import batched_logprobs, collate, forward
+from posttrain import distributed, fsdp
+from posttrain.modeling import collate, forward
 from posttrain.rollout import Completions
-from posttrain.scoring import score
 from posttrain.session import OnlineSession
 
 
@@ -283,17 +281,21 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
         order = torch.randperm(len(mask)) if optim.mini_batches > 1 else torch.arange(len(mask))
         for mini in order.tensor_split(optim.mini_batches):  # always mini_batches steps, on every process
             normalizer = step_normalizer(mask[mini], alg.aggregation)
-            for micro in mini.split(optim.micro_batch_size):
-                if len(micro) == 0:  # no rows here (on this process): it only joins the gradient sum
-                    continue
-                metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer)
-                tokens = float(mask[micro].sum())
-                tokens_seen += tokens
-                for key, value in metrics.items():
-                    if key in ADDITIVE_METRICS:
-                        additive[key] = additive.get(key, 0.0) + value
-                    else:
-                        weighted[key] = weighted.get(key, 0.0) + tokens * value
+            micros = [micro for micro in mini.split(optim.micro_batch_size) if len(micro)]
+            with fsdp.full_parameters(s.policy):
+                for i, micro in enumerate(micros):
+                    fsdp.sync_gradients(s.policy, i == len(micros) - 1)  # FSDP reduces at the last backward
+                    metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer)
+                    tokens = float(mask[micro].sum())
+                    tokens_seen += tokens
+                    for key, value in metrics.items():
+                        if key in ADDITIVE_METRICS:
+                            additive[key] = additive.get(key, 0.0) + value
+                        else:
+                            weighted[key] = weighted.get(key, 0.0) + tokens * value
+                if not micros and fsdp.is_sharded(s.policy):  # no rows here: it only joins the gradient sum
+                    fsdp.sync_gradients(s.policy, True)
+                    fsdp.join_backward(s.policy)
             grad_norms.append(s.optimizer_step())
             steps += 1
             skipped += not math.isfinite(grad_norms[-1])
@@ -360,20 +362,22 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
 def train_step(s: OnlineSession) -> dict[str, float]:
     """One optimizer step (several for PPO's epochs): the whole online algorithm."""
     alg = s.alg
-    groups, metrics = collect_groups(s)
-    t0 = time.perf_counter()
-    if alg.advantage == "best_of_n":  # RAFT: train on the best sample of each group
-        groups = s.best_of_n(groups)
-    if alg.overlong_filter:  # DAPO: truncated completions keep their reward but leave the loss
-        comp = groups.completions
-        groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
-    ref = s.reference_logprobs(groups) if alg.needs_reference else None
-    baseline = s.greedy_rewards(groups.indices) if alg.needs_greedy_baseline else None
+    lr = s.scheduler.get_last_lr()[0]  # this step's (the first of PPO's updates); the scheduler then moves on
+    with fsdp.full_parameters(s.policy):  # FSDP: gathered once for generation and every pass before the update
+        groups, metrics = collect_groups(s)
+        t0 = time.perf_counter()
+        if alg.advantage == "best_of_n":  # RAFT: train on the best sample of each group
+            groups = s.best_of_n(groups)
+        if alg.overlong_filter:  # DAPO: truncated completions keep their reward but leave the loss
+            comp = groups.completions
+            groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
+        ref = s.reference_logprobs(groups) if alg.needs_reference else None
+        baseline = s.greedy_rewards(groups.indices) if alg.needs_greedy_baseline else None
     advantages, returns, stats = step_advantages(s, groups, ref, baseline)
     metrics.update(stats)
     metrics.update(update(s, groups, advantages, returns, ref))
     metrics.update(distributed.reduce_values({"time/training": time.perf_counter() - t0}, max))
-    metrics["lr"] = s.scheduler.get_last_lr()[0]
+    metrics["lr"] = lr
     s.maybe_refresh_reference()
     s.last_groups = groups
     return metrics

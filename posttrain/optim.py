@@ -1,6 +1,7 @@
 """The optimizer and its guarded step, shared by the trainers.
 
-``build_optimizer``: AdamW with a linear learning-rate warm-up, then constant.
+``build_optimizer``: AdamW with a linear learning-rate warm-up, then a constant,
+linear or cosine schedule (``lr_multiplier``) that reaches 0 after ``total_steps``.
 ``apply_gradients``: sum the accumulated gradient over processes (a no-op in
 one process; see ``posttrain.distributed``), clip it to ``max_grad_norm`` and
 apply it, unless its norm is non-finite (a NaN/inf loss or gradient): then the
@@ -17,15 +18,40 @@ from collections.abc import Iterable
 
 import torch
 
-from posttrain import distributed
+from posttrain import distributed, fsdp
 from posttrain.config import OptimConfig
 
 
-def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig):
-    """(AdamW, LambdaLR): lr rises linearly over ``warmup_steps``, then stays at ``learning_rate``."""
+def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str = "constant") -> float:
+    """The learning rate of optimizer step ``step`` (0-based) as a fraction of the configured one.
+
+    Warm-up: ``(step + 1) / (warmup_steps + 1)`` for ``step < warmup_steps``.
+    After it, with ``p = (step - warmup_steps) / (total_steps - warmup_steps)``:
+    constant 1; linear ``1 - p``; cosine ``(1 + cos(pi * p)) / 2``. The last
+    step (``total_steps - 1``) still has a positive rate, as in transformers'
+    schedulers: no step is wasted at zero.
+    """
+    if step < warmup_steps:
+        return (step + 1) / (warmup_steps + 1)
+    if schedule == "constant":
+        return 1.0
+    progress = min(1.0, (step - warmup_steps) / max(1, total_steps - warmup_steps))
+    if schedule == "linear":
+        return 1.0 - progress
+    if schedule == "cosine":
+        return 0.5 * (1.0 + math.cos(math.pi * progress))
+    raise ValueError(f"lr_schedule: unknown schedule {schedule!r}; use constant, linear or cosine")
+
+
+def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig, total_steps: int):
+    """(AdamW, LambdaLR) following :func:`lr_multiplier` over ``total_steps`` optimizer steps.
+
+    The scheduler advances once per optimizer step (PPO's epochs and mini-batches
+    count), so callers pass the run's optimizer steps, not its training steps.
+    """
     optimizer = torch.optim.AdamW(params, lr=optim.learning_rate, weight_decay=optim.weight_decay)
-    warmup = optim.warmup_steps
-    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda k: min(1.0, (k + 1) / (warmup + 1)))
+    scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(
+        step, warmup_steps=optim.warmup_steps, total_steps=total_steps, schedule=optim.lr_schedule))
     return optimizer, scheduler
 
 
@@ -38,8 +64,12 @@ def apply_gradients(optimizer: torch.optim.Optimizer, scheduler, optim: OptimCon
     when the count reaches ``optim.max_bad_steps``.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    distributed.sum_gradients(params)  # every process then holds the same gradient and takes the same step
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm or math.inf))
+    replicated = [p for p in params if not fsdp.is_sharded_parameter(p)]  # FSDP units reduced their own
+    distributed.sum_gradients(replicated)  # every process then holds the same gradient and takes the same step
+    if len(replicated) < len(params):
+        grad_norm = fsdp.grad_norm_and_clip(params, optim.max_grad_norm)
+    else:
+        grad_norm = float(torch.nn.utils.clip_grad_norm_(params, optim.max_grad_norm or math.inf))
     if math.isfinite(grad_norm):
         optimizer.step()
         bad_steps = 0

@@ -47,14 +47,14 @@ The loop never looks at the preset's name: ``needs_reference``, ``paired``,
 from __future__ import annotations
 
 import math
-import sys
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from posttrain import distributed
+from posttrain import distributed, fsdp
+from posttrain.distributed import say as _say
 from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, encode_prompt
@@ -102,6 +102,7 @@ class PreferenceSession:
                                                 needs_scores=preset.needs_scores)
         test_rows = test_rows[:data.eval_size]
         validate(config, preset, len(train_rows))
+        fsdp.check(config)
         distributed.init(config.model.device)
         distributed.seed(config.run.seed)
         model_name = config.model.model or (task.source.default_model if task else None)
@@ -126,8 +127,10 @@ class PreferenceSession:
         test_ref_logps = dataset_logps(ref, test, pad, chunk)[0] if ref is not None and test is not None else None
         if ref_logps is not None and preset.paired:
             ref = None  # everything it would score is scored: free it (decision 5)
+        if fsdp.requested(config):
+            policy = fsdp.shard(policy)  # after the reference copy, before the optimizer sees the parameters
         trainable = [p for p in policy.parameters() if p.requires_grad]
-        optimizer, scheduler = build_optimizer(trainable, config.optim)
+        optimizer, scheduler = build_optimizer(trainable, config.optim, config.run.max_steps)  # one per step
         distributed.broadcast_parameters(trainable)  # e.g. LoRA's random init: every process starts from rank 0's
         generator = None
         if task is not None:
@@ -182,9 +185,6 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int) -> 
                           "for its reference point; use pairs_per_step >= 2")
 
 
-def _say(message: str) -> None:
-    if distributed.is_main():
-        print(f"[posttrain] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------
@@ -316,9 +316,15 @@ def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
 def train_step(s: PreferenceSession) -> dict[str, float]:
     """One optimizer step of the preset's preference loss over ``pairs_per_step`` examples."""
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
-    kl = kl_inputs(s, idx)
+    lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
     mine, m = distributed.shard(idx), s.examples_per_pass
-    parts = [train_micro_batch(s, mine[i:i + m], len(mine[i:i + m]) / len(idx), kl) for i in range(0, len(mine), m)]
+    starts = range(0, len(mine), m)
+    with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
+        kl = kl_inputs(s, idx)
+        parts = []
+        for start in starts:
+            fsdp.sync_gradients(s.policy, start == starts[-1])  # FSDP reduces at the last backward
+            parts.append(train_micro_batch(s, mine[start:start + m], len(mine[start:start + m]) / len(idx), kl))
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
     # every process's log-probs, in the order of idx
     inputs = {name: distributed.gather_rows(torch.cat([part[name] for part in parts])) for name in parts[0]}
@@ -335,7 +341,7 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
         **{name: float(value) for name, value in metrics.items()},
         "grad_norm": grad_norm,
         "skipped_steps": float(not math.isfinite(grad_norm)),
-        "lr": s.scheduler.get_last_lr()[0],
+        "lr": lr,
         "data/truncated": float(s.train.truncated[idx].sum()),
     }
 

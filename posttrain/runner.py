@@ -23,7 +23,8 @@ from typing import Any
 
 import torch
 
-from posttrain import distributed
+from posttrain import distributed, fsdp
+from posttrain.distributed import say as _say
 from posttrain.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint, save_final_model,
 )
@@ -66,12 +67,22 @@ def checkpoint_modules(session: Any) -> dict[str, torch.nn.Module]:
 def save(session: Any, run_dir: Path) -> Path:
     """Rank 0 writes the checkpoint; every process calls this (it gathers their surplus groups)."""
     extra_state = session.extra_state()
+    sharded = fsdp.is_sharded(session.policy)  # FSDP: every process gathers the full tensors for rank 0
     return distributed.on_main(
         save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
         optimizer=session.optimizer, scheduler=session.scheduler,
         trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state()},
         extra_modules=checkpoint_modules(session), extra_state=extra_state,
+        model_state=fsdp.full_state_dict(session.policy) if sharded else None,
+        optimizer_state=fsdp.full_optimizer_state(session.optimizer) if sharded else None,
     )
+
+
+def evaluate_on_main(evaluate, session: Any) -> dict[str, float]:
+    """Rank 0 evaluates (under FSDP with the full parameters, gathered by every process); every
+    process gets its metrics."""
+    with fsdp.full_parameters(session.policy):
+        return distributed.on_main(evaluate, session)
 
 
 def restore(session: Any, run_dir: Path) -> int:
@@ -97,7 +108,7 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
     if distributed.is_main():
         logger = MetricsLogger.open(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
                                     config=config.to_flat(), resume_step=start if run.resume else None)
-    evaluate = partial(distributed.on_main, evaluate)  # rank 0 evaluates, every process gets its metrics
+    evaluate = partial(evaluate_on_main, evaluate)
     first = {}
     if not run.resume:
         first = evaluate(session)
@@ -129,8 +140,9 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
         progress.close()
     if not last_eval or session.step != run.max_steps:
         last_eval = evaluate(session)
+    state = fsdp.full_state_dict(session.policy) if fsdp.is_sharded(session.policy) else None
     final_dir = distributed.on_main(lambda: save_final_model(run_dir, merged_for_saving(session.policy),
-                                                             session.tokenizer))
+                                                             session.tokenizer, state))
     plot = distributed.on_main(plot_run, run_dir)
     _say(f"after {session.step} steps: {_summary(last_eval)}")
     _say(f"run directory: {run_dir}  (model: {final_dir.name}/, curves: {plot.name})")
@@ -155,6 +167,3 @@ def _summary(metrics: dict[str, float]) -> str:
     return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(metrics.items()))
 
 
-def _say(message: str) -> None:
-    if distributed.is_main():
-        print(f"[posttrain] {message}", file=sys.stderr, flush=True)

@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain import distributed
+from posttrain import distributed, fsdp
 from posttrain.algorithms import OnlineAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
@@ -130,6 +130,7 @@ class OnlineSession:
                               "runs online presets (posttrain train routes it to the preference trainer)")
         work = load_workload(config)
         validate(config, alg, work)
+        fsdp.check(config)
         distributed.init(config.model.device)
         distributed.seed(config.run.seed)
         model_name = config.model.model or work.default_model
@@ -144,9 +145,12 @@ class OnlineSession:
         policy.train()
         ref = reference_model(policy) if alg.needs_reference else None
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
+        if fsdp.requested(config):
+            policy = fsdp.shard(policy)  # after the reference copy, before the optimizer sees the parameters
         trainable = [p for p in policy.parameters() if p.requires_grad]
         params = trainable + (list(value_head.parameters()) if value_head else [])
-        optimizer, scheduler = build_optimizer(params, config.optim)
+        optimizer_steps = config.run.max_steps * alg.num_epochs * config.optim.mini_batches
+        optimizer, scheduler = build_optimizer(params, config.optim, optimizer_steps)
         distributed.broadcast_parameters(params)  # e.g. LoRA's random init: every process starts from rank 0's
         eos_ids = eos_token_ids(policy, tokenizer)
         r = config.rollout
@@ -279,7 +283,7 @@ class OnlineSession:
     def maybe_refresh_reference(self) -> None:
         every = self.config.optim.ref_refresh_every
         if self.ref is not None and every and (self.step + 1) % every == 0:
-            self.ref.load_state_dict(self.policy.state_dict())
+            self.ref.load_state_dict(fsdp.full_state_dict(self.policy))
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:

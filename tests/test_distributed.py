@@ -22,7 +22,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain import distributed
+from posttrain import distributed, fsdp
 from posttrain.config import Config, ConfigError
 from posttrain.logging import read_metrics
 from posttrain.online import train_step
@@ -41,6 +41,9 @@ PRESETS = {
     "dr_grpo": {},
 }
 PREFERENCE = ("dpo", "kto")  # a mean over pairs; KTO's reference point from the whole step's batch
+# Under FSDP: KL in the loss; a replicated value head beside the sharded policy and 4 updates per
+# rollout; rank 1 without rows (dynamic sampling, see FixedGenerator); both preference shapes.
+FSDP = ("grpo", "ppo", "dpo", "kto")
 STEPS = 2
 # Unclipped gradients (clipping would hide a wrong scale), on the CPU (gloo; one GPU cannot host two ranks).
 COMMON = dict(prompts_per_step=4, group_size=4, micro_batch_size=2, max_steps=STEPS, max_grad_norm=0.0, device="cpu")
@@ -103,21 +106,21 @@ def train(s, step_fn) -> dict:
     """``max_steps`` steps: the final weights, each step's metrics, and the first step's gradient as
     AdamW received it (summed over processes). AdamW hides a wrong overall gradient scale
     (its update is scale-invariant); the gradient and the logged loss do not."""
-    grads = []
-    s.optimizer.register_step_pre_hook(
-        lambda optimizer, *_: grads.append([p.grad.clone() for p in s.policy.parameters()]) if not grads else None)
+    grads = []  # (FSDP: every process gathers the full gradient and weights)
+    s.optimizer.register_step_pre_hook(lambda optimizer, *_: grads.append(
+        [fsdp.full_tensor(p.grad).clone() for p in s.policy.parameters()]) if not grads else None)
     metrics = []
     for _ in range(s.config.run.max_steps):
         metrics.append(step_fn(s))
         s.step += 1
-    return {"weights": {k: v.detach().clone() for k, v in s.policy.state_dict().items()},
+    return {"weights": {k: v.detach().clone() for k, v in fsdp.full_state_dict(s.policy).items()},
             "gradient": grads[0], "metrics": metrics}
 
 
-def trained(data: Path, model_dir, reward_file, name: str) -> dict:
-    if name in PRESETS:
-        return train(fixed_session(online_config(data, model_dir, reward_file, name)), train_step)
-    return train(PreferenceSession.create(preference_config(data, model_dir, name)), preference_train_step)
+def trained(data: Path, model_dir, reward_file, name: str, **flat) -> dict:
+    if name not in PREFERENCE:
+        return train(fixed_session(online_config(data, model_dir, reward_file, name, **flat)), train_step)
+    return train(PreferenceSession.create(preference_config(data, model_dir, name, **flat)), preference_train_step)
 
 
 def run_config(data: Path, model_dir, reward_file, output, **flat) -> Config:
@@ -125,11 +128,11 @@ def run_config(data: Path, model_dir, reward_file, output, **flat) -> Config:
                          log_samples_every=1, tensorboard=True, **flat)
 
 
-def preference_config(data: Path, model_dir, algorithm: str) -> Config:
+def preference_config(data: Path, model_dir, algorithm: str, **flat) -> Config:
     return Config.from_flat(dict(
         algorithm=algorithm, model=str(model_dir), dataset=str(data / "pairs.jsonl"), pairs_per_step=4,
         micro_batch_size=2, learning_rate=1e-3, max_steps=STEPS, max_grad_norm=0.0, device="cpu", progress=False,
-        tensorboard=False, seed=0))
+        tensorboard=False, seed=0, **flat))
 
 
 def _writes_under(root: Path, record: list) -> None:
@@ -162,6 +165,13 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
     out = Path(out)
     for name in [*PRESETS, *PREFERENCE]:
         torch.save(trained(out, model_dir, reward_file, name), out / f"{name}-rank{rank}.pt")
+    for name in FSDP:
+        torch.save(trained(out, model_dir, reward_file, name, fsdp=True), out / f"fsdp-{name}-rank{rank}.pt")
+    s = fixed_session(online_config(out, model_dir, reward_file, "dapo", max_generation_rounds=2, fsdp=True),
+                      silent_rank=1)
+    torch.save(train(s, train_step), out / f"fsdp-uneven-rank{rank}.pt")
+    config = run_config(out, model_dir, reward_file, out / "run-fsdp", fsdp=True, max_grad_norm=0.5)
+    run_training(fixed_session(config), config, train_step, evaluate)
     # Dynamic sampling where rank 1's groups never carry signal: it trains on nothing, rank 0 refills.
     s = fixed_session(online_config(out, model_dir, reward_file, "dapo", max_generation_rounds=2), silent_rank=1)
     result = train(s, train_step)
@@ -289,3 +299,70 @@ def test_prompts_per_step_must_split_evenly_over_the_processes(tiny_model_dir, r
         OnlineSession.create(online_config(tmp_path, tiny_model_dir, reward_file, "grpo"))
     with pytest.raises(ConfigError, match=r"pairs_per_step: 4 examples do not split evenly over 3 processes"):
         PreferenceSession.create(preference_config(tmp_path, tiny_model_dir, "dpo"))
+
+
+@pytest.mark.parametrize("name", FSDP)
+def test_fsdp_trains_as_one_process_on_the_same_global_batch(name, two_processes, reward_file):
+    """FSDP (each process holds half of every parameter and of AdamW's state between steps) makes
+    the one-process update: the same summed gradient, weights and metrics."""
+    out, tiny_model_dir = two_processes
+    rank0, rank1 = (torch.load(out / f"fsdp-{name}-rank{r}.pt") for r in (0, 1))
+    one = trained(out, tiny_model_dir, reward_file, name)
+    assert_same_weights(rank0["weights"], rank1["weights"], atol=0)
+    assert any(g.abs().max() > 1e-4 for g in one["gradient"])
+    for a, b in zip(rank0["gradient"], one["gradient"]):
+        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8), (a - b).abs().max()
+    assert_same_weights(rank0["weights"], one["weights"], atol=1e-6)
+    for two, single in zip(rank0["metrics"], one["metrics"]):
+        for key in (k for k in single if not k.startswith("time/")):
+            # a clip fraction counts tokens past a threshold: a 1e-7 difference may move one of ~500
+            tolerance = 0.005 if key.endswith("clip_fraction") else 1e-6
+            assert two[key] == pytest.approx(single[key], rel=1e-5, abs=tolerance), key
+
+
+def test_fsdp_process_without_rows_joins_the_step(two_processes):
+    """Rank 1 trains on nothing (dynamic sampling, as above): it still takes part in every
+    reduce-scatter, and the update is the data-parallel one."""
+    out, _ = two_processes
+    sharded, replicated = torch.load(out / "fsdp-uneven-rank0.pt"), torch.load(out / "uneven-rank0.pt")
+    assert sharded["metrics"][0]["groups_trained"] == 2
+    assert_same_weights(sharded["weights"], replicated["weights"], atol=1e-6)
+
+
+def test_an_fsdp_run_writes_full_tensors_and_resumes_in_one_process(two_processes, reward_file, tmp_path):
+    """An FSDP checkpoint holds the same files as a one-process run's (full weights, tied ones once,
+    full AdamW moments); resumed without FSDP in one process it ends where a one-process run does
+    (gradient clipping on: the global norm over shards)."""
+    out, tiny_model_dir = two_processes
+    shutil.copytree(out / "run-fsdp", tmp_path / "run")
+    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{STEPS:06d}"
+    start = load_file(tiny_model_dir / "model.safetensors")
+    assert load_file(checkpoint / "model.safetensors").keys() == start.keys()
+    moments = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"][0]  # the embedding's
+    assert type(moments["exp_avg"]) is torch.Tensor and moments["exp_avg"].shape == start["model.embed_tokens.weight"].shape
+    flat = dict(fsdp=False, max_grad_norm=0.5)
+    resumed = Config.from_flat({**run_config(out, tiny_model_dir, reward_file, tmp_path / "run", **flat).to_flat(),
+                                "max_steps": STEPS + 1, "resume": str(tmp_path / "run")})
+    run_training(fixed_session(resumed), resumed, train_step, evaluate)
+    whole = run_config(out, tiny_model_dir, reward_file, tmp_path / "whole", max_steps=STEPS + 1, **flat)
+    run_training(fixed_session(whole), whole, train_step, evaluate)
+    a = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
+    assert_same_weights(a, b, atol=1e-6)
+
+
+def test_fsdp_refuses_what_it_does_not_do(tiny_model_dir, reward_file, tmp_path, monkeypatch):
+    write_data(tmp_path)
+    with pytest.raises(ConfigError, match="fsdp: LoRA with FSDP is not supported"):
+        OnlineSession.create(online_config(tmp_path, tiny_model_dir, reward_file, "grpo", fsdp=True, lora_r=4))
+    monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets for an FSDP config
+    monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
+    with pytest.raises(ConfigError, match="fsdp: CPU offload"):
+        PreferenceSession.create(preference_config(tmp_path, tiny_model_dir, "dpo"))
+
+
+def test_fsdp_in_one_process_is_the_plain_run(tiny_model_dir, reward_file, tmp_path):
+    write_data(tmp_path)
+    plain = trained(tmp_path, tiny_model_dir, reward_file, "grpo")
+    sharded = trained(tmp_path, tiny_model_dir, reward_file, "grpo", fsdp=True)
+    assert_same_weights(plain["weights"], sharded["weights"], atol=0)

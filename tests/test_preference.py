@@ -280,7 +280,7 @@ def test_non_finite_gradient_skips_the_step(tiny_model_dir, pair_files):
 def test_apply_gradients_drops_a_non_finite_gradient_and_counts():
     weight = torch.nn.Parameter(torch.ones(2))
     optim = OptimConfig(max_bad_steps=3)
-    optimizer, scheduler = build_optimizer([weight], optim)
+    optimizer, scheduler = build_optimizer([weight], optim, total_steps=10)
     weight.grad = torch.tensor([1.0, float("inf")])
     norm, bad = apply_gradients(optimizer, scheduler, optim, bad_steps=1)
     assert math.isinf(norm) and bad == 2 and torch.equal(weight.detach(), torch.ones(2)) and weight.grad is None

@@ -4,11 +4,9 @@ row, the file formats, chat rendering, unpairing, and the built-in addition pair
 from __future__ import annotations
 
 import json
-import random
 import re
 
 import pytest
-import torch
 
 from posttrain.data import DataError
 from posttrain.models.tiny import char_tokenizer

@@ -82,7 +82,7 @@ def total_cost(rng: random.Random) -> Problem:
 
 def change(rng: random.Random) -> Problem:
     """2 operations: bill - n * price."""
-    name, (one, many) = rng.choice(NAMES), rng.choice(PRICED)
+    name, (_, many) = rng.choice(NAMES), rng.choice(PRICED)
     n, price = rng.randint(2, 5), rng.randint(2, 9)
     bill = rng.choice([b for b in (20, 50, 100) if b > n * price])
     question = (f"{name} buys {n} {many} that cost ${price} each and pays with a ${bill} bill. "
