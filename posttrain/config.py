@@ -134,7 +134,8 @@ class OptimConfig:
     weight_decay: float = _help("AdamW weight decay.", 0.0)
     warmup_steps: int = _help("Linear learning-rate warm-up over this many optimizer steps.", 0)
     lr_schedule: str = _help(
-        "Learning rate after the warm-up: constant, linear (to 0 at the last step) or cosine (to 0).", "constant",
+        "Learning rate after the warm-up: linear (to 0 at the last step, as in TRL), cosine (to 0) or constant.",
+        "linear",
     )
     max_grad_norm: float = _help("Gradient clipping by global norm (0 = off).", 1.0)
     micro_batch_size: int = _help(

@@ -60,3 +60,29 @@ def assert_runs_identical(a: Path, b: Path) -> None:
     assert comparable(a) == comparable(b)
     wa, wb = (load_file(run / "final_model" / "model.safetensors") for run in (a, b))
     assert wa.keys() == wb.keys() and all(torch.equal(wa[k], wb[k]) for k in wa)
+
+
+class Interrupted(Exception):
+    """What kills a run in ``run_interrupted``."""
+
+
+def run_interrupted(session, config, step_fn, evaluate, after: int) -> None:
+    """Run ``config`` as a crash would leave it: killed as step ``after + 1`` starts, so its last
+    checkpoint is step ``after``'s (``save_every`` must divide it) and ``max_steps`` is unchanged,
+    as is the learning-rate schedule that depends on it."""
+    from posttrain.runner import run_training
+
+    def step_or_die(s):
+        if s.step == after:
+            raise Interrupted(f"killed after step {after}")
+        return step_fn(s)
+
+    with pytest.raises(Interrupted):
+        run_training(session, config, step_or_die, evaluate)
+
+
+def resumed(config, run_dir: Path):
+    """``config`` resuming ``run_dir``."""
+    from posttrain.config import Config
+
+    return Config.from_flat({**config.to_flat(), "resume": str(run_dir)})

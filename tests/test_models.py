@@ -20,7 +20,7 @@ from posttrain.online import train_step
 from posttrain.rewards import math_answer
 from posttrain.rollout import completion_mask
 from posttrain.session import OnlineSession
-from conftest import assert_runs_identical
+from conftest import assert_runs_identical, resumed, run_interrupted
 from test_online import make_config
 
 # --- GGUF -----------------------------------------------------------------------------------
@@ -318,11 +318,11 @@ def test_lora_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_
                   log_samples_every=0, eval_size=4)
     whole = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "whole"), max_steps=4, **common)
     run_training(OnlineSession.create(whole), whole, train_step, evaluate)
-    first = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "split"), max_steps=2, **common)
-    run_training(OnlineSession.create(first), first, train_step, evaluate)
+    first = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "split"), max_steps=4, **common)
+    run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=2)
     checkpoint = tmp_path / "split" / "checkpoints" / "step_000002"
     assert (checkpoint / "adapter_model.safetensors").is_file() and not (checkpoint / "model.safetensors").exists()
-    second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
+    second = resumed(first, tmp_path / "split")
     run_training(OnlineSession.create(second), second, train_step, evaluate)
 
     assert_runs_identical(tmp_path / "whole", tmp_path / "split")

@@ -14,7 +14,7 @@ from posttrain.modeling import collate, forward
 from posttrain.online import has_signal, train_step
 from posttrain.runner import run_training
 from posttrain.session import OnlineSession, evaluate
-from conftest import assert_runs_identical
+from conftest import assert_runs_identical, resumed, run_interrupted
 
 ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, OnlineAlgorithm)]
 
@@ -182,9 +182,9 @@ def test_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_path)
     run_training(OnlineSession.create(whole), whole, train_step, evaluate)
 
     first = make_config(tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None,
-                        output=str(tmp_path / "split"), **{**common, "max_steps": 2})
-    run_training(OnlineSession.create(first), first, train_step, evaluate)
-    second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
+                        output=str(tmp_path / "split"), **common)
+    run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=2)
+    second = resumed(first, tmp_path / "split")
     run_training(OnlineSession.create(second), second, train_step, evaluate)
 
     assert_runs_identical(tmp_path / "whole", tmp_path / "split")

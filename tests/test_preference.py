@@ -27,7 +27,7 @@ from posttrain.preference_data import encode, unpair
 from posttrain.runner import run_training
 from posttrain.tasks.addition import make_rows
 from posttrain.tasks.addition_pairs import pair_row
-from conftest import assert_runs_identical
+from conftest import assert_runs_identical, resumed, run_interrupted
 
 PRESETS = [name for name, preset in ALGORITHMS.items() if isinstance(preset, PreferenceAlgorithm)]
 
@@ -299,9 +299,9 @@ def test_resumed_run_equals_uninterrupted(name, extra, tiny_model_dir, pair_file
     whole = make_config(tiny_model_dir, pair_files, name, output=str(tmp_path / "whole"), **common)
     run_training(PreferenceSession.create(whole), whole, train_step, evaluate)
 
-    first = make_config(tiny_model_dir, pair_files, name, output=str(tmp_path / "split"), **{**common, "max_steps": 2})
-    run_training(PreferenceSession.create(first), first, train_step, evaluate)
-    second = Config.from_flat({**first.to_flat(), "max_steps": 4, "resume": str(tmp_path / "split")})
+    first = make_config(tiny_model_dir, pair_files, name, output=str(tmp_path / "split"), **common)
+    run_interrupted(PreferenceSession.create(first), first, train_step, evaluate, after=2)
+    second = resumed(first, tmp_path / "split")
     run_training(PreferenceSession.create(second), second, train_step, evaluate)
 
     assert_runs_identical(tmp_path / "whole", tmp_path / "split")

@@ -113,8 +113,8 @@ def test_ensure_tiny_model_is_atomic_cached_and_deterministic(tmp_path, monkeypa
     assert list((tmp_path / "models").iterdir()) == []
 
     path = ensure_tiny_model("tiny-test", cache_dir=tmp_path)
-    assert path == tmp_path / "models" / "tiny-test-v1"
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny-test-v1"]  # no temp dir left
+    assert path == tmp_path / "models" / f"tiny-test-v{SMALL.version}"
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [f"tiny-test-v{SMALL.version}"]  # no temp dir left
     record = json.loads((path / "posttrain_recipe.json").read_text())
     assert record["recipe"] == dataclasses.asdict(SMALL) and record["steps"] == SMALL.eval_every
 
@@ -126,7 +126,7 @@ def test_ensure_tiny_model_is_atomic_cached_and_deterministic(tmp_path, monkeypa
     (path / "posttrain_recipe.json").write_text(json.dumps({**record, "recipe": {**record["recipe"], "lr": 1.0}}))
     assert ensure_tiny_model("tiny-test", cache_dir=tmp_path) == path
     assert json.loads((path / "posttrain_recipe.json").read_text())["recipe"] == dataclasses.asdict(SMALL)
-    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == ["tiny-test-v1"]
+    assert sorted(p.name for p in (tmp_path / "models").iterdir()) == [f"tiny-test-v{SMALL.version}"]
 
     # the cached model is the recipe's model: rebuilding gives identical weights
     model = AutoModelForCausalLM.from_pretrained(path)

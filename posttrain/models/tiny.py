@@ -111,7 +111,7 @@ class TinyRecipe:
     """Task whose training split is the supervised data."""
     chars: str
     """Tokenizer alphabet."""
-    version: int = 1
+    version: int = 2
     """Cache key suffix; bump whenever any field or the build code changes."""
     task_seed: int = 0
     """Seed of the task's train/test split."""
@@ -125,8 +125,10 @@ class TinyRecipe:
     """AdamW learning rate (constant after warm-up, no weight decay)."""
     warmup_steps: int = 50
     batch_size: int = 64
-    target_accuracy: float = 0.25
-    """Stop at the first evaluation whose greedy accuracy reaches this."""
+    target_accuracy: float = 0.40
+    """Stop at the first evaluation whose greedy accuracy reaches this. v2 raised it from 0.25
+    (32.8% on the whole held-out split) to 0.40 (38.6%): from there the default run ends
+    higher and its gain has margin (docs/decisions.md 32)."""
     eval_every: int = 10
     """Steps between evaluations."""
     eval_prompts: int = 100
