@@ -224,10 +224,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
-@pytest.mark.parametrize("name", [*PRESETS, *PREFERENCE])
-def test_two_processes_train_as_one_on_the_same_global_batch(name, two_processes, reward_file):
+@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE]), *(("fsdp", n) for n in FSDP)])
+def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_processes, reward_file):
+    """Plain data parallelism, and FSDP (each process holds half of every parameter and of AdamW's
+    state between steps): both make the one-process update."""
     out, tiny_model_dir = two_processes
-    rank0, rank1 = (torch.load(out / f"{name}-rank{r}.pt") for r in (0, 1))
+    prefix = "fsdp-" if engine == "fsdp" else ""
+    rank0, rank1 = (torch.load(out / f"{prefix}{name}-rank{r}.pt") for r in (0, 1))
     one = trained(out, tiny_model_dir, reward_file, name)
     # Every process holds the same weights: the summed gradient is the same on every process.
     assert_same_weights(rank0["weights"], rank1["weights"], atol=0)
@@ -240,7 +243,9 @@ def test_two_processes_train_as_one_on_the_same_global_batch(name, two_processes
     for two, single in zip(rank0["metrics"], one["metrics"]):
         assert two.keys() == single.keys()
         for key in (k for k in single if not k.startswith("time/")):
-            assert two[key] == pytest.approx(single[key], rel=1e-5, abs=1e-6), key
+            # a clip fraction counts tokens past a threshold: a 1e-7 difference may move one of ~500
+            tolerance = 0.005 if key.endswith("clip_fraction") else 1e-6
+            assert two[key] == pytest.approx(single[key], rel=1e-5, abs=tolerance), key
     assert rank0["metrics"] == rank1["metrics"]  # (times too: the slowest process's)
 
 
@@ -300,25 +305,6 @@ def test_prompts_per_step_must_split_evenly_over_the_processes(tiny_model_dir, r
         OnlineSession.create(online_config(tmp_path, tiny_model_dir, reward_file, "grpo"))
     with pytest.raises(ConfigError, match=r"pairs_per_step: 4 examples do not split evenly over 3 processes"):
         PreferenceSession.create(preference_config(tmp_path, tiny_model_dir, "dpo"))
-
-
-@pytest.mark.parametrize("name", FSDP)
-def test_fsdp_trains_as_one_process_on_the_same_global_batch(name, two_processes, reward_file):
-    """FSDP (each process holds half of every parameter and of AdamW's state between steps) makes
-    the one-process update: the same summed gradient, weights and metrics."""
-    out, tiny_model_dir = two_processes
-    rank0, rank1 = (torch.load(out / f"fsdp-{name}-rank{r}.pt") for r in (0, 1))
-    one = trained(out, tiny_model_dir, reward_file, name)
-    assert_same_weights(rank0["weights"], rank1["weights"], atol=0)
-    assert any(g.abs().max() > 1e-4 for g in one["gradient"])
-    for a, b in zip(rank0["gradient"], one["gradient"]):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8), (a - b).abs().max()
-    assert_same_weights(rank0["weights"], one["weights"], atol=1e-6)
-    for two, single in zip(rank0["metrics"], one["metrics"]):
-        for key in (k for k in single if not k.startswith("time/")):
-            # a clip fraction counts tokens past a threshold: a 1e-7 difference may move one of ~500
-            tolerance = 0.005 if key.endswith("clip_fraction") else 1e-6
-            assert two[key] == pytest.approx(single[key], rel=1e-5, abs=tolerance), key
 
 
 def test_fsdp_process_without_rows_joins_the_step(two_processes):
