@@ -1,7 +1,7 @@
 """Real learning on the built-in task (slow: minutes per preset; `make test-slow`).
 
-GRPO, DAPO and GSPO each start from the built-in tiny-addition model (about 25%
-held-out greedy accuracy) and must end well above it.
+GRPO, DAPO and GSPO each start from the built-in tiny-addition model (38.6%
+held-out greedy accuracy) and must end well above it with the default settings.
 """
 
 from __future__ import annotations
