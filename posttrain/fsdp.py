@@ -28,7 +28,8 @@ Checkpoints and the final model hold full, unsharded tensors in the same files a
 one-process run (:func:`full_state_dict`, :func:`full_optimizer_state`, :func:`load_state`), so a
 run saved with FSDP resumes with any process count, with or without FSDP.
 
-Not supported (refused with a ConfigError): LoRA with FSDP, CPU offload (``FSDP_OFFLOAD_PARAMS``).
+Not supported (refused with a ConfigError): LoRA with FSDP, CPU offload (``FSDP_OFFLOAD_PARAMS``),
+the vLLM backend.
 The reference model is a full copy on every process (KL presets).
 """
 
@@ -66,6 +67,8 @@ def check(config: Config) -> None:
     if config.model.lora_r:
         raise ConfigError("fsdp: LoRA with FSDP is not supported; train LoRA data-parallel (fsdp off), "
                           "or all weights (lora_r 0) with FSDP")
+    if config.rollout.backend == "vllm":
+        raise ConfigError("fsdp: the vllm backend needs the full weights in every process; use backend hf with FSDP")
     if os.environ.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":
         raise ConfigError("fsdp: CPU offload (FSDP_OFFLOAD_PARAMS in the accelerate config) is not supported; "
                           "set offload_params: false")
@@ -76,6 +79,7 @@ def shard(model: nn.Module) -> nn.Module:
     unit over all processes, with gradients summed, not averaged; in place, returned. A no-op in one
     process."""
     if distributed.world_size() == 1:
+        distributed.say("FSDP: one process, nothing to shard; training unsharded")
         return model
     from torch.distributed.device_mesh import init_device_mesh
 
