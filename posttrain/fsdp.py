@@ -138,7 +138,11 @@ def sync_gradients(model: nn.Module, enabled: bool) -> None:
 
 def join_backward(model: nn.Module) -> None:
     """A zero-weighted forward and backward on one token, for a process with no rows in an optimizer
-    step: it takes part in the gradient reduce-scatter and adds nothing to the gradient."""
+    step: it takes part in the gradient reduce-scatter and adds nothing to the gradient. A no-op
+    for an unsharded model (the gradient sum needs no pass)."""
+    if not is_sharded(model):
+        return
+    sync_gradients(model, True)
     token = torch.zeros(1, 1, dtype=torch.long, device=model.device)
     (model(input_ids=token).logits.sum() * 0.0).backward()
 

@@ -293,8 +293,7 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
                             additive[key] = additive.get(key, 0.0) + value
                         else:
                             weighted[key] = weighted.get(key, 0.0) + tokens * value
-                if not micros and fsdp.is_sharded(s.policy):  # no rows here: it only joins the gradient sum
-                    fsdp.sync_gradients(s.policy, True)
+                if not micros:  # no rows here: under FSDP it still joins the gradient reduction
                     fsdp.join_backward(s.policy)
             grad_norms.append(s.optimizer_step())
             steps += 1
