@@ -285,17 +285,23 @@ def test_an_error_on_rank_0_is_raised_on_every_process(two_processes):
         assert "already holds a run" in (out / f"error-rank{rank}.txt").read_text()
 
 
-def test_a_two_process_run_resumes_in_one_process(two_processes, reward_file, tmp_path):
-    out, tiny_model_dir = two_processes
-    shutil.copytree(out / "run", tmp_path / "run")
-    resumed = Config.from_flat({**run_config(out, tiny_model_dir, reward_file, tmp_path / "run").to_flat(),
+def resume_in_one_process_matches(out: Path, reward_file, tmp_path: Path, run: str, **flat) -> None:
+    """Two processes' run ``out/run``, resumed for one more step in this process, ends where a
+    one-process run of ``STEPS + 1`` steps does."""
+    tiny_model_dir = Path((out / "model_dir").read_text())
+    shutil.copytree(out / run, tmp_path / "run")
+    resumed = Config.from_flat({**run_config(out, tiny_model_dir, reward_file, tmp_path / "run", **flat).to_flat(),
                                 "max_steps": STEPS + 1, "resume": str(tmp_path / "run")})
     run_training(fixed_session(resumed), resumed, train_step, evaluate)
-    whole = run_config(out, tiny_model_dir, reward_file, tmp_path / "whole", max_steps=STEPS + 1)
+    whole = run_config(out, tiny_model_dir, reward_file, tmp_path / "whole", max_steps=STEPS + 1, **flat)
     run_training(fixed_session(whole), whole, train_step, evaluate)
     a = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
     b = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
     assert_same_weights(a, b, atol=1e-6)
+
+
+def test_a_two_process_run_resumes_in_one_process(two_processes, reward_file, tmp_path):
+    resume_in_one_process_matches(two_processes[0], reward_file, tmp_path, "run")
 
 
 def test_prompts_per_step_must_split_evenly_over_the_processes(tiny_model_dir, reward_file, tmp_path, monkeypatch):
@@ -321,21 +327,12 @@ def test_an_fsdp_run_writes_full_tensors_and_resumes_in_one_process(two_processe
     full AdamW moments); resumed without FSDP in one process it ends where a one-process run does
     (gradient clipping on: the global norm over shards)."""
     out, tiny_model_dir = two_processes
-    shutil.copytree(out / "run-fsdp", tmp_path / "run")
-    checkpoint = tmp_path / "run" / "checkpoints" / f"step_{STEPS:06d}"
+    checkpoint = out / "run-fsdp" / "checkpoints" / f"step_{STEPS:06d}"
     start = load_file(tiny_model_dir / "model.safetensors")
     assert load_file(checkpoint / "model.safetensors").keys() == start.keys()
     moments = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"][0]  # the embedding's
     assert type(moments["exp_avg"]) is torch.Tensor and moments["exp_avg"].shape == start["model.embed_tokens.weight"].shape
-    flat = dict(fsdp=False, max_grad_norm=0.5)
-    resumed = Config.from_flat({**run_config(out, tiny_model_dir, reward_file, tmp_path / "run", **flat).to_flat(),
-                                "max_steps": STEPS + 1, "resume": str(tmp_path / "run")})
-    run_training(fixed_session(resumed), resumed, train_step, evaluate)
-    whole = run_config(out, tiny_model_dir, reward_file, tmp_path / "whole", max_steps=STEPS + 1, **flat)
-    run_training(fixed_session(whole), whole, train_step, evaluate)
-    a = load_file(tmp_path / "run" / "final_model" / "model.safetensors")
-    b = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
-    assert_same_weights(a, b, atol=1e-6)
+    resume_in_one_process_matches(out, reward_file, tmp_path, "run-fsdp", fsdp=False, max_grad_norm=0.5)
 
 
 def test_fsdp_refuses_what_it_does_not_do(tiny_model_dir, reward_file, tmp_path, monkeypatch):
