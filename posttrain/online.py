@@ -372,10 +372,12 @@ def train_step(s: OnlineSession) -> dict[str, float]:
             groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
         ref = s.reference_logprobs(groups) if alg.needs_reference else None
         baseline = s.greedy_rewards(groups.indices) if alg.needs_greedy_baseline else None
+    t1 = time.perf_counter()
     advantages, returns, stats = step_advantages(s, groups, ref, baseline)
     metrics.update(stats)
     metrics.update(update(s, groups, advantages, returns, ref))
-    metrics.update(distributed.reduce_values({"time/training": time.perf_counter() - t0}, max))
+    t2 = time.perf_counter()  # training = the reference/greedy passes + the update (forward, backward, steps)
+    metrics.update(distributed.reduce_values({"time/training": t2 - t0, "time/update": t2 - t1}, max))
     metrics["lr"] = lr
     s.maybe_refresh_reference()
     s.last_groups = groups
