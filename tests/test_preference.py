@@ -5,9 +5,11 @@ micro-batching and resuming change nothing; held-out accuracy uses each preset's
 from __future__ import annotations
 
 import copy
+import dataclasses
 import importlib.util
 import json
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -350,17 +352,33 @@ def test_cli_has_the_preference_flags():
     assert (args.pairs_per_step, args.precompute_reference, args.max_length) == (8, True, 64)
 
 
+@pytest.fixture(scope="module")
+def weaker_start(tmp_path_factory) -> Path:
+    """The built-in recipe stopped at 25% instead of 40% (32.8% greedy accuracy on all 500 held-out
+    prompts, the recipe's v1 model): a policy that still ranks pairs imperfectly. From the default
+    model (38.6%) the reference-free presets already rank 0.94 of held-out pairs right by their own
+    score, and SimPO went 0.94 -> 0.92 there (docs/decisions.md 17)."""
+    from posttrain.models.tiny import BUILTIN_MODELS, build_from_recipe
+
+    path = tmp_path_factory.mktemp("weaker-start")
+    model, tokenizer, _ = build_from_recipe(dataclasses.replace(BUILTIN_MODELS["tiny-addition"], target_accuracy=0.25))
+    model.save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
-def test_each_preset_raises_held_out_pairwise_accuracy(name, tmp_path):
-    """`posttrain train --algorithm NAME --max-steps 150`: the built-in task and model, default settings.
+def test_each_preset_raises_held_out_pairwise_accuracy(name, weaker_start, tmp_path):
+    """`posttrain train --algorithm NAME --max-steps 150 --model WEAKER_START`: the built-in pairs, default settings.
 
-    Before: 0.5 for the reference presets (all ties), about 0.88 for SimPO and ORPO (the warm-started
+    Before: 0.5 for the reference presets (all ties), 0.875 for SimPO and ORPO (the warm-started
     model already prefers the correct scratchpad per token); after: 0.79-0.99 (KTO lowest, ORPO highest).
     """
     # 200 held-out pairs: the numbers above were measured on them (on all 500, SimPO went 0.892 -> 0.908)
-    config = Config.from_flat(dict(algorithm=name, max_steps=150, eval_every=0, save_every=0, log_samples_every=0,
-                                   eval_size=200, output=str(tmp_path / name), progress=False, tensorboard=False))
+    config = Config.from_flat(dict(algorithm=name, model=str(weaker_start), max_steps=150, eval_every=0, save_every=0,
+                                   log_samples_every=0, eval_size=200, output=str(tmp_path / name), progress=False,
+                                   tensorboard=False))
     result = preference.train_preference(config)
     before, after = result["before"]["eval/pairwise_accuracy"], result["after"]["eval/pairwise_accuracy"]
     assert after >= before + 0.02, (before, after)
