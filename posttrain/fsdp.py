@@ -175,11 +175,16 @@ def load_state(own: Mapping[str, Tensor], tensors: Mapping[str, Tensor]) -> dict
 
 
 def load_optimizer_state(optimizer: torch.optim.Optimizer, state: Mapping[str, Any]) -> dict[str, Any]:
-    """A saved (full) optimizer state laid out for ``optimizer``'s (possibly sharded) parameters."""
+    """A saved (full) optimizer state laid out for ``optimizer``'s (possibly sharded) parameters. The
+    kernel choice (``fused``/``foreach``) stays ``optimizer``'s own: it is not state, and the fused
+    kernel refuses sharded parameters, so a checkpoint moves between FSDP and plain runs."""
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    return {**state, "state": {
-        index: {key: _like(params[int(index)], value) if key != "step" else value for key, value in entry.items()}
-        for index, entry in state["state"].items()}}
+    kernels = [{key: group[key] for key in ("fused", "foreach") if key in group} for group in optimizer.param_groups]
+    return {**state,
+            "param_groups": [{**saved, **own} for saved, own in zip(state["param_groups"], kernels)],
+            "state": {index: {key: _like(params[int(index)], value) if key != "step" else value
+                              for key, value in entry.items()}
+                      for index, entry in state["state"].items()}}
 
 
 def grad_norm_and_clip(params: Sequence[nn.Parameter], max_norm: float) -> float:

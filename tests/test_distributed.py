@@ -190,6 +190,11 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
         run_training(fixed_session(config), config, train_step, evaluate)
     except FileExistsError as error:
         (out / f"error-rank{rank}.txt").write_text(str(error))
+    # The plain run's checkpoint (fused AdamW's) resumed one step further under FSDP.
+    distributed.on_main(shutil.copytree, out / "run", out / "run-then-fsdp")
+    onward = Config.from_flat({**run_config(out, model_dir, reward_file, out / "run-then-fsdp", fsdp=True).to_flat(),
+                               "max_steps": STEPS + 1, "resume": str(out / "run-then-fsdp")})
+    run_training(fixed_session(onward), onward, train_step, evaluate)
 
 
 def _free_port() -> int:
@@ -333,6 +338,15 @@ def test_an_fsdp_run_writes_full_tensors_and_resumes_in_one_process(two_processe
     moments = torch.load(checkpoint / "optimizer.pt", weights_only=True)["state"][0]  # the embedding's
     assert type(moments["exp_avg"]) is torch.Tensor and moments["exp_avg"].shape == start["model.embed_tokens.weight"].shape
     resume_in_one_process_matches(out, reward_file, tmp_path, "run-fsdp", fsdp=False, max_grad_norm=0.5)
+
+
+def test_a_plain_checkpoint_resumes_under_fsdp(two_processes, reward_file, tmp_path):
+    out, tiny_model_dir = two_processes
+    whole = run_config(out, tiny_model_dir, reward_file, tmp_path / "whole", max_steps=STEPS + 1)
+    run_training(fixed_session(whole), whole, train_step, evaluate)
+    a = load_file(out / "run-then-fsdp" / "final_model" / "model.safetensors")
+    b = load_file(tmp_path / "whole" / "final_model" / "model.safetensors")
+    assert_same_weights(a, b, atol=1e-6)
 
 
 def test_fsdp_refuses_what_it_does_not_do(tiny_model_dir, reward_file, tmp_path, monkeypatch):
