@@ -185,8 +185,6 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int) -> 
                           "for its reference point; use pairs_per_step >= 2")
 
 
-
-
 # ---------------------------------------------------------------------------------------
 # Sequence log-probs
 # ---------------------------------------------------------------------------------------

@@ -165,5 +165,3 @@ def _summary(metrics: dict[str, float]) -> str:
     if not metrics:
         return "(no held-out set)"
     return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(metrics.items()))
-
-

@@ -13,7 +13,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
-from posttrain.config import Config, ConfigError, ModelConfig
+from posttrain.config import ConfigError, ModelConfig
 from posttrain.modeling import batched_logprobs
 from posttrain.models import loading
 from posttrain.online import train_step
