@@ -197,6 +197,7 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[st
         reward=(f"{Path(__file__).resolve()}:vowel_reward",), prompts_per_step=b.prompts, group_size=b.group,
         max_new_tokens=b.new_tokens, temperature=1.0, learning_rate=LEARNING_RATE, micro_batch_size=64,
         max_steps=total, eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu",
+        lr_schedule="constant",  # as TRL's side (lr_scheduler_type)
     ))
     s = OnlineSession.create(config)
     # Run to the budget as TRL does with min_new_tokens: no id ends a completion (EOS tokens sampled
@@ -229,7 +230,7 @@ def posttrain_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str
     config = Config.from_flat(dict(
         algorithm="dpo", model=str(path), dataset=str(write_jsonl(pair_rows(), data / "pairs.jsonl")),
         pairs_per_step=b.prompts, learning_rate=LEARNING_RATE, micro_batch_size=64, max_steps=total,
-        eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu",
+        eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu", lr_schedule="constant",
     ))
     s = PreferenceSession.create(config)
     records = []
