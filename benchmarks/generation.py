@@ -29,6 +29,7 @@ import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # generate warns about the EOS id -1 at every call
 
+from posttrain.allocator import keep_freed_memory
 from posttrain.data import encode_prompt
 from posttrain.modeling import load_model_and_tokenizer
 from posttrain.rollout import FastGenerator, HFGenerator, SamplingParams
@@ -47,9 +48,23 @@ def timed(generator, prompts, samples: int, greedy: bool) -> tuple[float, float,
     return wall, cpu, int(out.mask.sum()), out.completion_ids.shape[1], out.completion_ids
 
 
+class ForwardStepGenerator(FastGenerator):
+    """posttrain's decode loop running the model's own forward at every step (no fused step)."""
+
+    def generate(self, *args, **kwargs):
+        os.environ["POSTTRAIN_DECODE_STEP"] = "forward"
+        try:
+            return super().generate(*args, **kwargs)
+        finally:
+            del os.environ["POSTTRAIN_DECODE_STEP"]
+
+
 def build(model, tokenizer, new_tokens: int, eos: list[int], args) -> dict[str, object]:
+    """``generate``: transformers; ``forward``: posttrain's loop with the model's forward per step;
+    ``fast``: posttrain's loop with the fused step (posttrain.decode_step) where the model has one."""
     params = SamplingParams(new_tokens, args.temperature, args.top_p, args.top_k)
     return {"generate": HFGenerator(model, tokenizer, params, eos),
+            "forward": ForwardStepGenerator(model, tokenizer, params, eos),
             "fast": FastGenerator(model, tokenizer, params, eos)}
 
 
@@ -69,8 +84,9 @@ def fixed_budget(model, tokenizer, prompts, args) -> None:
         for name, (wall, cpu) in report.items():
             print(f"fixed {'greedy' if greedy else 'sample':6s} {name:8s}  {wall * 1e3:7.1f} ms/step  "
                   f"(CPU {cpu * 1e3:7.1f})  {rows / wall:7.1f} tokens/s in decode", flush=True)
-        print(f"fixed {'greedy' if greedy else 'sample':6s} speed-up {report['generate'][0] / report['fast'][0]:.2f}x "
-              f"per decode step (CPU time {report['generate'][1] / report['fast'][1]:.2f}x)", flush=True)
+        for slow in ("generate", "forward"):
+            print(f"fixed {'greedy' if greedy else 'sample':6s} fast vs {slow}: {report[slow][0] / report['fast'][0]:.2f}x "
+                  f"per decode step (CPU time {report[slow][1] / report['fast'][1]:.2f}x)", flush=True)
 
 
 def with_eos(model, tokenizer, prompts, args) -> None:
@@ -89,9 +105,10 @@ def with_eos(model, tokenizer, prompts, args) -> None:
             print(f"eos   {'greedy' if greedy else 'sample':6s} {name:8s}  {wall:7.2f} s/call  "
                   f"(CPU {statistics.median(r[1] for r in rs):6.2f})  {rates[name]:7.1f} tokens/s  "
                   f"tokens {[r[2] for r in rs]} steps {[r[3] for r in rs]}", flush=True)
-        same = f"; identical completions: {torch.equal(runs['fast'][0][4], runs['generate'][0][4])}" if greedy else ""
         mode = "greedy" if greedy else "sample"
-        print(f"eos   {mode:6s} speed-up {rates['fast'] / rates['generate']:.2f}x tokens/s{same}", flush=True)
+        for slow in ("generate", "forward"):
+            same = f"; identical completions: {torch.equal(runs['fast'][0][4], runs[slow][0][4])}" if greedy else ""
+            print(f"eos   {mode:6s} fast vs {slow}: {rates['fast'] / rates[slow]:.2f}x tokens/s{same}", flush=True)
 
 
 def main() -> None:
@@ -108,6 +125,7 @@ def main() -> None:
     parser.add_argument("--skip", choices=["fixed", "eos"], help="skip one kind of run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    keep_freed_memory()  # as every training run does (posttrain.train): no fresh pages per sampled step
     model_name, task = ("tiny-addition", "addition") if args.model == "tiny" else (args.model, "gsm")
     model, tokenizer = load_model_and_tokenizer(model_name, device="cpu")
     rows = list(get_task(task).train)[: args.prompts]

@@ -176,8 +176,11 @@ def decode(
     ids_PL, attention_PL: [P, L] left-padded prompts and their attention mask, on the model's device.
     cache: an empty :func:`preallocated_cache` with ``repeats=num_samples`` and capacity >= L + T.
     """
+    from posttrain.decode_step import FusedDecoder, unsupported_reason
+
     device, g = ids_PL.device, num_samples
     width = ids_PL.shape[1]
+    fused = None if unsupported_reason(model) else FusedDecoder(model, rows=len(ids_PL) * g)
     positions_PL = (attention_PL.cumsum(-1) - 1).masked_fill(attention_PL == 0, 1)  # as generate does
     out = model(input_ids=ids_PL, attention_mask=attention_PL, position_ids=positions_PL, cache=cache,
                 use_cache=True, logits_to_keep=1)
@@ -200,8 +203,10 @@ def decode(
             cache.batch_select_indices(keep)
         n = len(rows)
         attention_NS[:n, width + t] = 1
-        out = model(input_ids=token_n.unsqueeze(1), attention_mask=attention_NS[:n, : width + t + 1],
-                    position_ids=position_N1, cache=cache, use_cache=True)
-        logits = out.logits[:, -1]
+        if fused is not None:
+            logits = fused.step(token_n, position_N1, attention_NS[:n, : width + t + 1], cache)
+        else:
+            logits = model(input_ids=token_n.unsqueeze(1), attention_mask=attention_NS[:n, : width + t + 1],
+                           position_ids=position_N1, cache=cache, use_cache=True).logits[:, -1]
         position_N1 = position_N1 + 1
     return tokens_NT[:, : t + 1]
