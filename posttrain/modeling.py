@@ -2,9 +2,15 @@
 
 Training batches are laid out as ``[prompt (left-padded) | completion (right-padded)]``
 so that completion token ``t`` of every row sits at the same column ``P + t``;
-the logits that predict it are at column ``P + t - 1``. Only the last ``T + 1``
-positions go through the LM head (``logits_to_keep``), and padding is trimmed to
-the longest sequence of each micro-batch.
+the logits that predict it are at column ``P + t - 1``. Padding is trimmed to the
+longest sequence of each micro-batch.
+
+For the architectures :func:`split_head` knows (Llama, Mistral, Qwen2, LoRA-wrapped
+or not), the LM head is folded into the log-softmax
+(:func:`posttrain.functional.linear_log_softmax`): only the completion's real tokens
+go through it, a block of vocabulary at a time, and no ``[n, T, V]`` logits tensor
+exists (on SmolLM2 that is 100 MB of logits and as much of their gradient per 16 x 32
+tokens). Other models run their own forward with ``logits_to_keep = T + 1``.
 """
 
 from __future__ import annotations
@@ -99,6 +105,19 @@ class ForwardOutput:
     values: Tensor | None  # [n, T]
 
 
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """``(body, lm_head)`` of a model whose logits are exactly ``lm_head(body(...).last_hidden_state)``;
+    None for any other (a subclass, a sharded model, a head with adapters, logit scaling or soft-capping)."""
+    from posttrain.decode_step import SUPPORTED
+
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # PEFT keeps adapters in place
+    if type(base).__name__ not in SUPPORTED or not type(base).__module__.startswith("transformers.models."):
+        return None
+    if type(base.lm_head) is not nn.Linear or any(type(p).__name__ == "DTensor" for p in base.lm_head.parameters()):
+        return None
+    return base.model, base.lm_head
+
+
 def forward(
     model: nn.Module,
     batch: TokenBatch,
@@ -107,8 +126,22 @@ def forward(
     with_entropy: bool = False,
     value_head: ValueHead | None = None,
 ) -> ForwardOutput:
-    """Per-token log-probs of the completion under ``model`` (sampling temperature applied)."""
+    """Per-token log-probs of the completion under ``model`` (sampling temperature applied); 0 at padding."""
     width = batch.completion_ids.shape[1]
+    parts = split_head(model)
+    if parts is not None:
+        body, head = parts
+        hidden_NLD = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                          position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        hidden_NTD = hidden_NLD[:, -(width + 1):-1]  # position P + t - 1 predicts completion token t
+        scored_NT = batch.mask.bool()
+        logprobs_M, entropy_M = F.linear_log_softmax(
+            hidden_NTD[scored_NT], head.weight, batch.completion_ids[scored_NT], bias=head.bias,
+            temperature=temperature, with_entropy=with_entropy)
+        zeros_NT = logprobs_M.new_zeros(scored_NT.shape)
+        entropy = zeros_NT.masked_scatter(scored_NT, entropy_M) if with_entropy else None
+        values = value_head(hidden_NTD.to(value_head.linear.weight.dtype)) if value_head is not None else None
+        return ForwardOutput(zeros_NT.masked_scatter(scored_NT, logprobs_M), entropy, values)
     out = model(
         input_ids=batch.input_ids,
         attention_mask=batch.attention_mask,

@@ -124,3 +124,48 @@ def test_a_lora_wrapped_model_runs_its_own_forward():
 
     model = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
     assert "is not one of" in decode_step.unsupported_reason(model)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "llama-biases-untied-rope-scaled", "qwen2"])
+def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora, monkeypatch):
+    """modeling.forward through linear_log_softmax against the model's forward and the unfused
+    log-softmax: log-probs, entropies, values and every gradient."""
+    from posttrain import modeling
+    from posttrain.modeling import ValueHead, collate
+
+    if lora and importlib.util.find_spec("peft") is None:
+        pytest.skip("peft (extra: lora) is not installed")
+    model = build(kind).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    assert modeling.split_head(model) is not None
+    torch.manual_seed(1)
+    value_head = ValueHead(32)
+    torch.nn.init.normal_(value_head.linear.weight)
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]
+    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19]])
+    mask = (completions != 0).long()
+    batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
+    upstream = torch.randn(3, 4)
+    params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
+
+    def run():
+        for p in params:
+            p.grad = None
+        out = modeling.forward(model, batch, temperature=0.7, with_entropy=True, value_head=value_head)
+        ((out.logprobs * upstream + out.values) * batch.mask).sum().backward()
+        return out, [p.grad.clone() for p in params]
+
+    folded, folded_grads = run()
+    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    direct, direct_grads = run()
+    real = batch.mask.bool()
+    torch.testing.assert_close(folded.logprobs[real], direct.logprobs[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded.entropy[real], direct.entropy[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded.values, direct.values, rtol=1e-5, atol=1e-5)
+    assert (folded.logprobs[~real] == 0).all()
+    for mine, theirs in zip(folded_grads, direct_grads):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)

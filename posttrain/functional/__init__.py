@@ -17,13 +17,14 @@ Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
 (group estimators, REINFORCE++), `_returns` (token rewards, returns, GAE,
 whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
 `_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_shaping` (overlong penalty,
-best-of-N), `_logprobs` (chunked log-softmax and entropy).
+best-of-N), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
+which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
 from ._advantages import advantages, reinforce_pp_advantages
 from ._aggregate import aggregate
 from ._kl import kl_estimate
-from ._logprobs import entropy_from_logits, selective_log_softmax
+from ._logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
 from ._policy import nll_loss, policy_loss
 from ._preference import dpo_loss, kto_loss, odpo_offset, orpo_loss, simpo_loss
 from ._returns import discounted_returns, gae, kl_shaped_rewards, whiten
@@ -38,6 +39,7 @@ __all__ = [
     "dpo_loss",
     "entropy_from_logits",
     "gae",
+    "linear_log_softmax",
     "kl_estimate",
     "kl_shaped_rewards",
     "kto_loss",

@@ -29,6 +29,7 @@ from torch.autograd.function import once_differentiable
 from ._checks import check_ndim, check_positive, compute_dtype
 
 DEFAULT_CHUNK_SIZE = 256  # rows (tokens) per block: 256 x 152k vocab x 4 bytes ~ 150 MB
+LINEAR_CHUNK_SIZE = 4096  # vocabulary entries per block of linear_log_softmax: see benchmarks/logprobs.py
 
 
 def _blocks(n: int, t: int, chunk_size: int) -> Iterator[tuple[slice, slice]]:
@@ -111,3 +112,134 @@ def entropy_from_logits(logits: Tensor, *, chunk_size: int = DEFAULT_CHUNK_SIZE)
         probs = torch.softmax(logits[rows, cols].to(dtype), dim=-1)
         entropy_NT[rows, cols] = torch.special.entr(probs).sum(dim=-1)  # entr(0) = 0: -inf logits are fine
     return entropy_NT
+
+
+def linear_log_softmax(
+    hidden: Tensor,
+    weight: Tensor,
+    tokens: Tensor,
+    *,
+    bias: Tensor | None = None,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    chunk_size: int = LINEAR_CHUNK_SIZE,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probability (and entropy) of each given token under softmax((hidden @ weight.T + bias) / temperature),
+    without ever holding more than ``chunk_size`` vocabulary columns of logits.
+
+    Args:
+        hidden: [M, D] final hidden states, one row per scored token (padding already left out).
+        weight: [V, D] the output embedding (LM head); bias: [V] or None.
+        tokens: [M] long, token ids in [0, V).
+        temperature: > 0, divides the logits (the sampling temperature).
+        with_entropy: also return the entropy of each row's distribution (no gradient).
+        chunk_size: vocabulary entries per block, > 0.
+
+    Returns:
+        ([M] log-probs, [M] entropies or None), float32 (float64 for float64 inputs). The log-probs
+        are differentiable once with respect to ``hidden``, ``weight`` and ``bias``.
+
+    The backward recomputes each block's logits (one extra ``M x V x D`` product) instead of saving
+    them: a float32 ``[M, V]`` logits tensor and its gradient never exist, and each block's softmax
+    is computed while the block is still in cache. It equals the unfused
+    ``selective_log_softmax(F.linear(hidden, weight, bias)[None] / temperature, tokens[None])`` in
+    value and gradient up to float32 rounding.
+    """
+    check_ndim("hidden", hidden, 2, "[M, D]")
+    check_ndim("weight", weight, 2, "[V, D]")
+    if tokens.shape != hidden.shape[:1] or tokens.dtype != torch.long:
+        raise ValueError(f"tokens must be a long tensor of shape [{hidden.shape[0]}] (one id per hidden row), "
+                         f"got {tokens.dtype} of shape {list(tokens.shape)}")
+    if hidden.shape[1] != weight.shape[1]:
+        raise ValueError(f"hidden has {hidden.shape[1]} features but weight [V, D] has {weight.shape[1]}")
+    if not temperature > 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    check_positive("chunk_size", chunk_size)
+    logprobs, entropy = _LinearLogSoftmax.apply(hidden, weight, bias, tokens, temperature, with_entropy, chunk_size)
+    return logprobs, entropy
+
+
+def _block_logits(hidden: Tensor, weight: Tensor, bias: Tensor | None, columns: slice, temperature: float,
+                  dtype: torch.dtype) -> Tensor:
+    """[M, c] logits of vocabulary entries ``columns``, divided by the temperature, in ``dtype``."""
+    logits = torch.nn.functional.linear(hidden, weight[columns], None if bias is None else bias[columns]).to(dtype)
+    return logits.div_(temperature) if temperature != 1.0 else logits
+
+
+class _LinearLogSoftmax(torch.autograd.Function):
+    """hidden [M, D], weight [V, D], bias [V] | None, tokens [M] -> ([M] log-probs, [M] entropy | None).
+
+    Blocks run over the vocabulary: every row's logsumexp is accumulated online (a running maximum
+    ``peak``, ``total`` = sum exp(z - peak) and, for the entropy, ``moment`` = sum exp(z - peak) (z - peak),
+    all rescaled when the maximum moves), so each block of ``weight`` is read once per pass and its
+    gradient written once.
+    """
+
+    @staticmethod
+    def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
+                with_entropy: bool, chunk_size: int) -> tuple[Tensor, Tensor | None]:
+        dtype = compute_dtype(hidden)
+        vocab = weight.shape[0]
+        token_logit_M = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device)
+        peak = total = moment = None
+        for start in range(0, vocab, chunk_size):
+            columns = slice(start, start + chunk_size)
+            logits = _block_logits(hidden, weight, bias, columns, temperature, dtype)  # [M, c]
+            inside = (tokens >= start) & (tokens < start + logits.shape[1])
+            picked = logits.gather(-1, (tokens - start).clamp(0, logits.shape[1] - 1)[:, None])[:, 0]
+            token_logit_M = torch.where(inside, picked, token_logit_M)
+            block_peak = logits.amax(-1)
+            if peak is None:
+                new_peak = block_peak
+            else:  # rescale the running sums to the new maximum
+                new_peak = torch.maximum(peak, block_peak)
+                shift = peak - new_peak  # <= 0
+                scale = shift.exp()
+                if with_entropy:  # sum e_j (z_j - new) = scale * (sum e_j (z_j - old) + (old - new) * sum e_j)
+                    moment = scale * (moment + shift * total)
+                total = total * scale
+            shifted = logits.sub_(new_peak[:, None])
+            exp = shifted.exp()
+            total = exp.sum(-1) if total is None else total + exp.sum(-1)
+            if with_entropy:
+                block_moment = (exp * shifted).sum(-1)
+                moment = block_moment if moment is None else moment + block_moment
+            peak = new_peak
+        log_total = total.log()
+        lse_M = peak + log_total
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse_M)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        entropy_M = log_total - moment / total if with_entropy else None  # H = log Z - E_p[z - peak]
+        if entropy_M is not None:
+            ctx.mark_non_differentiable(entropy_M)
+        return token_logit_M - lse_M, entropy_M
+
+    @staticmethod
+    @once_differentiable
+    def backward(ctx: Any, grad_M: Tensor, _grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, tokens, lse_M = ctx.saved_tensors
+        temperature, chunk_size = ctx.temperature, ctx.chunk_size
+        need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
+        grad_hidden = torch.zeros_like(hidden, dtype=lse_M.dtype) if need_hidden else None
+        grad_weight = torch.empty_like(weight) if need_weight else None
+        grad_bias = torch.empty_like(bias) if bias is not None and need_bias else None
+        grad = grad_M[:, None].to(lse_M.dtype)
+        for start in range(0, weight.shape[0], chunk_size):
+            columns = slice(start, start + chunk_size)
+            probs = _block_logits(hidden, weight, bias, columns, temperature, lse_M.dtype).sub_(lse_M[:, None]).exp_()
+            # d(z_k - lse)/dz_j = 1[j=k] - p_j, and z = (h W^T + b) / temperature
+            grad_logits = probs.mul_(-grad)
+            inside = ((tokens >= start) & (tokens < start + probs.shape[1])).nonzero()[:, 0]
+            grad_logits[inside, tokens[inside] - start] += grad[inside, 0]
+            if temperature != 1.0:
+                grad_logits.div_(temperature)
+            if grad_hidden is not None:
+                grad_hidden.addmm_(grad_logits, weight[columns].to(grad_logits.dtype))
+            grad_logits = grad_logits.to(hidden.dtype)
+            if grad_weight is not None:
+                grad_weight[columns] = (grad_logits.T @ hidden).to(weight.dtype)
+            if grad_bias is not None:
+                grad_bias[columns] = grad_logits.sum(0).to(bias.dtype)
+        if grad_hidden is not None:
+            grad_hidden = grad_hidden.to(hidden.dtype)
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None
