@@ -78,6 +78,8 @@ class TokenBatch:
 
     input_ids, attention_mask, position_ids: [n, P + T]
     completion_ids, mask: [n, T] (T trimmed to this micro-batch's longest completion)
+    first_U: [U] the first row of each distinct prompt, owner_n: [n] each row's index into first_U;
+    both None when no two rows share a prompt.
     """
 
     input_ids: Tensor
@@ -85,17 +87,62 @@ class TokenBatch:
     position_ids: Tensor
     completion_ids: Tensor
     mask: Tensor
+    first_U: Tensor | None = None
+    owner_n: Tensor | None = None
+
+    @property
+    def prompt_width(self) -> int:
+        return self.input_ids.shape[1] - self.completion_ids.shape[1]
 
 
 def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device) -> TokenBatch:
-    """Concatenate left-padded prompts with right-padded completions (trimmed to the longest)."""
+    """Concatenate left-padded prompts with right-padded completions (trimmed to the longest), and
+    note which rows share a prompt (a GRPO group's samples, a preference pair's two answers)."""
     width = max(int(mask.sum(-1).max()), 1)
     completion_ids, mask = completion_ids[:, :width], mask[:, :width]
     prompts, prompt_attention = left_pad(prompt_ids, pad_id)
     input_ids = torch.cat([prompts, completion_ids], 1)
     attention = torch.cat([prompt_attention, mask.long()], 1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
-    return TokenBatch(*(t.to(device) for t in (input_ids, attention, position_ids, completion_ids, mask)))
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(p.tolist()), len(index)) for p in prompt_ids]
+    shared = None, None
+    if len(index) < len(prompt_ids):
+        first_row: dict[int, int] = {}
+        for row, o in enumerate(owner):
+            first_row.setdefault(o, row)
+        shared = torch.tensor([first_row[o] for o in range(len(index))]), torch.tensor(owner)
+    tensors = (input_ids, attention, position_ids, completion_ids, mask, *shared)
+    return TokenBatch(*(None if t is None else t.to(device) for t in tensors))
+
+
+def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
+    """[n, T, D] the final hidden states that predict each completion token (position P + t - 1 for token t).
+
+    When rows share a prompt, the distinct prompts run once (keeping their keys and values, with
+    gradient) and each row's completion runs on its prompt's cache: the prompt's share of the work
+    is done once per prompt instead of once per row. The result is the same computation (equal to
+    float32 rounding, tested); for a GRPO group of G samples the prompt tokens cost 1/G.
+    """
+    from posttrain.generation import unsupported_reason
+
+    width = batch.completion_ids.shape[1]
+    if (batch.first_U is None or batch.owner_n is None or getattr(body, "gradient_checkpointing", False)
+            or unsupported_reason(body.config) is not None):  # a cache of full-attention layers is what it needs
+        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        return hidden[:, -(width + 1):-1]
+    from transformers.cache_utils import DynamicCache
+
+    p, first, owner = batch.prompt_width, batch.first_U, batch.owner_n
+    prompt = body(input_ids=batch.input_ids[first, :p], attention_mask=batch.attention_mask[first, :p],
+                  position_ids=batch.position_ids[first, :p], use_cache=True)
+    cache = DynamicCache()
+    for i, layer in enumerate(prompt.cache.layers):
+        cache.update(layer.keys[owner], layer.values[owner], i)
+    completion = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask,
+                      position_ids=batch.position_ids[:, p:], cache=cache, use_cache=True).last_hidden_state
+    return torch.cat([prompt.last_hidden_state[owner, -1:], completion[:, :-1]], 1)
 
 
 @dataclass
@@ -131,9 +178,7 @@ def forward(
     parts = split_head(model)
     if parts is not None:
         body, head = parts
-        hidden_NLD = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                          position_ids=batch.position_ids, use_cache=False).last_hidden_state
-        hidden_NTD = hidden_NLD[:, -(width + 1):-1]  # position P + t - 1 predicts completion token t
+        hidden_NTD = completion_hidden(body, batch)
         scored_NT = batch.mask.bool()
         logprobs_M, entropy_M = F.linear_log_softmax(
             hidden_NTD[scored_NT], head.weight, batch.completion_ids[scored_NT], bias=head.bias,

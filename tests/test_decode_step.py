@@ -126,11 +126,13 @@ def test_a_lora_wrapped_model_runs_its_own_forward():
     assert "is not one of" in decode_step.unsupported_reason(model)
 
 
+@pytest.mark.parametrize("shared", [False, True], ids=["distinct-prompts", "shared-prompts"])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "llama-biases-untied-rope-scaled", "qwen2"])
-def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora, monkeypatch):
-    """modeling.forward through linear_log_softmax against the model's forward and the unfused
-    log-softmax: log-probs, entropies, values and every gradient."""
+def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora, shared, monkeypatch):
+    """modeling.forward through linear_log_softmax (and, with shared prompts, each prompt run once)
+    against the model's own forward over whole rows and the unfused log-softmax: log-probs,
+    entropies, values and every gradient."""
     from posttrain import modeling
     from posttrain.modeling import ValueHead, collate
 
@@ -145,11 +147,13 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     torch.manual_seed(1)
     value_head = ValueHead(32)
     torch.nn.init.normal_(value_head.linear.weight)
-    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])]
-    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19]])
+    a, b, c = torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])
+    prompts = [a, b, a, c, b] if shared else [a, b, c, torch.tensor([20]), torch.tensor([21, 22, 23, 24])]
+    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19], [25, 0, 0, 0], [26, 27, 28, 0]])
     mask = (completions != 0).long()
     batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
-    upstream = torch.randn(3, 4)
+    assert (batch.owner_n is not None) is shared
+    upstream = torch.randn(5, 4)
     params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
 
     def run():
@@ -159,7 +163,12 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
         ((out.logprobs * upstream + out.values) * batch.mask).sum().backward()
         return out, [p.grad.clone() for p in params]
 
+    body = modeling.split_head(model)[0]
+    rows_per_call = []
+    body_forward = body.forward
+    monkeypatch.setattr(body, "forward", lambda **kw: rows_per_call.append(len(kw["input_ids"])) or body_forward(**kw))
     folded, folded_grads = run()
+    assert rows_per_call == ([3, 5] if shared else [5])  # the distinct prompts once, then every completion
     monkeypatch.setattr(modeling, "split_head", lambda model: None)
     direct, direct_grads = run()
     real = batch.mask.bool()
@@ -169,3 +178,15 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     assert (folded.logprobs[~real] == 0).all()
     for mine, theirs in zip(folded_grads, direct_grads):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+
+
+def test_collate_finds_the_rows_that_share_a_prompt():
+    from posttrain.modeling import collate
+
+    a, b, c = torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([5, 6])  # c equals a in content
+    completions = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 7]])
+    batch = collate([b, a, c, b], completions, (completions != 0).long(), 0, torch.device("cpu"))
+    assert batch.first_U.tolist() == [0, 1] and batch.owner_n.tolist() == [0, 1, 1, 0]
+    assert batch.prompt_width == 2
+    distinct = collate([a, b], completions[:2], torch.ones(2, 2, dtype=torch.long), 0, torch.device("cpu"))
+    assert distinct.first_U is None and distinct.owner_n is None

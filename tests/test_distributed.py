@@ -241,8 +241,11 @@ def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_p
     assert_same_weights(rank0["weights"], rank1["weights"], atol=0)
     # The gradient is the one-process gradient of the whole batch (the normaliser is global) ...
     assert any(g.abs().max() > 1e-4 for g in one["gradient"])
+    # Under FSDP the model runs its own forward (the folded LM head of modeling.split_head would bypass
+    # the root module's hooks); one process folds the head: equal to float32 rounding, not bit for bit.
+    atol = 1e-7 if engine == "fsdp" else 1e-8
     for a, b in zip(rank0["gradient"], one["gradient"]):
-        assert torch.allclose(a, b, rtol=1e-5, atol=1e-8), (a - b).abs().max()
+        assert torch.allclose(a, b, rtol=1e-5, atol=atol), (a - b).abs().max()
     # ... so the weights are the one-process weights, and every logged metric is the whole batch's.
     assert_same_weights(rank0["weights"], one["weights"], atol=1e-6)
     for two, single in zip(rank0["metrics"], one["metrics"]):
