@@ -79,7 +79,7 @@ class TokenBatch:
     input_ids, attention_mask, position_ids: [n, P + T]
     completion_ids, mask: [n, T] (T trimmed to this micro-batch's longest completion)
     first_U: [U] the first row of each distinct prompt, owner_n: [n] each row's index into first_U;
-    both None when no two rows share a prompt.
+    both None unless rows share prompts enough to be worth it (:func:`worth_sharing`).
     """
 
     input_ids: Tensor
@@ -107,13 +107,26 @@ def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_
     index: dict[tuple[int, ...], int] = {}
     owner = [index.setdefault(tuple(p.tolist()), len(index)) for p in prompt_ids]
     shared = None, None
-    if len(index) < len(prompt_ids):
+    if len(index) < len(prompt_ids) and worth_sharing(len(prompt_ids), len(index), prompts.shape[1], width):
         first_row: dict[int, int] = {}
         for row, o in enumerate(owner):
             first_row.setdefault(o, row)
         shared = torch.tensor([first_row[o] for o in range(len(index))]), torch.tensor(owner)
     tensors = (input_ids, attention, position_ids, completion_ids, mask, *shared)
     return TokenBatch(*(None if t is None else t.to(device) for t in tensors))
+
+
+def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: int) -> bool:
+    """Whether running ``prompts`` distinct prompts once beats running all ``rows`` whole.
+
+    Sharing saves ``(rows - prompts) * prompt_width`` token positions but costs a second pass through
+    the layers, gathering the cached keys and values, and GEMMs with fewer rows. Measured on SmolLM2
+    (forward + backward, 2 cores): 16 rows sharing 4 prompts of 13 tokens, 32-token completions,
+    saves 156 of 720 positions and 7% of the time; 8 rows sharing 4 prompts of 13 tokens, 18-token
+    completions (a DPO step), saves 52 of 248 and takes 14% longer; 75-token prompts save 43%.
+    """
+    saved = (rows - prompts) * prompt_width
+    return saved >= max(128, 0.2 * rows * (prompt_width + completion_width))
 
 
 def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:

@@ -151,6 +151,7 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     prompts = [a, b, a, c, b] if shared else [a, b, c, torch.tensor([20]), torch.tensor([21, 22, 23, 24])]
     completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19], [25, 0, 0, 0], [26, 27, 28, 0]])
     mask = (completions != 0).long()
+    monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)  # these prompts are too short to pay
     batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
     assert (batch.owner_n is not None) is shared
     upstream = torch.randn(5, 4)
@@ -176,12 +177,15 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     torch.testing.assert_close(folded.entropy[real], direct.entropy[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(folded.values, direct.values, rtol=1e-5, atol=1e-5)
     assert (folded.logprobs[~real] == 0).all()
-    for mine, theirs in zip(folded_grads, direct_grads):
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5)
+    for mine, theirs in zip(folded_grads, direct_grads):  # float32 rounding, relative to each tensor's scale
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
 
 
-def test_collate_finds_the_rows_that_share_a_prompt():
+def test_collate_finds_the_rows_that_share_a_prompt(monkeypatch):
+    from posttrain import modeling
     from posttrain.modeling import collate
+
+    monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)
 
     a, b, c = torch.tensor([5, 6]), torch.tensor([7]), torch.tensor([5, 6])  # c equals a in content
     completions = torch.tensor([[1, 2], [3, 0], [4, 5], [6, 7]])
@@ -190,3 +194,12 @@ def test_collate_finds_the_rows_that_share_a_prompt():
     assert batch.prompt_width == 2
     distinct = collate([a, b], completions[:2], torch.ones(2, 2, dtype=torch.long), 0, torch.device("cpu"))
     assert distinct.first_U is None and distinct.owner_n is None
+
+
+def test_sharing_prompts_is_chosen_where_it_measured_faster():
+    from posttrain.modeling import worth_sharing
+
+    assert worth_sharing(16, 4, 13, 32)  # GRPO, 4 prompts x 4: saves 156 of 720 positions
+    assert worth_sharing(16, 4, 75, 32)  # long prompts: saves 900 of 1712
+    assert not worth_sharing(8, 4, 13, 18)  # a DPO step of 4 pairs: saves 52 of 248, measured slower
+    assert not worth_sharing(4, 4, 100, 10)  # nothing shared

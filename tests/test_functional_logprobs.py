@@ -77,10 +77,11 @@ def test_linear_log_softmax_hand_computed():
         assert entropy.item() == pytest.approx(-sum(q * math.log(q) for q in p), abs=1e-12)
 
 
+@pytest.mark.parametrize("recompute", [True, False])
 @pytest.mark.parametrize("temperature", [1.0, 0.7])
 @pytest.mark.parametrize("with_bias", [False, True])
 @pytest.mark.parametrize("chunk_size", [1, 8, 37, 100])
-def test_linear_log_softmax_equals_the_unfused_head(chunk_size, with_bias, temperature):
+def test_linear_log_softmax_equals_the_unfused_head(chunk_size, with_bias, temperature, recompute):
     gen = torch.Generator().manual_seed(0)
     hidden = torch.randn(7, 5, generator=gen, dtype=torch.float64)
     weight = 3 * torch.randn(37, 5, generator=gen, dtype=torch.float64)  # logits spread over ~30 nats
@@ -90,7 +91,8 @@ def test_linear_log_softmax_equals_the_unfused_head(chunk_size, with_bias, tempe
 
     leaves = [t.clone().requires_grad_() for t in (hidden, weight)] + ([bias.clone().requires_grad_()] if with_bias else [])
     ours, entropy = F.linear_log_softmax(leaves[0], leaves[1], tokens, bias=leaves[2] if with_bias else None,
-                                         temperature=temperature, with_entropy=True, chunk_size=chunk_size)
+                                         temperature=temperature, with_entropy=True, chunk_size=chunk_size,
+                                         recompute=recompute)
     (ours * upstream).sum().backward()
 
     others = [t.clone().requires_grad_() for t in (hidden, weight)] + ([bias.clone().requires_grad_()] if with_bias else [])

@@ -30,6 +30,7 @@ from ._checks import check_ndim, check_positive, compute_dtype
 
 DEFAULT_CHUNK_SIZE = 256  # rows (tokens) per block: 256 x 152k vocab x 4 bytes ~ 150 MB
 LINEAR_CHUNK_SIZE = 4096  # vocabulary entries per block of linear_log_softmax: see benchmarks/logprobs.py
+KEEP_LOGITS_BYTES = 2**28  # linear_log_softmax keeps the logits for its backward up to 256 MiB
 
 
 def _blocks(n: int, t: int, chunk_size: int) -> Iterator[tuple[slice, slice]]:
@@ -123,6 +124,7 @@ def linear_log_softmax(
     temperature: float = 1.0,
     with_entropy: bool = False,
     chunk_size: int = LINEAR_CHUNK_SIZE,
+    recompute: bool | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probability (and entropy) of each given token under softmax((hidden @ weight.T + bias) / temperature),
     without ever holding more than ``chunk_size`` vocabulary columns of logits.
@@ -134,14 +136,18 @@ def linear_log_softmax(
         temperature: > 0, divides the logits (the sampling temperature).
         with_entropy: also return the entropy of each row's distribution (no gradient).
         chunk_size: vocabulary entries per block, > 0.
+        recompute: whether the backward recomputes each block's logits (True) or keeps them from the
+            forward (False); None recomputes only when the ``[M, V]`` logits would exceed
+            :data:`KEEP_LOGITS_BYTES`.
 
     Returns:
         ([M] log-probs, [M] entropies or None), float32 (float64 for float64 inputs). The log-probs
         are differentiable once with respect to ``hidden``, ``weight`` and ``bias``.
 
-    The backward recomputes each block's logits (one extra ``M x V x D`` product) instead of saving
-    them: a float32 ``[M, V]`` logits tensor and its gradient never exist, and each block's softmax
-    is computed while the block is still in cache. It equals the unfused
+    With ``recompute`` the backward recomputes each block's logits (one extra ``M x V x D`` product)
+    instead of keeping them, so no ``[M, V]`` tensor exists; either way the logits' gradient is built
+    one block at a time, and each block's softmax is computed while the block is in cache. It equals
+    the unfused
     ``selective_log_softmax(F.linear(hidden, weight, bias)[None] / temperature, tokens[None])`` in
     value and gradient up to float32 rounding.
     """
@@ -155,7 +161,13 @@ def linear_log_softmax(
     if not temperature > 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     check_positive("chunk_size", chunk_size)
-    logprobs, entropy = _LinearLogSoftmax.apply(hidden, weight, bias, tokens, temperature, with_entropy, chunk_size)
+    needs_grad = torch.is_grad_enabled() and any(t is not None and t.requires_grad for t in (hidden, weight, bias))
+    if not needs_grad:
+        recompute = True  # no backward will run: keep nothing
+    elif recompute is None:
+        recompute = hidden.shape[0] * weight.shape[0] * 4 > KEEP_LOGITS_BYTES
+    logprobs, entropy = _LinearLogSoftmax.apply(hidden, weight, bias, tokens, temperature, with_entropy, chunk_size,
+                                                recompute)
     return logprobs, entropy
 
 
@@ -177,11 +189,12 @@ class _LinearLogSoftmax(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx: Any, hidden: Tensor, weight: Tensor, bias: Tensor | None, tokens: Tensor, temperature: float,
-                with_entropy: bool, chunk_size: int) -> tuple[Tensor, Tensor | None]:
+                with_entropy: bool, chunk_size: int, recompute: bool) -> tuple[Tensor, Tensor | None]:
         dtype = compute_dtype(hidden)
         vocab = weight.shape[0]
         token_logit_M = torch.zeros(hidden.shape[0], dtype=dtype, device=hidden.device)
         peak = total = moment = None
+        kept: list[tuple[Tensor, Tensor]] = []  # (logits - peak, peak) of each block, unless recomputed
         for start in range(0, vocab, chunk_size):
             columns = slice(start, start + chunk_size)
             logits = _block_logits(hidden, weight, bias, columns, temperature, dtype)  # [M, c]
@@ -199,6 +212,8 @@ class _LinearLogSoftmax(torch.autograd.Function):
                     moment = scale * (moment + shift * total)
                 total = total * scale
             shifted = logits.sub_(new_peak[:, None])
+            if not recompute:
+                kept.append((shifted, new_peak))
             exp = shifted.exp()
             total = exp.sum(-1) if total is None else total + exp.sum(-1)
             if with_entropy:
@@ -208,7 +223,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
         log_total = total.log()
         lse_M = peak + log_total
         ctx.save_for_backward(hidden, weight, bias, tokens, lse_M)
-        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        ctx.temperature, ctx.chunk_size, ctx.kept = temperature, chunk_size, kept
         entropy_M = log_total - moment / total if with_entropy else None  # H = log Z - E_p[z - peak]
         if entropy_M is not None:
             ctx.mark_non_differentiable(entropy_M)
@@ -226,7 +241,11 @@ class _LinearLogSoftmax(torch.autograd.Function):
         grad = grad_M[:, None].to(lse_M.dtype)
         for start in range(0, weight.shape[0], chunk_size):
             columns = slice(start, start + chunk_size)
-            probs = _block_logits(hidden, weight, bias, columns, temperature, lse_M.dtype).sub_(lse_M[:, None]).exp_()
+            if ctx.kept:  # exp(z - lse) = exp((z - peak) + (peak - lse))
+                shifted, peak = ctx.kept[start // chunk_size]
+                probs = shifted.add_((peak - lse_M)[:, None]).exp_()
+            else:
+                probs = _block_logits(hidden, weight, bias, columns, temperature, lse_M.dtype).sub_(lse_M[:, None]).exp_()
             # d(z_k - lse)/dz_j = 1[j=k] - p_j, and z = (h W^T + b) / temperature
             grad_logits = probs.mul_(-grad)
             inside = ((tokens >= start) & (tokens < start + probs.shape[1])).nonzero()[:, 0]
@@ -240,6 +259,7 @@ class _LinearLogSoftmax(torch.autograd.Function):
                 grad_weight[columns] = (grad_logits.T @ hidden).to(weight.dtype)
             if grad_bias is not None:
                 grad_bias[columns] = grad_logits.sum(0).to(bias.dtype)
+        ctx.kept = None
         if grad_hidden is not None:
             grad_hidden = grad_hidden.to(hidden.dtype)
-        return grad_hidden, grad_weight, grad_bias, None, None, None, None
+        return grad_hidden, grad_weight, grad_bias, None, None, None, None, None
