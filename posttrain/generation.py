@@ -27,6 +27,10 @@ does around it. Where it departs from ``generate``:
    ``generate``'s, so sampled completions are equal in distribution, not token
    for token. Greedy decoding is the argmax, as in ``generate``.
 
+5. **A fused decode step** for Llama, Mistral and Qwen2 (:mod:`posttrain.decode_step`): after the
+   prefill, each step runs against the model's weights directly (fused QKV and gate-up products on
+   prepacked weights) instead of the module tree; other models run their forward.
+
 Position ids follow ``generate``: the running count of real tokens, so
 left-padded prompts of different lengths see the same positions as alone.
 Greedy outputs equal ``generate``'s token for token (tested).
