@@ -146,8 +146,8 @@ class FusedDecoder:
         mask_N11S = attention_NS.bool()[:, None, None, :]
         for layer, kv_cache in zip(self.layers, cache.layers):
             qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps))
-            query = rotate(qkv[:, : h * d].view(n, h, 1, d), cos, sin)
-            key = rotate(qkv[:, h * d : (h + kv) * d].view(n, kv, 1, d), cos, sin)
+            query_key = rotate(qkv[:, : (h + kv) * d].view(n, h + kv, 1, d), cos, sin)  # one rotation for both
+            query, key = query_key[:, :h], query_key[:, h:]
             value = qkv[:, (h + kv) * d :].view(n, kv, 1, d)
             keys, values = kv_cache.update(key, value)
             attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask_N11S,
