@@ -87,3 +87,15 @@ def test_sharing_prompts_is_chosen_where_it_measured_faster():
     assert worth_sharing(16, 4, 75, 32)  # long prompts: saves 900 of 1712
     assert not worth_sharing(8, 4, 13, 18)  # a DPO step of 4 pairs: saves 52 of 248, measured slower
     assert not worth_sharing(4, 4, 100, 10)  # nothing shared
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+def test_only_lora_wrappers_get_the_folded_head():
+    """Prompt tuning acts in the PEFT wrapper's forward, which calling the body directly would skip."""
+    from peft import LoraConfig, PromptTuningConfig, get_peft_model
+
+    from posttrain.modeling import split_head
+
+    assert split_head(get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))) is not None
+    prompt_tuned = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
+    assert split_head(prompt_tuned) is None
