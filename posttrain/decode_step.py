@@ -12,14 +12,16 @@ which SmolLM2 and the embedded tiny model are) a decode step is instead :meth:`F
    ``linear`` reaches 40-80 GFLOP/s on this machine kind (37 on the 49152-row LM head). oneDNN with
    its weights reordered once per :func:`posttrain.generation.decode` call reaches 80-120 (99 on the
    LM head): ``benchmarks/generation.py`` has the step times. Elsewhere (a GPU, a dtype oneDNN's
-   packing does not take) it is ``F.linear`` on the fused weights.
+   packing does not take, weights under :data:`PACK_MIN_ELEMENTS`) it is ``F.linear`` on the fused
+   weights.
 3. **No module tree.** One function per step: no hooks, no mask construction per layer, no
    per-layer cache bookkeeping beyond writing one position.
 
 The math is the model's: the same RMSNorm (computed in float32, as transformers does), the model's
 own rotary module (so every RoPE scaling type it supports), SDPA with the padding mask, and the tied
 or untied LM head. Logits equal the module forward's to float32 rounding (oneDNN sums in another
-order; ``tests/test_rollout.py`` checks 1e-5 on every step, and greedy tokens equal ``generate``'s).
+order; ``tests/test_decode_step.py`` checks 1e-5 on every step, ``tests/test_rollout.py`` that greedy
+tokens equal ``generate``'s).
 
 The packed copies cost one copy of the weights while a ``decode`` call runs (540 MB for SmolLM2);
 they are dropped when it returns, so the training phase's peak memory does not include them.
