@@ -40,6 +40,13 @@ SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """Causal LMs whose decoder layer is exactly the one :meth:`FusedDecoder.step` computes."""
 
 
+def is_supported_class(model) -> bool:
+    """Whether ``model`` is exactly one of transformers' :data:`SUPPORTED` classes (not a subclass, a
+    PEFT wrapper or FSDP's dynamic subclass), whose forward is the one this module and the folded
+    training head (:func:`posttrain.modeling.split_head`) reproduce."""
+    return type(model).__name__ in SUPPORTED and type(model).__module__.startswith("transformers.models.")
+
+
 def unsupported_reason(model) -> str | None:
     """Why the fused step cannot run ``model`` (None: it can); the decode loop then runs the model's forward.
 
@@ -48,9 +55,8 @@ def unsupported_reason(model) -> str | None:
     """
     if os.environ.get("POSTTRAIN_DECODE_STEP", "fused") == "forward":
         return "POSTTRAIN_DECODE_STEP=forward"
-    name = type(model).__name__
-    if name not in SUPPORTED or type(model).__module__.split(".")[:2] != ["transformers", "models"]:
-        return f"{name} is not one of {', '.join(SUPPORTED)}"
+    if not is_supported_class(model):
+        return f"{type(model).__name__} is not one of {', '.join(SUPPORTED)}"
     config = model.config
     if getattr(config, "hidden_act", None) != "silu":
         return f"hidden_act is {config.hidden_act!r}, not 'silu'"

@@ -168,12 +168,12 @@ class ForwardOutput:
 def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """``(body, lm_head)`` of a model whose logits are exactly ``lm_head(body(...).last_hidden_state)``;
     None for any other (a subclass, a sharded model, a head with adapters, logit scaling or soft-capping)."""
-    from posttrain.decode_step import SUPPORTED
+    from posttrain.decode_step import is_supported_class
 
     if any(c.peft_type != "LORA" for c in getattr(model, "peft_config", {}).values()):  # PeftType is a str enum
         return None  # prompt or prefix tuning act in the wrapper's forward, which the body call would skip
     base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA keeps adapters in place
-    if type(base).__name__ not in SUPPORTED or not type(base).__module__.startswith("transformers.models."):
+    if not is_supported_class(base):
         return None
     if type(base.lm_head) is not nn.Linear or any(type(p).__name__ == "DTensor" for p in base.lm_head.parameters()):
         return None
