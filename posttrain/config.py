@@ -49,6 +49,11 @@ class ModelConfig:
     lora_target_modules: tuple[str, ...] = _help(
         "Module names that get adapters (repeatable). Default: every attention and MLP projection.", (),
     )
+    gradient_checkpointing: bool = _help(
+        "Keep only each decoder layer's input through the forward pass and recompute the layer in the "
+        "backward: the same gradients with a fraction of the activation memory, for about one more "
+        "forward pass of time.", False,
+    )
     fsdp: bool = _help(
         "Shard the policy, its gradients and AdamW's state over processes with PyTorch FSDP2 "
         "(on by itself under an `accelerate launch` FSDP config). Multi-process runs only.", False,

@@ -15,11 +15,13 @@ tokens). Other models run their own forward with ``logits_to_keep = T + 1``.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import posttrain.functional as F
@@ -48,6 +50,41 @@ def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str =
     from posttrain.models import loading
 
     return loading.load_model_and_tokenizer(name, dtype=dtype, device=device)
+
+
+def checkpoint_layers(model: nn.Module) -> int:
+    """Gradient checkpointing: every decoder layer of ``model`` keeps only its inputs when it runs with
+    gradient and recomputes its forward in the backward (non-reentrant ``torch.utils.checkpoint``, RNG
+    state restored, so the gradients are the ones without it). Returns the number of layers.
+
+    transformers' own switch (``gradient_checkpointing_enable``) acts only in training mode; the
+    preference trainer runs its policy in eval mode (no dropout), so the layers are wrapped here
+    whatever the mode. Raises ConfigError when the model has no decoder layers to wrap.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from posttrain.config import ConfigError
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ConfigError(f"gradient_checkpointing: {type(model).__name__} has no decoder layers that "
+                          "transformers marks as checkpointable (GradientCheckpointingLayer)")
+    for layer in layers:
+        if not getattr(layer, "posttrain_checkpointed", False):
+            layer.forward = functools.partial(_recomputed_in_backward, layer.forward)
+            layer.posttrain_checkpointed = True
+    return len(layers)
+
+
+def _recomputed_in_backward(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_layers` wrapped a layer of ``module``."""
+    return any(getattr(m, "posttrain_checkpointed", False) for m in module.modules())
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -140,8 +177,9 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     from posttrain.generation import unsupported_reason
 
     width = batch.completion_ids.shape[1]
-    if (batch.first_U is None or batch.owner_n is None or getattr(body, "gradient_checkpointing", False)
-            or unsupported_reason(body.config) is not None):  # a cache of full-attention layers is what it needs
+    if (batch.first_U is None or batch.owner_n is None
+            or unsupported_reason(body.config) is not None  # a cache of full-attention layers is what it needs
+            or is_checkpointed(body)):  # a recomputed prompt pass would write its keys and values twice
         hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, use_cache=False).last_hidden_state
         return hidden[:, -(width + 1):-1]

@@ -58,7 +58,7 @@ from posttrain.distributed import say as _say
 from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, encode_prompt
-from posttrain.modeling import collate, forward, load_model_and_tokenizer
+from posttrain.modeling import checkpoint_layers, collate, forward, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.preference_data import PreferenceExamples, PreferenceTask, encode, load_rows
@@ -112,6 +112,8 @@ class PreferenceSession:
         if config.model.lora_r:
             policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.eval()  # no dropout (decision 2); gradients flow all the same
+        if config.model.gradient_checkpointing:
+            checkpoint_layers(policy)
         pc = config.preference
         lengths = dict(max_length=pc.max_length, max_prompt_length=pc.max_prompt_length)
         train = encode(train_rows, tokenizer, paired=preset.paired, with_scores=preset.needs_scores and preset.paired,

@@ -23,7 +23,7 @@ from posttrain.algorithms import OnlineAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
 from posttrain.optim import apply_gradients, build_optimizer
-from posttrain.modeling import ValueHead, batched_logprobs, load_model_and_tokenizer
+from posttrain.modeling import ValueHead, batched_logprobs, checkpoint_layers, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.rollout import Completions, SamplingParams, make_generator
 from posttrain.scoring import RewardPolicy, Scores, score
@@ -143,6 +143,8 @@ class OnlineSession:
         if config.model.lora_r:
             policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.train()
+        if config.model.gradient_checkpointing:
+            checkpoint_layers(policy)
         ref = reference_model(policy) if alg.needs_reference else None
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
         if fsdp.requested(config):

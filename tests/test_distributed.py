@@ -168,6 +168,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
         torch.save(trained(out, model_dir, reward_file, name), out / f"{name}-rank{rank}.pt")
     for name in FSDP:
         torch.save(trained(out, model_dir, reward_file, name, fsdp=True), out / f"fsdp-{name}-rank{rank}.pt")
+    torch.save(trained(out, model_dir, reward_file, "grpo", fsdp=True, gradient_checkpointing=True),
+               out / f"fsdp-checkpointed-grpo-rank{rank}.pt")
     s = fixed_session(online_config(out, model_dir, reward_file, "dapo", max_generation_rounds=2, fsdp=True),
                       silent_rank=1)
     torch.save(train(s, train_step), out / f"fsdp-uneven-rank{rank}.pt")
@@ -229,12 +231,13 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
-@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE]), *(("fsdp", n) for n in FSDP)])
+@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE]), *(("fsdp", n) for n in FSDP),
+                                          ("fsdp-checkpointed", "grpo")])
 def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_processes, reward_file):
     """Plain data parallelism, and FSDP (each process holds half of every parameter and of AdamW's
     state between steps): both make the one-process update."""
     out, tiny_model_dir = two_processes
-    prefix = "fsdp-" if engine == "fsdp" else ""
+    prefix = "" if engine == "replicated" else f"{engine}-"  # fsdp-checkpointed: and gradient checkpointing
     rank0, rank1 = (torch.load(out / f"{prefix}{name}-rank{r}.pt") for r in (0, 1))
     one = trained(out, tiny_model_dir, reward_file, name)
     # Every process holds the same weights: the summed gradient is the same on every process.
@@ -243,7 +246,7 @@ def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_p
     assert any(g.abs().max() > 1e-4 for g in one["gradient"])
     # Under FSDP the model runs its own forward (the folded LM head of modeling.split_head would bypass
     # the root module's hooks); one process folds the head: equal to float32 rounding, not bit for bit.
-    atol = 1e-7 if engine == "fsdp" else 1e-8
+    atol = 1e-8 if engine == "replicated" else 1e-7
     for a, b in zip(rank0["gradient"], one["gradient"]):
         assert torch.allclose(a, b, rtol=1e-5, atol=atol), (a - b).abs().max()
     # ... so the weights are the one-process weights, and every logged metric is the whole batch's.

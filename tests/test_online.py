@@ -195,3 +195,18 @@ def test_group_estimator_with_one_sample_is_rejected_before_loading(tiny_model_d
 
     with pytest.raises(ConfigError, match="group_size"):
         OnlineSession.create(make_config("does-not-exist", reward_file, "grpo", group_size=1))
+
+
+def test_gradient_checkpointing_changes_no_step(tiny_model_dir, reward_file):
+    """--gradient-checkpointing recomputes each layer in the backward: two GRPO steps end at the same
+    weights, bit for bit, as without it."""
+    weights, metrics = [], []
+    for checkpointing in (False, True):
+        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", gradient_checkpointing=checkpointing))
+        assert all(getattr(layer, "posttrain_checkpointed", False) == checkpointing for layer in s.policy.model.layers)
+        for _ in range(2):
+            metrics.append(train_step(s))
+            s.step += 1
+        weights.append(s.policy.state_dict())
+    assert metrics[1]["grad_norm"] > 0 and metrics[1]["loss"] == metrics[3]["loss"]
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -382,3 +382,19 @@ def test_each_preset_raises_held_out_pairwise_accuracy(name, weaker_start, tmp_p
     result = preference.train_preference(config)
     before, after = result["before"]["eval/pairwise_accuracy"], result["after"]["eval/pairwise_accuracy"]
     assert after >= before + 0.02, (before, after)
+
+
+def test_gradient_checkpointing_changes_no_step(tiny_model_dir, pair_files):
+    """The preference trainer's policy runs in eval mode (no dropout); its layers are still recomputed
+    in the backward, and two DPO steps end at the same weights, bit for bit."""
+    from posttrain.modeling import is_checkpointed
+
+    weights = []
+    for checkpointing in (False, True):
+        s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, "dpo", gradient_checkpointing=checkpointing))
+        assert is_checkpointed(s.policy) == checkpointing
+        for _ in range(2):
+            train_step(s)
+            s.step += 1
+        weights.append(s.policy.state_dict())
+    assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])

@@ -99,3 +99,67 @@ def test_only_lora_wrappers_get_the_folded_head():
     assert split_head(get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))) is not None
     prompt_tuned = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
     assert split_head(prompt_tuned) is None
+
+
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("mode", ["eval", "train-with-dropout"])
+def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activations(mode, lora):
+    """checkpoint_layers: each decoder layer keeps only its inputs and is recomputed in the backward.
+    Log-probs and every gradient equal the stored-activation run's (dropout included: the recompute
+    replays the RNG state), the layers really are recomputed, and rows that share a prompt run
+    whole (a recomputed prompt pass would write its cache twice)."""
+    from posttrain import modeling
+    from posttrain.modeling import checkpoint_layers, collate, is_checkpointed
+
+    if lora and importlib.util.find_spec("peft") is None:
+        pytest.skip("peft (extra: lora) is not installed")
+
+    def model():
+        m = build("llama")
+        if mode != "eval":
+            m.config.attention_dropout = 0.3
+            m.train()
+        if lora:
+            from peft import LoraConfig, get_peft_model
+
+            m = get_peft_model(m, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+        return m
+
+    a, b = torch.tensor([5, 6, 7]), torch.tensor([8])
+    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19], [25, 26, 0, 0]])
+    batch = collate([a, a, b, b], completions, (completions != 0).long(), 0, torch.device("cpu"))
+    upstream = torch.randn(4, 4)
+
+    def run(m):
+        torch.manual_seed(3)
+        saved = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: saved.append(t.numel()) or t, lambda t: t):
+            out = modeling.forward(m, batch, temperature=0.7, with_entropy=True)
+        (out.logprobs * upstream * batch.mask).sum().backward()
+        return out.logprobs.detach(), {n: p.grad for n, p in m.named_parameters() if p.requires_grad}, sum(saved)
+
+    plain, plain_grads, plain_saved = run(model())
+    checkpointed_model = model()
+    assert checkpoint_layers(checkpointed_model) == 2 and is_checkpointed(checkpointed_model)
+    calls = []
+    layer = next(m for m in checkpointed_model.modules() if getattr(m, "posttrain_checkpointed", False))
+    layer.self_attn.register_forward_pre_hook(lambda *args: calls.append("run"))
+    checkpointed, grads, checkpointed_saved = run(checkpointed_model)
+    assert calls.count("run") == 2  # forward, then the recompute in the backward
+    assert checkpointed_saved < plain_saved / 2
+    torch.testing.assert_close(checkpointed, plain, rtol=0, atol=0)
+    assert grads.keys() == plain_grads.keys()
+    for name in grads:
+        torch.testing.assert_close(grads[name], plain_grads[name], rtol=0, atol=0, msg=name)
+    with torch.no_grad():  # no-grad passes (reference, rollout log-probs) run the layer once, as before
+        calls.clear()
+        modeling.forward(checkpointed_model, batch, temperature=0.7)
+        assert calls.count("run") == 1
+
+
+def test_gradient_checkpointing_names_a_model_without_decoder_layers():
+    from posttrain.config import ConfigError
+    from posttrain.modeling import checkpoint_layers
+
+    with pytest.raises(ConfigError, match="gradient_checkpointing: Linear has no decoder layers"):
+        checkpoint_layers(torch.nn.Linear(2, 2))
