@@ -181,7 +181,8 @@ def step_record(seconds: float, generation: float = 0.0, scoring: float = 0.0, g
             "training": seconds - generation - scoring, "gen_tokens": gen_tokens, "train_tokens": train_tokens}
 
 
-def posttrain_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, float]]:
+def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: Any) -> list[dict[str, float]]:
+    """``overrides``: further config fields (benchmarks/memory.py's variants)."""
     import torch
 
     from posttrain.allocator import keep_freed_memory
@@ -192,13 +193,13 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[st
 
     keep_freed_memory()  # as posttrain.train does for every CLI run
 
-    config = Config.from_flat(dict(
+    config = Config.from_flat({**dict(
         algorithm="grpo", model=str(path), dataset=str(write_jsonl(prompt_rows(), data / "prompts.jsonl")),
         reward=(f"{Path(__file__).resolve()}:vowel_reward",), prompts_per_step=b.prompts, group_size=b.group,
         max_new_tokens=b.new_tokens, temperature=1.0, learning_rate=LEARNING_RATE, micro_batch_size=64,
         max_steps=total, eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu",
         lr_schedule="constant",  # as TRL's side (lr_scheduler_type)
-    ))
+    ), **overrides})
     s = OnlineSession.create(config)
     # Run to the budget as TRL does with min_new_tokens: no id ends a completion (EOS tokens sampled
     # on the way stay in the text; the amount of work is the same).
