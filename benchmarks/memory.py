@@ -89,7 +89,8 @@ def run_child(args: list[str], env: dict[str, str]) -> dict:
             code = subprocess.call([sys.executable, *args, "--result", str(result)], stdout=handle, stderr=handle,
                                    env={**os.environ, "TOKENIZERS_PARALLELISM": "false", **env})
         if code != 0:
-            raise SystemExit(f"{' '.join(args)} failed (exit {code}):\n{''.join(log.read_text().splitlines(True)[-30:])}")
+            tail = "".join(log.read_text().splitlines(keepends=True)[-30:])
+            raise SystemExit(f"{' '.join(args)} failed (exit {code}):\n{tail}")
         return json.loads(result.read_text())
 
 

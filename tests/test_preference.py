@@ -391,7 +391,8 @@ def test_gradient_checkpointing_changes_no_step(tiny_model_dir, pair_files):
 
     weights = []
     for checkpointing in (False, True):
-        s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, "dpo", gradient_checkpointing=checkpointing))
+        config = make_config(tiny_model_dir, pair_files, "dpo", gradient_checkpointing=checkpointing)
+        s = PreferenceSession.create(config)
         assert is_checkpointed(s.policy) == checkpointing
         for _ in range(2):
             train_step(s)
