@@ -18,8 +18,9 @@ which SmolLM2 and the embedded tiny model are) a decode step is instead :meth:`F
    per-layer cache bookkeeping beyond writing one position.
 
 The math is the model's: the same RMSNorm (computed in float32, as transformers does), the model's
-own rotary module (so every RoPE scaling type it supports), SDPA with the padding mask, and the tied
-or untied LM head. Logits equal the module forward's to float32 rounding (oneDNN sums in another
+own rotary module (so every RoPE scaling type it supports; its angles for every position of a
+``decode`` call are computed once where they depend on the position alone), SDPA with the padding
+mask, and the tied or untied LM head. Logits equal the module forward's to float32 rounding (oneDNN sums in another
 order; ``tests/test_decode_step.py`` checks 1e-5 on every step, ``tests/test_rollout.py`` that greedy
 tokens equal ``generate``'s).
 
@@ -111,21 +112,37 @@ class Layer:
 
 def rms_norm(hidden_ND: Tensor, weight_D: Tensor, eps: float) -> Tensor:
     """transformers' RMSNorm: normalised in float32, cast back, then scaled."""
+    if hidden_ND.dtype == torch.float32:  # the same products in the same order, in one call
+        return F.rms_norm(hidden_ND, weight_D.shape, weight_D, eps)
     h = hidden_ND.float()
     h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + eps)
     return weight_D * h.to(hidden_ND.dtype)
 
 
-def rotate(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """Rotary embedding on the last dimension (the half-split convention of Llama's ``rotate_half``)."""
-    half = x.shape[-1] // 2
-    return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
+def signed_sin(sin: Tensor) -> Tensor:
+    """``sin`` with its first half negated, for :func:`rotate`."""
+    half = sin.shape[-1] // 2
+    return torch.cat((-sin[..., :half], sin[..., half:]), -1)
+
+
+def rotate(x: Tensor, cos: Tensor, sin_signed: Tensor) -> Tensor:
+    """Rotary embedding on the last dimension, Llama's half-split convention: ``x * cos +
+    rotate_half(x) * sin`` with ``rotate_half(x) = cat(-x2, x1)``, computed as ``roll(x) * cat(-s1, s2)``
+    (the same products: a sign moves from one factor to the other), two operations fewer."""
+    return x * cos + x.roll(x.shape[-1] // 2, -1) * sin_signed
+
+
+STATIC_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+"""Rotary types whose angles depend on the position alone; "dynamic" and "longrope" also depend on
+the longest position in the batch, so they run the model's rotary module at every step."""
 
 
 class FusedDecoder:
     """A supported model's weights prepared for decode steps with up to ``rows`` rows."""
 
-    def __init__(self, model, rows: int):
+    def __init__(self, model, rows: int, positions: int | None = None):
+        """``positions``: one more than the largest position the steps will see; with it the rotary
+        angles of every position are computed once here instead of at every step."""
         config, body = model.config, model.model
         self.body = body
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
@@ -146,6 +163,11 @@ class FusedDecoder:
             ))
         self.final_norm = body.norm.weight
         self.lm_head = Linear(*fused(model.lm_head), rows)
+        self.cos_PD = self.sin_signed_PD = None
+        if positions is not None and getattr(body.rotary_emb, "rope_type", None) in STATIC_ROPE_TYPES:
+            weight = body.embed_tokens.weight
+            cos, sin = body.rotary_emb(weight[:1], torch.arange(positions, device=weight.device)[None])
+            self.cos_PD, self.sin_signed_PD = cos[0], signed_sin(sin[0])
 
     def step(self, token_N: Tensor, position_N1: Tensor, attention_NS: Tensor, cache) -> Tensor:
         """Next-token logits [N, V] after appending ``token_N`` at ``position_N1`` to every row.
@@ -156,7 +178,11 @@ class FusedDecoder:
         """
         n, h, kv, d = len(token_N), self.heads, self.kv_heads, self.head_dim
         hidden = self.body.embed_tokens(token_N)  # [N, hidden]
-        cos, sin = self.body.rotary_emb(hidden, position_N1)  # [N, 1, D]
+        if self.cos_PD is not None:
+            cos, sin = self.cos_PD[position_N1], self.sin_signed_PD[position_N1]  # [N, 1, D]
+        else:
+            cos, sin = self.body.rotary_emb(hidden, position_N1)
+            sin = signed_sin(sin)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, 1, D], against [N, heads, 1, D]
         mask_N11S = attention_NS.bool()[:, None, None, :]
         for layer, kv_cache in zip(self.layers, cache.layers):

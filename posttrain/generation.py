@@ -184,8 +184,9 @@ def decode(
 
     device, g = ids_PL.device, num_samples
     width = ids_PL.shape[1]
-    fused = None if unsupported_reason(model) else FusedDecoder(model, rows=len(ids_PL) * g)
     positions_PL = (attention_PL.cumsum(-1) - 1).masked_fill(attention_PL == 0, 1)  # as generate does
+    fused = None if unsupported_reason(model) else FusedDecoder(
+        model, rows=len(ids_PL) * g, positions=int(positions_PL.max()) + max_new_tokens + 1)
     out = model(input_ids=ids_PL, attention_mask=attention_PL, position_ids=positions_PL, cache=cache,
                 use_cache=True, logits_to_keep=1)
     logits = out.logits[:, -1].repeat_interleave(g, 0)  # [N, V]

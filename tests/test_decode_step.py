@@ -23,9 +23,10 @@ from architectures import KINDS, build
 
 @pytest.mark.parametrize("packed, dtype", [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)],
                          ids=["onednn", "f.linear", "bf16"])
+@pytest.mark.parametrize("angles", ["table", "per-step"])  # rotary angles computed once, or by the module per step
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
-def test_fused_step_logits_equal_the_model_forward(kind, packed, dtype, monkeypatch):
+def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, monkeypatch):
     model = build(kind).to(dtype)
     monkeypatch.setattr(decode_step, "PACK_MIN_ELEMENTS", 0)  # these weights are too small to be packed otherwise
     if not packed:
@@ -38,8 +39,10 @@ def test_fused_step_logits_equal_the_model_forward(kind, packed, dtype, monkeypa
     caches = [preallocated_cache(model.config, g, ids.shape[1] + steps) for _ in range(2)]
     for cache in caches:
         model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
-    fused = FusedDecoder(model, rows=len(ids) * g)
+    fused = FusedDecoder(model, rows=len(ids) * g,
+                         positions=int(positions.max()) + steps + 1 if angles == "table" else None)
     assert fused.layers[0].qkv.packed is packed
+    assert (fused.cos_PD is not None) == (angles == "table")
     mask = attention.repeat_interleave(g, 0)
     position = positions[:, -1:].repeat_interleave(g, 0) + 1
     tokens = torch.arange(len(mask)) + 3
@@ -60,6 +63,18 @@ def test_fused_step_logits_equal_the_model_forward(kind, packed, dtype, monkeypa
     for mine, theirs in zip(caches[1].layers, caches[0].layers):
         torch.testing.assert_close(mine.keys, theirs.keys, rtol=tol, atol=tol)
         torch.testing.assert_close(mine.values, theirs.values, rtol=tol, atol=tol)
+
+
+@torch.no_grad()
+def test_rotary_angles_that_depend_on_the_batch_are_computed_per_step():
+    """Dynamic NTK scaling rescales the angles by the longest position in the batch: no table."""
+    from transformers import LlamaConfig
+
+    from architectures import COMMON
+
+    model = LlamaForCausalLM(LlamaConfig(**COMMON, rope_scaling={"rope_type": "dynamic", "factor": 2.0}))
+    assert FusedDecoder(model, rows=2, positions=10).cos_PD is None
+    assert FusedDecoder(build("llama-biases-untied-rope-scaled"), rows=2, positions=10).cos_PD is not None
 
 
 def test_fast_generator_takes_the_fused_step_for_llama(monkeypatch):
