@@ -114,6 +114,7 @@ def test_sampled_tokens_logprobs_equal_a_teacher_forced_forward(model_name):
     torch.manual_seed(0)
     comp = fast.generate(prompts(), num_samples=g)
     n, t = comp.completion_ids.shape
+    assert not comp.completion_ids.is_inference()  # decoded under inference_mode, handed out as a normal tensor
     assert comp.lengths.min() < t and not comp.truncated.all()  # rows were dropped along the way
     assert len(recording.logits) == t and recording.logits[0].shape[0] == len(prompts())
     logprobs = torch.zeros(n, t)
