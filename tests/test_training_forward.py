@@ -86,6 +86,8 @@ def test_sharing_prompts_is_chosen_where_it_measured_faster():
     assert worth_sharing(16, 4, 13, 32)  # GRPO, 4 prompts x 4: saves 156 of 720 positions
     assert worth_sharing(16, 4, 75, 32)  # long prompts: saves 900 of 1712
     assert not worth_sharing(8, 4, 13, 18)  # a DPO step of 4 pairs: saves 52 of 248, measured slower
+    assert worth_sharing(8, 4, 48, 118)  # the same with 48-token prompts: saves 192 of 1328, measured faster
+    assert not worth_sharing(8, 4, 40, 200)  # saves 160 of 1920, under a tenth: not worth a second pass
     assert not worth_sharing(4, 4, 100, 10)  # nothing shared
 
 
