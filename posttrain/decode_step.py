@@ -20,9 +20,9 @@ which SmolLM2 and the embedded tiny model are) a decode step is instead :meth:`F
 The math is the model's: the same RMSNorm (computed in float32, as transformers does), the model's
 own rotary module (so every RoPE scaling type it supports; its angles for every position of a
 ``decode`` call are computed once where they depend on the position alone), SDPA with the padding
-mask, and the tied or untied LM head. Logits equal the module forward's to float32 rounding (oneDNN sums in another
-order; ``tests/test_decode_step.py`` checks 1e-5 on every step, ``tests/test_rollout.py`` that greedy
-tokens equal ``generate``'s).
+mask, and the tied or untied LM head. Logits equal the module forward's to float32 rounding (oneDNN
+sums in another order; ``tests/test_decode_step.py`` checks 1e-5 on every step,
+``tests/test_rollout.py`` that greedy tokens equal ``generate``'s).
 
 The packed copies cost one copy of the weights while a ``decode`` call runs (540 MB for SmolLM2);
 they are dropped when it returns, so the training phase's peak memory does not include them.

@@ -179,9 +179,9 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     from posttrain.generation import unsupported_reason
 
     width = batch.completion_ids.shape[1]
-    if (batch.first_U is None or batch.owner_n is None
-            or unsupported_reason(body.config) is not None  # a cache of full-attention layers is what it needs
-            or is_checkpointed(body)):  # a recomputed prompt pass would write its keys and values twice
+    recomputed = torch.is_grad_enabled() and is_checkpointed(body)  # a prompt pass would write its cache twice
+    if (batch.first_U is None or batch.owner_n is None or recomputed
+            or unsupported_reason(body.config) is not None):  # a cache of full-attention layers is what it needs
         hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
                       position_ids=batch.position_ids, use_cache=False).last_hidden_state
         return hidden[:, -(width + 1):-1]

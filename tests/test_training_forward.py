@@ -105,7 +105,7 @@ def test_only_lora_wrappers_get_the_folded_head():
 
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("mode", ["eval", "train-with-dropout"])
-def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activations(mode, lora):
+def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activations(mode, lora, monkeypatch):
     """checkpoint_layers: each decoder layer keeps only its inputs and is recomputed in the backward.
     Log-probs and every gradient equal the stored-activation run's (dropout included: the recompute
     replays the RNG state), the layers really are recomputed, and rows that share a prompt run
@@ -157,6 +157,18 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activa
         calls.clear()
         modeling.forward(checkpointed_model, batch, temperature=0.7)
         assert calls.count("run") == 1
+
+    monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)  # these prompts are too short to pay
+    shared = collate([a, a, b, b], completions, (completions != 0).long(), 0, torch.device("cpu"))
+    body = modeling.split_head(checkpointed_model)[0]
+    rows_per_call = []
+    body_forward = body.forward
+    monkeypatch.setattr(body, "forward", lambda **kw: rows_per_call.append(len(kw["input_ids"])) or body_forward(**kw))
+    modeling.forward(checkpointed_model, shared, temperature=0.7)
+    assert rows_per_call == [4]  # with gradient: whole rows, one pass
+    with torch.no_grad():
+        modeling.forward(checkpointed_model, shared, temperature=0.7)
+    assert rows_per_call == [4, 2, 4]  # without: the two distinct prompts once, then every completion
 
 
 def test_gradient_checkpointing_names_a_model_without_decoder_layers():
