@@ -202,7 +202,8 @@ def test_gradient_checkpointing_changes_no_step(tiny_model_dir, reward_file):
     weights, bit for bit, as without it."""
     weights, metrics = [], []
     for checkpointing in (False, True):
-        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", gradient_checkpointing=checkpointing))
+        config = make_config(tiny_model_dir, reward_file, "grpo", gradient_checkpointing=checkpointing)
+        s = OnlineSession.create(config)
         assert all(getattr(layer, "posttrain_checkpointed", False) == checkpointing for layer in s.policy.model.layers)
         for _ in range(2):
             metrics.append(train_step(s))

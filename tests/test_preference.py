@@ -394,8 +394,10 @@ def test_gradient_checkpointing_changes_no_step(tiny_model_dir, pair_files):
         config = make_config(tiny_model_dir, pair_files, "dpo", gradient_checkpointing=checkpointing)
         s = PreferenceSession.create(config)
         assert is_checkpointed(s.policy) == checkpointing
+        start = {k: v.clone() for k, v in s.policy.state_dict().items()}
         for _ in range(2):
             train_step(s)
             s.step += 1
         weights.append(s.policy.state_dict())
+        assert any(not torch.equal(start[k], v) for k, v in weights[-1].items())  # the steps did train
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
