@@ -143,9 +143,9 @@ class OnlineSession:
         if config.model.lora_r:
             policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.train()
-        if config.model.gradient_checkpointing:
-            checkpoint_layers(policy)
         ref = reference_model(policy) if alg.needs_reference else None
+        if config.model.gradient_checkpointing:  # after the copy: the reference never runs with gradient
+            checkpoint_layers(policy)
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
         if fsdp.requested(config):
             policy = fsdp.shard(policy)  # after the reference copy, before the optimizer sees the parameters

@@ -205,6 +205,7 @@ def test_gradient_checkpointing_changes_no_step(tiny_model_dir, reward_file):
         config = make_config(tiny_model_dir, reward_file, "grpo", gradient_checkpointing=checkpointing)
         s = OnlineSession.create(config)
         assert all(getattr(layer, "posttrain_checkpointed", False) == checkpointing for layer in s.policy.model.layers)
+        assert not any(getattr(layer, "posttrain_checkpointed", False) for layer in s.ref.model.layers)
         for _ in range(2):
             metrics.append(train_step(s))
             s.step += 1
