@@ -9,17 +9,18 @@ k3 KL to a reference model with beta 0.04) through posttrain with one memory set
 process, so each peak RSS (``ru_maxrss``) is that setting's:
 
 - ``default``: as benchmarks/run.py runs it (one micro-batch of all 16 rows);
-- ``micro-batch 4``: one group per forward/backward pass (the same gradient, accumulated);
+- ``reference offload``: and ``offload_reference`` (the reference's weights in a file between passes);
+- ``micro-batch 4``: the default with one group per forward/backward pass (the same gradient, accumulated);
 - ``+ checkpointing``: and ``gradient_checkpointing`` (each decoder layer recomputed in the backward);
+- ``+ reference offload``: and ``offload_reference``: all three memory options;
 - ``+ glibc malloc``: and ``POSTTRAIN_MALLOC=default`` (freed memory goes back to the kernel);
-- ``no reference (bound)``: the last, with ``beta 0``: no reference model at all. That is another
-  algorithm (no KL term); it is the floor that any way of keeping the reference out of memory
-  (offloading it to disk, say) could reach.
+- ``no reference (bound)``: the three options' row without a reference at all (``beta 0``). That is
+  another algorithm (no KL term); it is the floor for any way of keeping the reference out of memory.
 
 Beside the measured peaks it prints the floor that the state of an fp32 AdamW full fine-tune puts
 under any of them: the process's RSS after importing torch, transformers' model code and posttrain,
 plus 4 bytes per parameter for each of the weights, their gradient and AdamW's two moments (the
-gradient and the moments coexist at the optimizer step), plus the reference copy's weights.
+gradient and the moments coexist at the optimizer step), plus the reference copy's weights where it is resident.
 """
 
 from __future__ import annotations
@@ -38,13 +39,15 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as bench  # noqa: E402  (benchmarks/run.py: the shared configuration and its runners)
 
+SMALL = {"micro_batch_size": 4, "gradient_checkpointing": True, "offload_reference": True}
 VARIANTS: dict[str, tuple[dict, dict]] = {  # name: (config overrides, environment)
     "default": ({}, {}),
+    "reference offload": ({"offload_reference": True}, {}),
     "micro-batch 4": ({"micro_batch_size": 4}, {}),
     "+ checkpointing": ({"micro_batch_size": 4, "gradient_checkpointing": True}, {}),
-    "+ glibc malloc": ({"micro_batch_size": 4, "gradient_checkpointing": True}, {"POSTTRAIN_MALLOC": "default"}),
-    "no reference (bound)": ({"micro_batch_size": 4, "gradient_checkpointing": True, "beta": 0.0},
-                             {"POSTTRAIN_MALLOC": "default"}),
+    "+ reference offload": (SMALL, {}),
+    "+ glibc malloc": (SMALL, {"POSTTRAIN_MALLOC": "default"}),
+    "no reference (bound)": ({**SMALL, "offload_reference": False, "beta": 0.0}, {}),
 }
 
 

@@ -54,6 +54,11 @@ class ModelConfig:
         "backward: the same gradients with a fraction of the activation memory, for about one more "
         "forward pass of time.", False,
     )
+    offload_reference: bool = _help(
+        "Keep the reference model's weights out of memory between its passes (in a temporary file on "
+        "the CPU, in host memory on a GPU) and load them for each pass: one copy of the weights less "
+        "at the step's peak, for one read of them per pass. The log-probs are unchanged.", False,
+    )
     fsdp: bool = _help(
         "Shard the policy, its gradients and AdamW's state over processes with PyTorch FSDP2 "
         "(on by itself under an `accelerate launch` FSDP config). Multi-process runs only.", False,
@@ -65,6 +70,9 @@ class ModelConfig:
         _require(self.lora_r >= 0, "lora_r", f"got {self.lora_r}; use 0 (off) or a positive rank")
         _require(self.lora_alpha > 0, "lora_alpha", f"got {self.lora_alpha}; use a value > 0")
         _require(0 <= self.lora_dropout < 1, "lora_dropout", f"got {self.lora_dropout}; use a value in [0, 1)")
+        _require(not (self.offload_reference and self.lora_r), "offload_reference",
+                 "with LoRA the reference is the policy with its adapters off, not a copy: there is nothing to "
+                 "offload; drop --offload-reference or set lora_r 0")
 
 
 @dataclass(frozen=True)

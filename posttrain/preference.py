@@ -53,7 +53,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain import distributed, fsdp
+from posttrain import distributed, fsdp, offload
 from posttrain.distributed import say as _say
 from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
@@ -103,6 +103,7 @@ class PreferenceSession:
         test_rows = test_rows[:data.eval_size]
         validate(config, preset, len(train_rows))
         fsdp.check(config)
+        offload.check(config.model.offload_reference, preset.needs_reference, preset.name)
         distributed.init(config.model.device)
         distributed.seed(config.run.seed)
         model_name = config.model.model or (task.source.default_model if task else None)
@@ -122,11 +123,12 @@ class PreferenceSession:
                       source=data.eval_dataset or f"task {data.task} (held-out)", **lengths) if test_rows else None
         _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated "
              f"(max_length {pc.max_length}, max_prompt_length {pc.max_prompt_length})")
-        ref = reference_model(policy) if preset.needs_reference else None
+        ref = reference_model(policy, config.model.offload_reference) if preset.needs_reference else None
         chunk = config.optim.micro_batch_size  # sequences per no-grad forward pass
         pad = tokenizer.pad_token_id
-        ref_logps = dataset_logps(ref, train, pad, chunk)[0] if ref is not None and pc.precompute_reference else None
-        test_ref_logps = dataset_logps(ref, test, pad, chunk)[0] if ref is not None and test is not None else None
+        with offload.resident(ref):
+            ref_logps = dataset_logps(ref, train, pad, chunk)[0] if ref is not None and pc.precompute_reference else None
+            test_ref_logps = dataset_logps(ref, test, pad, chunk)[0] if ref is not None and test is not None else None
         if ref_logps is not None and preset.paired:
             ref = None  # everything it would score is scored: free it (decision 5)
         if fsdp.requested(config):
@@ -280,7 +282,7 @@ def reference_logps(s: PreferenceSession, idx: list[int]) -> Tensor | None:
         return None
     if s.ref_logps is not None:
         return s.ref_logps[:, idx].to(s.policy.device)
-    with torch.no_grad():
+    with torch.no_grad(), offload.resident(s.ref):
         logps, _ = sequence_logps(s.ref, *example_sequences(s.train, idx), s.pad_id)
     return logps.view(len(s.train.completion_ids), -1)
 
@@ -293,8 +295,10 @@ def kl_inputs(s: PreferenceSession, idx: list[int]) -> dict[str, Tensor]:
     prompts, completions = mismatched_sequences(s.train, idx, s.config.preference.max_length)
     mine = (distributed.shard(prompts), distributed.shard(completions))
     chunk = s.config.optim.micro_batch_size
+    with offload.resident(s.ref):
+        ref_logps = chunked_logps(s.ref, *mine, s.pad_id, chunk)[0]
     return {"kl_logps": distributed.gather_rows(chunked_logps(s.policy, *mine, s.pad_id, chunk)[0]),
-            "kl_ref_logps": distributed.gather_rows(chunked_logps(s.ref, *mine, s.pad_id, chunk)[0])}
+            "kl_ref_logps": distributed.gather_rows(ref_logps)}
 
 
 # ---------------------------------------------------------------------------------------

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from posttrain import distributed, fsdp
+from posttrain import distributed, fsdp, offload
 from posttrain.distributed import say as _say
 from posttrain.checkpoint import (
     CheckpointError, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint, save_final_model,
@@ -68,14 +68,16 @@ def save(session: Any, run_dir: Path) -> Path:
     """Rank 0 writes the checkpoint; every process calls this (it gathers their surplus groups)."""
     extra_state = session.extra_state()
     sharded = fsdp.is_sharded(session.policy)  # FSDP: every process gathers the full tensors for rank 0
-    return distributed.on_main(
-        save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
-        optimizer=session.optimizer, scheduler=session.scheduler,
-        trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state()},
-        extra_modules=checkpoint_modules(session), extra_state=extra_state,
-        model_state=fsdp.full_state_dict(session.policy) if sharded else None,
-        optimizer_state=fsdp.full_optimizer_state(session.optimizer) if sharded else None,
-    )
+    modules = checkpoint_modules(session)
+    with offload.resident(modules.get("reference")):  # an offloaded reference: its weights, for the file
+        return distributed.on_main(
+            save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
+            optimizer=session.optimizer, scheduler=session.scheduler,
+            trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state()},
+            extra_modules=modules, extra_state=extra_state,
+            model_state=fsdp.full_state_dict(session.policy) if sharded else None,
+            optimizer_state=fsdp.full_optimizer_state(session.optimizer) if sharded else None,
+        )
 
 
 def evaluate_on_main(evaluate, session: Any) -> dict[str, float]:
@@ -90,8 +92,10 @@ def restore(session: Any, run_dir: Path) -> int:
     path = latest_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
-    state = load_checkpoint(path, model=session.policy, optimizer=session.optimizer, scheduler=session.scheduler,
-                            extra_modules=checkpoint_modules(session), expected_fingerprint=session.fingerprint)
+    modules = checkpoint_modules(session)
+    with offload.resident(modules.get("reference"), write=True):  # an offloaded reference keeps what is loaded
+        state = load_checkpoint(path, model=session.policy, optimizer=session.optimizer, scheduler=session.scheduler,
+                                extra_modules=modules, expected_fingerprint=session.fingerprint)
     session.step = state["step"]
     session.load_trainer_state(state, load_extra_state(path))
     if not distributed.is_main():  # the checkpoint holds rank 0's generators: the others start new streams

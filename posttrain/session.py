@@ -18,7 +18,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain import distributed, fsdp
+from posttrain import distributed, fsdp, offload
 from posttrain.algorithms import OnlineAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
@@ -131,6 +131,7 @@ class OnlineSession:
         work = load_workload(config)
         validate(config, alg, work)
         fsdp.check(config)
+        offload.check(config.model.offload_reference, alg.needs_reference, alg.name)
         distributed.init(config.model.device)
         distributed.seed(config.run.seed)
         model_name = config.model.model or work.default_model
@@ -143,7 +144,7 @@ class OnlineSession:
         if config.model.lora_r:
             policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.train()
-        ref = reference_model(policy) if alg.needs_reference else None
+        ref = reference_model(policy, config.model.offload_reference) if alg.needs_reference else None
         if config.model.gradient_checkpointing:  # after the copy: the reference never runs with gradient
             checkpoint_layers(policy)
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
@@ -219,9 +220,10 @@ class OnlineSession:
 
     def reference_logprobs(self, groups) -> Tensor:
         comp = groups.completions
-        logprobs, _ = batched_logprobs(self.ref, groups.prompt_ids, comp.completion_ids, comp.mask,
-                                       pad_id=self.pad_id, micro_batch_size=self.config.optim.micro_batch_size,
-                                       temperature=self.config.rollout.temperature)
+        with offload.resident(self.ref):
+            logprobs, _ = batched_logprobs(self.ref, groups.prompt_ids, comp.completion_ids, comp.mask,
+                                           pad_id=self.pad_id, micro_batch_size=self.config.optim.micro_batch_size,
+                                           temperature=self.config.rollout.temperature)
         return logprobs
 
     def greedy_rewards(self, indices: list[int]) -> Tensor:
@@ -285,7 +287,9 @@ class OnlineSession:
     def maybe_refresh_reference(self) -> None:
         every = self.config.optim.ref_refresh_every
         if self.ref is not None and every and (self.step + 1) % every == 0:
-            self.ref.load_state_dict(fsdp.full_state_dict(self.policy))
+            state = fsdp.full_state_dict(self.policy)
+            with offload.resident(self.ref, write=True):
+                self.ref.load_state_dict(state)
 
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:

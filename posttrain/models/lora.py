@@ -88,11 +88,15 @@ class AdaptersDisabled:
         return self.model.device
 
 
-def reference_model(policy: nn.Module) -> Any:
-    """The reference for ``policy``: its adapter-free base model under LoRA, else a frozen copy."""
+def reference_model(policy: nn.Module, offloaded: bool = False) -> Any:
+    """The reference for ``policy``: its adapter-free base model under LoRA, else a frozen copy;
+    ``offloaded``: the copy's weights kept out of memory between passes (:mod:`posttrain.offload`)."""
     from posttrain.modeling import frozen_copy
+    from posttrain.offload import offload
 
-    return AdaptersDisabled(policy) if is_lora(policy) else frozen_copy(policy)
+    if is_lora(policy):
+        return AdaptersDisabled(policy)
+    return offload(frozen_copy(policy)) if offloaded else frozen_copy(policy)
 
 
 def merged_for_saving(model: nn.Module) -> nn.Module:
