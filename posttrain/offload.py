@@ -155,8 +155,8 @@ def check(offload_reference: bool, needs_reference: bool, algorithm: str) -> Non
     from posttrain.config import ConfigError
 
     if offload_reference and not needs_reference:
-        raise ConfigError(f"offload_reference: {algorithm} as configured has no reference model (no KL term, or "
-                          "none in its loss) to offload; drop --offload-reference")
+        raise ConfigError(f"offload_reference: {algorithm} as configured runs no reference model (its loss has no "
+                          "reference term, or its KL coefficient is 0): nothing to offload; drop --offload-reference")
 
 
 def resident(model: Any, write: bool = False) -> contextlib.AbstractContextManager:
