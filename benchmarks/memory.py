@@ -10,17 +10,19 @@ process, so each peak RSS (``ru_maxrss``) is that setting's:
 
 - ``default``: as benchmarks/run.py runs it (one micro-batch of all 16 rows);
 - ``reference offload``: and ``offload_reference`` (the reference's weights in a file between passes);
-- ``micro-batch 4``: the default with one group per forward/backward pass (the same gradient, accumulated);
+- ``both offloads``: and ``offload_optimizer`` (AdamW's moments in a file between steps);
+- ``micro-batch 4``: the default with one group per forward/backward pass (the same gradient);
 - ``+ checkpointing``: and ``gradient_checkpointing`` (each decoder layer recomputed in the backward);
-- ``+ reference offload``: and ``offload_reference``: all three memory options;
+- ``+ both offloads``: and both offloads: all four memory options;
 - ``+ glibc malloc``: and ``POSTTRAIN_MALLOC=default`` (freed memory goes back to the kernel);
-- ``no reference (bound)``: the three options' row without a reference at all (``beta 0``). That is
+- ``no reference (bound)``: all four options' row without a reference at all (``beta 0``). That is
   another algorithm (no KL term); it is the floor for any way of keeping the reference out of memory.
 
 Beside the measured peaks it prints the floor that the state of an fp32 AdamW full fine-tune puts
 under any of them: the process's RSS after importing torch, transformers' model code and posttrain,
 plus 4 bytes per parameter for each of the weights, their gradient and AdamW's two moments (the
-gradient and the moments coexist at the optimizer step), plus the reference copy's weights where it is resident.
+gradient and the moments coexist at the optimizer step), plus the reference copy's weights; and
+the floor with both offloaded: the imports, the weights and the gradient.
 """
 
 from __future__ import annotations
@@ -39,15 +41,17 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as bench  # noqa: E402  (benchmarks/run.py: the shared configuration and its runners)
 
-SMALL = {"micro_batch_size": 4, "gradient_checkpointing": True, "offload_reference": True}
+OFFLOADS = {"offload_reference": True, "offload_optimizer": True}
+SMALL = {"micro_batch_size": 4, "gradient_checkpointing": True}
 VARIANTS: dict[str, tuple[dict, dict]] = {  # name: (config overrides, environment)
     "default": ({}, {}),
     "reference offload": ({"offload_reference": True}, {}),
+    "both offloads": (OFFLOADS, {}),
     "micro-batch 4": ({"micro_batch_size": 4}, {}),
-    "+ checkpointing": ({"micro_batch_size": 4, "gradient_checkpointing": True}, {}),
-    "+ reference offload": (SMALL, {}),
-    "+ glibc malloc": (SMALL, {"POSTTRAIN_MALLOC": "default"}),
-    "no reference (bound)": ({**SMALL, "offload_reference": False, "beta": 0.0}, {}),
+    "+ checkpointing": (SMALL, {}),
+    "+ both offloads": ({**SMALL, **OFFLOADS}, {}),
+    "+ glibc malloc": ({**SMALL, **OFFLOADS}, {"POSTTRAIN_MALLOC": "default"}),
+    "no reference (bound)": ({**SMALL, "offload_optimizer": True, "beta": 0.0}, {}),
 }
 
 
@@ -140,7 +144,8 @@ def main() -> None:
     if trl:
         print(f"| TRL GRPOTrainer | {trl['peak_gb']:.2f} | {trl['s_per_step']:.2f} | 1 | 1 |")
     print(f"\nfloor of an fp32 AdamW full fine-tune: imports {first['imports_gb']:.2f} GB + weights, gradient and two "
-          f"moments 4 x {state_gb:.2f} GB = {floor:.2f} GB; with the reference copy {floor + state_gb:.2f} GB"
+          f"moments 4 x {state_gb:.2f} GB = {floor:.2f} GB; with the reference copy {floor + state_gb:.2f} GB; "
+          f"with the reference and the moments offloaded {first['imports_gb'] + 2 * state_gb:.2f} GB"
           + (f"; 0.6 x TRL's peak = {0.6 * trl['peak_gb']:.2f} GB" if trl else ""))
 
 

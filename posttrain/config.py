@@ -158,6 +158,12 @@ class OptimConfig:
     value_loss_coef: float = _help("Weight of the value loss (PPO's value head).", 0.1)
     ref_refresh_every: int = _help("Copy the policy into the reference model every N steps (0 = never).", 0)
     max_bad_steps: int = _help("Stop after this many consecutive steps with a non-finite loss or gradient.", 3)
+    offload_optimizer: bool = _help(
+        "Keep AdamW's two moments out of memory between optimizer steps (in a temporary file on the CPU, "
+        "in host memory on a GPU) and step one parameter at a time: two copies of the weights less "
+        "through the forward and backward passes, for one read and one write of them per step. "
+        "The update is unchanged.", False,
+    )
 
     def __post_init__(self) -> None:
         _require(self.learning_rate > 0, "learning_rate", f"got {self.learning_rate}; use a value > 0")

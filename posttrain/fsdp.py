@@ -67,6 +67,9 @@ def check(config: Config) -> None:
     if config.model.lora_r:
         raise ConfigError("fsdp: LoRA with FSDP is not supported; train LoRA data-parallel (fsdp off), "
                           "or all weights (lora_r 0) with FSDP")
+    if config.optim.offload_optimizer:
+        raise ConfigError("fsdp: offload_optimizer is not supported with FSDP, which shards AdamW's state over "
+                          "the processes already; drop one of the two")
     if config.rollout.backend == "vllm":
         raise ConfigError("fsdp: the vllm backend needs the full weights in every process; use backend hf with FSDP")
     if os.environ.get("FSDP_OFFLOAD_PARAMS", "").lower() == "true":

@@ -361,6 +361,8 @@ def test_fsdp_refuses_what_it_does_not_do(tiny_model_dir, reward_file, tmp_path,
         OnlineSession.create(online_config(tmp_path, tiny_model_dir, reward_file, "grpo", fsdp=True, lora_r=4))
     with pytest.raises(ConfigError, match="fsdp: the vllm backend"):
         fsdp.check(online_config(tmp_path, tiny_model_dir, reward_file, "grpo", fsdp=True, backend="vllm"))
+    with pytest.raises(ConfigError, match="fsdp: offload_optimizer is not supported with FSDP"):
+        fsdp.check(online_config(tmp_path, tiny_model_dir, reward_file, "grpo", fsdp=True, offload_optimizer=True))
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets for an FSDP config
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     with pytest.raises(ConfigError, match="fsdp: CPU offload"):

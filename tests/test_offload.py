@@ -1,15 +1,18 @@
-"""--offload-reference: the reference's weights leave memory between passes and come back bit for bit."""
+"""--offload-reference and --offload-optimizer: weights and AdamW moments leave memory between uses and
+come back bit for bit."""
 
 from __future__ import annotations
 
+import copy
 import os
 
 import pytest
 import torch
 
+import posttrain.offload as offload_module
 from posttrain.config import Config, ConfigError
 from posttrain.modeling import frozen_copy, load_model_and_tokenizer
-from posttrain.offload import FileStore, HostStore, Offloaded, check, offload, resident
+from posttrain.offload import FileStore, HostStore, Offloaded, OffloadedAdamW, check, offload, resident
 
 
 def logits(model, ids):
@@ -116,3 +119,60 @@ def test_offloading_needs_a_reference_copy():
         check(True, False, "simpo")
     check(True, True, "grpo")
     check(False, False, "simpo")
+
+
+def adamw_run(adamw, model, steps: int = 4):
+    """``steps`` AdamW steps on seeded gradients (one parameter left without gradient at step 2);
+    returns the optimizer."""
+    g = torch.Generator().manual_seed(1)
+    params = list(model.parameters())
+    optimizer = adamw(params, lr=1e-2, weight_decay=0.1, fused=True)
+    for step in range(steps):
+        for i, p in enumerate(params):
+            p.grad = None if (step == 2 and i == 0) else torch.randn(p.shape, generator=g)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+    return optimizer
+
+
+@pytest.mark.parametrize("store", [FileStore, HostStore])
+def test_offloaded_adamw_takes_adamw_steps_bit_for_bit_with_no_moments_in_memory(tiny_model_dir, store, monkeypatch):
+    monkeypatch.setattr(offload_module, "new_store", lambda device: store())  # HostStore is the GPU's
+    models = [load_model_and_tokenizer(str(tiny_model_dir), device="cpu")[0] for _ in range(2)]
+    plain, offloaded = adamw_run(torch.optim.AdamW, models[0]), adamw_run(OffloadedAdamW, models[1])
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
+        assert all(offloaded.state[q][name].numel() == 0 for name in OffloadedAdamW.MOMENTS)
+        assert torch.equal(plain.state[p]["step"], offloaded.state[q]["step"])
+    plain_state, offloaded_state = plain.state_dict(), offloaded.state_dict()
+    assert plain_state["param_groups"] == offloaded_state["param_groups"]
+    for k, state in plain_state["state"].items():
+        assert all(torch.equal(v, offloaded_state["state"][k][name]) for name, v in state.items())
+    assert all(offloaded.state[q]["exp_avg"].numel() == 0 for q in models[1].parameters())  # released again
+
+
+def test_offloaded_adamw_frees_each_gradient_once_applied(tiny_model_dir):
+    model = load_model_and_tokenizer(str(tiny_model_dir), device="cpu")[0]
+    optimizer = OffloadedAdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    optimizer.step()
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_offloaded_adamw_resumes_from_its_state_dict(tiny_model_dir):
+    """A state dict from one offloaded AdamW, loaded into a fresh one, continues exactly as the first."""
+    models = [load_model_and_tokenizer(str(tiny_model_dir), device="cpu")[0] for _ in range(2)]
+    first = adamw_run(OffloadedAdamW, models[0], steps=2)
+    models[1].load_state_dict(models[0].state_dict())
+    second = OffloadedAdamW(models[1].parameters(), lr=1e-2, weight_decay=0.1, fused=True)
+    second.load_state_dict(copy.deepcopy(first.state_dict()))  # as a checkpoint file would carry it
+    assert all(second.state[q]["exp_avg"].numel() == 0 for q in models[1].parameters())  # stored, not held
+    g = torch.Generator().manual_seed(5)
+    for _ in range(2):
+        grads = [torch.randn(p.shape, generator=g) for p in models[0].parameters()]
+        for model, optimizer in ((models[0], first), (models[1], second)):
+            for p, grad in zip(model.parameters(), grads):
+                p.grad = grad.clone()
+            optimizer.step()
+    assert all(torch.equal(p, q) for p, q in zip(models[0].parameters(), models[1].parameters()))

@@ -214,16 +214,19 @@ def test_gradient_checkpointing_changes_no_step(tiny_model_dir, reward_file):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-def test_offloaded_reference_changes_no_step(tiny_model_dir, reward_file):
-    """--offload-reference: the reference's weights are out of memory between its passes, and two
-    GRPO steps log the same metrics and end at the same weights, bit for bit, as with it resident."""
+def test_offloading_changes_no_step(tiny_model_dir, reward_file):
+    """--offload-reference and --offload-optimizer: the reference's weights and AdamW's moments are out
+    of memory between uses, and two GRPO steps log the same metrics and end at the same weights, bit
+    for bit, as with both resident."""
     weights, metrics = [], []
     for offloaded in (False, True):
-        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", offload_reference=offloaded))
+        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", offload_reference=offloaded,
+                                             offload_optimizer=offloaded))
         for _ in range(2):
             metrics.append({k: v for k, v in train_step(s).items() if not k.startswith("time/")})
             s.step += 1
             assert all(p.numel() == 0 for p in s.ref.parameters()) == offloaded
+            assert all(s.optimizer.state[p]["exp_avg"].numel() == 0 for p in s.policy.parameters()) == offloaded
         weights.append(s.policy.state_dict())
     assert metrics[1]["kl"] > 0 and metrics[:2] == metrics[2:]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
@@ -231,13 +234,13 @@ def test_offloaded_reference_changes_no_step(tiny_model_dir, reward_file):
 
 def test_offloaded_reference_is_refreshed_saved_and_resumed(tiny_model_dir, reward_file, tmp_path):
     """ref_refresh_every rewrites the offloaded copy (after steps 2 and 4), the step-2 checkpoint holds the
-    refreshed copy and the resume restores it:
-    an offloaded run, whole or interrupted and resumed, equals a resident one."""
+    refreshed copy and the offloaded AdamW moments, and the resume restores both: an offloaded run,
+    interrupted and resumed, equals a resident one."""
     common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=0, ref_refresh_every=2)
     resident_run = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "resident"), **common)
     run_training(OnlineSession.create(resident_run), resident_run, train_step, evaluate)
-    first = make_config(tiny_model_dir, reward_file, "grpo", offload_reference=True, output=str(tmp_path / "split"),
-                        **common)
+    first = make_config(tiny_model_dir, reward_file, "grpo", offload_reference=True, offload_optimizer=True,
+                        output=str(tmp_path / "split"), **common)
     run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=2)
     second = resumed(first, tmp_path / "split")
     run_training(OnlineSession.create(second), second, train_step, evaluate)

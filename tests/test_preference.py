@@ -405,15 +405,18 @@ def test_gradient_checkpointing_changes_no_step(tiny_model_dir, pair_files):
 
 @pytest.mark.parametrize("algorithm", ["dpo", "kto"])
 def test_offloaded_reference_changes_no_step(tiny_model_dir, pair_files, algorithm):
-    """--offload-reference: DPO's reference pass and KTO's reference point read the offloaded copy;
-    two steps end at the same weights, bit for bit, as with the reference resident."""
+    """--offload-reference and --offload-optimizer: DPO's reference pass and KTO's reference point read
+    the offloaded copy, AdamW its stored moments; two steps end at the same weights, bit for bit, as
+    with both resident."""
     weights = []
     for offloaded in (False, True):
-        s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, algorithm, offload_reference=offloaded))
+        s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, algorithm, offload_reference=offloaded,
+                                                 offload_optimizer=offloaded))
         for _ in range(2):
             train_step(s)
             s.step += 1
             assert all(p.numel() == 0 for p in s.ref.parameters()) == offloaded
+            assert all(s.optimizer.state[p]["exp_avg"].numel() == 0 for p in s.policy.parameters()) == offloaded
         weights.append(s.policy.state_dict())
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
