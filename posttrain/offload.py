@@ -40,6 +40,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from posttrain.config import ConfigError
+
 
 def _bytes_of(tensor: Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, as a writable buffer (any dtype, bfloat16 included)."""
@@ -189,8 +191,6 @@ def offload(model: nn.Module) -> nn.Module:
 
 def check(offload_reference: bool, needs_reference: bool, algorithm: str) -> None:
     """A ConfigError for ``--offload-reference`` where the preset runs no reference model."""
-    from posttrain.config import ConfigError
-
     if offload_reference and not needs_reference:
         raise ConfigError(f"offload_reference: {algorithm} as configured runs no reference model (its loss has no "
                           "reference term, or its KL coefficient is 0): nothing to offload; drop --offload-reference")

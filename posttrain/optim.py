@@ -20,6 +20,7 @@ import torch
 
 from posttrain import distributed, fsdp
 from posttrain.config import OptimConfig
+from posttrain.offload import OffloadedAdamW
 
 
 def lr_multiplier(step: int, *, warmup_steps: int, total_steps: int, schedule: str = "constant") -> float:
@@ -55,9 +56,7 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig, to
     # without); transformers' Trainer uses it too.
     # It refuses FSDP's sharded parameters beside plain step counters: those keep foreach.
     fused = not any(fsdp.is_sharded_parameter(p) for p in params)
-    adamw = torch.optim.AdamW
-    if optim.offload_optimizer:  # fsdp.check refuses it with FSDP
-        from posttrain.offload import OffloadedAdamW as adamw
+    adamw = OffloadedAdamW if optim.offload_optimizer else torch.optim.AdamW  # fsdp.check refuses FSDP + offload
     optimizer = adamw(params, lr=optim.learning_rate, weight_decay=optim.weight_decay, fused=fused or None)
     scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: lr_multiplier(
         step, warmup_steps=optim.warmup_steps, total_steps=total_steps, schedule=optim.lr_schedule))
