@@ -214,21 +214,22 @@ def test_gradient_checkpointing_changes_no_step(tiny_model_dir, reward_file):
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
-def test_offloading_changes_no_step(tiny_model_dir, reward_file):
+@pytest.mark.parametrize("name", ["grpo", "ppo"])  # PPO: a value head, and several optimizer steps per step
+def test_offloading_changes_no_step(name, tiny_model_dir, reward_file):
     """--offload-reference and --offload-optimizer: the reference's weights and AdamW's moments are out
-    of memory between uses, and two GRPO steps log the same metrics and end at the same weights, bit
-    for bit, as with both resident."""
+    of memory between uses, and two steps log the same metrics and end at the same weights, bit for
+    bit, as with both resident."""
     weights, metrics = [], []
     for offloaded in (False, True):
-        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", offload_reference=offloaded,
+        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, offload_reference=offloaded,
                                              offload_optimizer=offloaded))
         for _ in range(2):
             metrics.append({k: v for k, v in train_step(s).items() if not k.startswith("time/")})
             s.step += 1
             assert all(p.numel() == 0 for p in s.ref.parameters()) == offloaded
             assert all(s.optimizer.state[p]["exp_avg"].numel() == 0 for p in s.policy.parameters()) == offloaded
-        weights.append(s.policy.state_dict())
-    assert metrics[1]["kl"] > 0 and metrics[:2] == metrics[2:]
+        weights.append({**s.policy.state_dict(), **(s.value_head.state_dict() if s.value_head else {})})
+    assert metrics[1]["kl"] > 0 and metrics[1]["grad_norm"] > 0 and metrics[:2] == metrics[2:]
     assert all(torch.equal(weights[0][k], weights[1][k]) for k in weights[0])
 
 
