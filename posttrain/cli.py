@@ -5,7 +5,8 @@
     posttrain algorithms [NAME ...]
 
 Every config field and every preset field is a flag (``--learning-rate``,
-``--eps-high``); precedence is defaults < ``--config`` YAML < flags. With
+``--eps-high``; ``--learning_rate`` as in TRL works too); precedence is defaults <
+``--config`` YAML < flags. With
 ``--resume RUN_DIR`` the run's saved config is the base.
 """
 
@@ -19,7 +20,7 @@ import typing
 from typing import Any, Sequence
 
 from posttrain.compare import _add_compare_parsers, compare_command, report_command
-from posttrain.config import SECTIONS, Config, ConfigError, load_yaml
+from posttrain.config import SECTIONS, Config, ConfigError, load_yaml, unknown_field_hint
 
 
 def _parse_value(text: str) -> Any:
@@ -135,8 +136,39 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     return (ConfigError, DataError, RewardError, CheckpointError, FileNotFoundError, FileExistsError)
 
 
+def _hyphenated(argv: Sequence[str]) -> list[str]:
+    """Flags spelled with underscores (``--max_steps``) as posttrain's (``--max-steps``): transformers'
+    argument parser, which TRL's command line uses, takes both spellings."""
+    tokens = list(argv)
+    for i, token in enumerate(tokens):
+        if token == "--":
+            break
+        if token.startswith("--"):
+            name, equals, value = token.partition("=")
+            tokens[i] = name.replace("_", "-") + equals + value
+    return tokens
+
+
+def _unrecognized(tokens: Sequence[str]) -> str:
+    """argparse's complaint about ``tokens``, with posttrain's name for each flag that is TRL's."""
+    from posttrain.algorithms import OnlineAlgorithm, PreferenceAlgorithm
+
+    valid = [f.name for klass in (*SECTIONS.values(), OnlineAlgorithm, PreferenceAlgorithm)
+             for f in dataclasses.fields(klass)]
+    hints = []
+    for token in tokens:
+        flag = token.partition("=")[0]
+        hint = unknown_field_hint(flag[2:], valid) if flag.startswith("--") else ""
+        if hint:
+            hints.append(flag + hint)
+    return f"unrecognized arguments: {' '.join(tokens)}" + "".join(f"; {h}" for h in hints)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    args = build_parser().parse_args(argv)
+    parser = build_parser()
+    args, unknown = parser.parse_known_args(_hyphenated(sys.argv[1:] if argv is None else argv))
+    if unknown:
+        parser.error(_unrecognized(unknown))
     from transformers.utils import logging as hf_logging
 
     hf_logging.disable_progress_bar()  # our own progress bar is the one to watch

@@ -15,6 +15,8 @@ with a message that names the field and says what to change.
 
 from __future__ import annotations
 
+import difflib
+from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -275,7 +277,8 @@ class Config:
                 overrides[key] = value
             else:
                 valid = sorted(owner) + sorted(preset_fields)
-                raise ConfigError(f"unknown config field {key!r}; valid fields: {', '.join(valid)}")
+                raise ConfigError(f"unknown config field {key!r}{unknown_field_hint(key, valid)}; "
+                                  f"valid fields: {', '.join(valid)}")
         config = cls(
             algorithm=name,
             overrides=overrides,
@@ -283,6 +286,30 @@ class Config:
         )
         config.preset()  # validate the overrides now, before any model is loaded
         return config
+
+
+TRL_NAMES = {
+    "output_dir": "output",
+    "num_generations": "group_size",
+    "max_completion_length": "max_new_tokens",
+    "lr_scheduler_type": "lr_schedule",
+    "num_iterations": "num_epochs",
+    "epsilon_high": "eps_high",
+    "save_steps": "save_every",
+    "eval_steps": "eval_every",
+}
+"""TRL's (and transformers' ``TrainingArguments``) names for fields posttrain names otherwise, for the
+error that meets a config brought from TRL. They are hints, not aliases: one name per setting keeps
+saved configs and resumed runs unambiguous."""
+
+
+def unknown_field_hint(key: str, valid: Sequence[str]) -> str:
+    """What to say after "unknown field KEY": posttrain's name for a TRL field, or the closest valid name."""
+    key = key.replace("-", "_")
+    if key in TRL_NAMES:
+        return f" (TRL's name; posttrain calls it {TRL_NAMES[key]!r})"
+    close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
+    return f" (did you mean {close[0]!r}?)" if close else ""
 
 
 def _coerce_tuple(klass: type, key: str, value: Any) -> Any:

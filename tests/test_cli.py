@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import yaml
 
-from posttrain.cli import build_parser, main, resolve_config
+from posttrain.cli import _hyphenated, build_parser, main, resolve_config
 
 PINNED = ["--algorithm", "--model", "--task", "--dataset", "--reward", "--config", "--output", "--max-steps",
           "--save-every", "--resume", "--seed"]
@@ -58,6 +58,30 @@ def test_bad_input_is_one_line_naming_the_problem(argv, message, capsys):
     err = capsys.readouterr().err
     assert err.startswith("posttrain: error:") and message in err
     assert "Traceback" not in err
+
+
+def test_flags_spelled_with_underscores_as_in_trl_mean_the_same():
+    argv = ["train", "--max_steps", "3", "--learning_rate=2e-5", "--eps_high", "0.3", "--group-size", "4"]
+    assert _hyphenated(argv) == ["train", "--max-steps", "3", "--learning-rate=2e-5", "--eps-high", "0.3",
+                                 "--group-size", "4"]
+    assert _hyphenated(["train", "--", "--not_a_flag"]) == ["train", "--", "--not_a_flag"]
+    config = resolve_config(build_parser().parse_args(_hyphenated(argv)))
+    assert (config.run.max_steps, config.optim.learning_rate, config.preset().eps_high) == (3, 2e-5, 0.3)
+
+
+def test_a_field_under_its_trl_name_is_refused_with_posttrains_name(tmp_path, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["train", "--num_generations", "8", "--max-steps", "1"])
+    assert exit_info.value.code == 2
+    assert "--num-generations (TRL's name; posttrain calls it 'group_size')" in capsys.readouterr().err
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump({"max_completion_length": 64}))
+    assert main(["train", "--config", str(path)]) == 2
+    assert "unknown config field 'max_completion_length' (TRL's name; posttrain calls it 'max_new_tokens')" \
+        in capsys.readouterr().err
+    path.write_text(yaml.safe_dump({"max_step": 5}))
+    assert main(["train", "--config", str(path)]) == 2
+    assert "unknown config field 'max_step' (did you mean 'max_steps'?)" in capsys.readouterr().err
 
 
 def test_algorithms_lists_every_preset_and_marks_differences(capsys):
