@@ -205,7 +205,7 @@ def resident(model: Any, write: bool = False) -> contextlib.AbstractContextManag
 
 class OffloadedAdamW(torch.optim.AdamW):
     """AdamW whose two moments live in a store between steps (a file on the CPU, host memory on a
-    GPU), stepped one parameter at a time: one parameter's moments are in memory at once, and each
+    GPU), stepped one parameter at a time (each with its group's settings): one parameter's moments are in memory at once, and each
     parameter's gradient is freed (set to None) as soon as it is applied. Where the moments would be
     two copies of the weights through the forward and backward passes, they are none.
 
@@ -242,9 +242,13 @@ class OffloadedAdamW(torch.optim.AdamW):
     def step(self, closure=None):
         if closure is not None:
             raise ValueError("OffloadedAdamW.step takes no closure")
-        for group in self.param_groups:
-            params = group["params"]
-            try:
+        # AdamW's step walks every group: all but the current parameter's group are emptied meanwhile
+        # (another group's parameters would be stepped with released moments)
+        lists = [group["params"] for group in self.param_groups]
+        try:
+            for group in self.param_groups:
+                group["params"] = []
+            for group, params in zip(self.param_groups, lists):
                 for p in params:
                     if p.grad is None:
                         continue
@@ -253,7 +257,9 @@ class OffloadedAdamW(torch.optim.AdamW):
                     super().step()
                     self._release(p, write=True)
                     p.grad = None  # applied: its memory is free before the next parameter's moments arrive
-            finally:
+                group["params"] = []
+        finally:
+            for group, params in zip(self.param_groups, lists):
                 group["params"] = params
         return None
 

@@ -121,12 +121,17 @@ def test_offloading_needs_a_reference_copy():
     check(False, False, "simpo")
 
 
-def adamw_run(adamw, model, steps: int = 4):
+def adamw_run(adamw, model, steps: int = 4, groups: bool = False):
     """``steps`` AdamW steps on seeded gradients (one parameter left without gradient at step 2);
-    returns the optimizer."""
+    returns the optimizer. ``groups``: two parameter groups with their own rate and weight decay."""
     g = torch.Generator().manual_seed(1)
     params = list(model.parameters())
-    optimizer = adamw(params, lr=1e-2, weight_decay=0.1, fused=True)
+    if groups:
+        half = len(params) // 2
+        optimizer = adamw([{"params": params[:half]}, {"params": params[half:], "lr": 3e-2, "weight_decay": 0.0}],
+                          lr=1e-2, weight_decay=0.1, fused=True)
+    else:
+        optimizer = adamw(params, lr=1e-2, weight_decay=0.1, fused=True)
     for step in range(steps):
         for i, p in enumerate(params):
             p.grad = None if (step == 2 and i == 0) else torch.randn(p.shape, generator=g)
@@ -149,6 +154,14 @@ def test_offloaded_adamw_takes_adamw_steps_bit_for_bit_with_no_moments_in_memory
     for k, state in plain_state["state"].items():
         assert all(torch.equal(v, offloaded_state["state"][k][name]) for name, v in state.items())
     assert all(offloaded.state[q]["exp_avg"].numel() == 0 for q in models[1].parameters())  # released again
+
+
+def test_offloaded_adamw_steps_each_parameter_group_with_its_own_settings(tiny_model_dir):
+    models = [load_model_and_tokenizer(str(tiny_model_dir), device="cpu")[0] for _ in range(2)]
+    adamw_run(torch.optim.AdamW, models[0], groups=True)
+    adamw_run(OffloadedAdamW, models[1], groups=True)
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        assert torch.equal(p, q)
 
 
 def test_offloaded_adamw_frees_each_gradient_once_applied(tiny_model_dir):
