@@ -206,8 +206,9 @@ def resident(model: Any, write: bool = False) -> contextlib.AbstractContextManag
 class OffloadedAdamW(torch.optim.AdamW):
     """AdamW whose two moments live in a store between steps (a file on the CPU, host memory on a
     GPU), stepped one parameter at a time, each with its group's settings: one parameter's moments
-    are in memory at once, and each parameter's gradient is freed (set to None) as soon as it is applied. Where the moments would be
-    two copies of the weights through the forward and backward passes, they are none.
+    are in memory at once, and each parameter's gradient is freed (set to None) as soon as it is
+    applied. Where the moments would be two copies of the weights through the forward and backward
+    passes, they are none.
 
     Each parameter goes through AdamW's own step (the same fused kernel, on a one-tensor list), so
     weights and moments are bit-identical to AdamW's over the whole list (tested). ``state_dict``
