@@ -34,6 +34,11 @@ completions in one forward/backward pass, as posttrain's micro-batch of 64 does.
 AdamW in both with the same hyperparameters (TRL's default fused kernel, posttrain's torch default).
 Completions always run to the full token budget: EOS is suppressed for the budget in both
 (``min_new_tokens``), so the generated work is identical.
+
+The ``-bf16`` configurations (``--only grpo-smollm2-bf16 dpo-smollm2-bf16``; not in the default run)
+are the same work in mixed precision in both systems: float32 weights and AdamW, the forward passes
+under bfloat16 autocast (posttrain's ``mixed_precision="bf16"``, TRL's ``bf16=True``). They need a
+CPU with AVX512-BF16 or AMX.
 """
 
 from __future__ import annotations
@@ -73,9 +78,11 @@ class Bench:
     warmup: int = 2  # untimed first steps
     steps: int = 10  # timed steps
     quick_steps: int = 3
+    bf16: bool = False  # mixed precision in both: float32 weights, bfloat16 autocast (not run by default)
 
     def describe(self) -> str:
         what = "3.2M random-init Llama, char tokenizer" if self.model == "tiny" else "SmolLM2-135M-Instruct, full FT"
+        what += ", bf16 autocast" if self.bf16 else ""
         if self.kind == "grpo":
             return f"GRPO {self.prompts} prompts x {self.group} x {self.new_tokens} tokens, {what}"
         return f"DPO {self.prompts} pairs/step, {what}"
@@ -87,7 +94,11 @@ BENCHES = {b.name: b for b in (
     Bench("grpo-smollm2", "grpo", "smollm2", warmup=1, steps=5, quick_steps=2),
     Bench("dpo-tiny", "dpo", "tiny"),
     Bench("dpo-smollm2", "dpo", "smollm2", warmup=1, steps=5, quick_steps=2),
+    Bench("grpo-smollm2-bf16", "grpo", "smollm2", warmup=1, steps=5, quick_steps=2, bf16=True),
+    Bench("dpo-smollm2-bf16", "dpo", "smollm2", warmup=1, steps=5, quick_steps=2, bf16=True),
 )}
+DEFAULT = [name for name, b in BENCHES.items() if not b.bf16]
+"""What runs without ``--only``: the float32 configurations the targets are stated for."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -199,6 +210,7 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
         max_new_tokens=b.new_tokens, temperature=1.0, learning_rate=LEARNING_RATE, micro_batch_size=64,
         max_steps=total, eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu",
         lr_schedule="constant",  # as TRL's side (lr_scheduler_type)
+        mixed_precision="bf16" if b.bf16 else "no",
     ), **overrides})
     s = OnlineSession.create(config)
     # Run to the budget as TRL does with min_new_tokens: no id ends a completion (EOS tokens sampled
@@ -232,6 +244,7 @@ def posttrain_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str
         algorithm="dpo", model=str(path), dataset=str(write_jsonl(pair_rows(), data / "pairs.jsonl")),
         pairs_per_step=b.prompts, learning_rate=LEARNING_RATE, micro_batch_size=64, max_steps=total,
         eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu", lr_schedule="constant",
+        mixed_precision="bf16" if b.bf16 else "no",
     ))
     s = PreferenceSession.create(config)
     records = []
@@ -246,12 +259,13 @@ def posttrain_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str
     return records
 
 
-def trl_common(data: Path, total: int) -> dict[str, Any]:
-    """TrainingArguments shared by TRL's GRPO and DPO runs (FACTS.md's fair fp32 baseline)."""
+def trl_common(b: Bench, data: Path, total: int) -> dict[str, Any]:
+    """TrainingArguments shared by TRL's GRPO and DPO runs (FACTS.md's fair fp32 baseline; with ``b.bf16``
+    float32 weights under accelerate's bfloat16 autocast, as posttrain's mixed precision)."""
     return dict(
         output_dir=str(data / "trl-out"), max_steps=total, gradient_accumulation_steps=1,
         learning_rate=LEARNING_RATE, lr_scheduler_type="constant", warmup_steps=0, weight_decay=0.0,
-        max_grad_norm=1.0, bf16=False, gradient_checkpointing=False, report_to="none", save_strategy="no",
+        max_grad_norm=1.0, bf16=b.bf16, gradient_checkpointing=False, report_to="none", save_strategy="no",
         eval_strategy="no", logging_steps=total + 1, disable_tqdm=True, seed=SEED, use_cpu=True,
         dataloader_num_workers=0, model_init_kwargs={"dtype": "float32"},
     )
@@ -309,7 +323,7 @@ def trl_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, flo
     from trl import GRPOConfig, GRPOTrainer
 
     args = GRPOConfig(
-        **trl_common(data, total), per_device_train_batch_size=b.prompts * b.group, num_generations=b.group,
+        **trl_common(b, data, total), per_device_train_batch_size=b.prompts * b.group, num_generations=b.group,
         steps_per_generation=1, num_iterations=1, max_completion_length=b.new_tokens, temperature=1.0,
         top_p=1.0, top_k=0, beta=0.04, epsilon=0.2, loss_type="grpo", scale_rewards="group", use_vllm=False,
         generation_kwargs={"min_new_tokens": b.new_tokens}, log_completions=False,
@@ -334,7 +348,7 @@ def trl_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, floa
     from datasets import Dataset
     from trl import DPOConfig, DPOTrainer
 
-    args = DPOConfig(**trl_common(data, total), per_device_train_batch_size=b.prompts, beta=0.1,
+    args = DPOConfig(**trl_common(b, data, total), per_device_train_batch_size=b.prompts, beta=0.1,
                      loss_type=["sigmoid"], max_length=1024, precompute_ref_log_probs=False)
     trainer = DPOTrainer(model=str(path), args=args, train_dataset=Dataset.from_list(pair_rows()),
                          processing_class=load_tokenizer(path))
@@ -462,7 +476,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="one repeat of few steps (a few minutes)")
     parser.add_argument("--json", type=Path, help="write the results here")
     parser.add_argument("--only", nargs="+", choices=sorted(BENCHES), metavar="NAME",
-                        help=f"run only these configurations: {', '.join(BENCHES)}")
+                        help=f"run only these configurations: {', '.join(BENCHES)} (default: all but the bf16 ones)")
     parser.add_argument("--repeats", type=int, help="runs per system (default 3; 1 with --quick)")
     parser.add_argument("--threads", type=int, help="torch threads in every run (default: torch's, one per core); "
                         "on a busy machine 1 avoids OpenMP oversubscription")
@@ -475,7 +489,7 @@ def main() -> None:
         child(*args.child, args.warmup, args.steps, args.result)
         return
 
-    names = args.only or list(BENCHES)
+    names = args.only or DEFAULT
     repeats = args.repeats or (1 if args.quick else 3)
     import torch
 

@@ -44,6 +44,11 @@ class ModelConfig:
         "(tiny-addition, smollm2-135m). Default: the task's own starting model."
     )
     dtype: str = _help("Parameter and compute dtype: float32 or bfloat16.", "float32")
+    mixed_precision: str = _help(
+        "no, or bf16: float32 weights, gradients and optimizer state, with the decoder layers computed in "
+        "bfloat16 (torch.autocast) in training and generation; the LM head, log-probs and losses stay "
+        "float32. Needs a GPU or a CPU with AVX512-BF16 or AMX.", "no",
+    )
     device: str = _help("cpu, cuda, or auto (cuda when available).", "auto")
     lora_r: int = _help("LoRA rank (0 = train all weights). With LoRA the reference is the base model.", 0)
     lora_alpha: float = _help("LoRA scaling numerator (scale = lora_alpha / lora_r).", 16.0)
@@ -68,6 +73,10 @@ class ModelConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in ("float32", "bfloat16"), "dtype", f"got {self.dtype!r}; use float32 or bfloat16")
+        _require(self.mixed_precision in ("no", "bf16"), "mixed_precision", f"got {self.mixed_precision!r}; use no or bf16")
+        _require(self.mixed_precision == "no" or self.dtype == "float32", "mixed_precision",
+                 f"bf16 computes float32 weights in bfloat16; with dtype {self.dtype} they already are "
+                 "(use dtype float32 with mixed_precision bf16, or mixed_precision no)")
         _require(self.device in ("cpu", "cuda", "auto"), "device", f"got {self.device!r}; use cpu, cuda or auto")
         _require(self.lora_r >= 0, "lora_r", f"got {self.lora_r}; use 0 (off) or a positive rank")
         _require(self.lora_alpha > 0, "lora_alpha", f"got {self.lora_alpha}; use a value > 0")
@@ -297,6 +306,7 @@ TRL_NAMES = {
     "epsilon_high": "eps_high",
     "save_steps": "save_every",
     "eval_steps": "eval_every",
+    "bf16": "mixed_precision",
 }
 """TRL's (and transformers' ``TrainingArguments``) names for fields posttrain names otherwise, for the
 error that meets a config brought from TRL. They are hints, not aliases: one name per setting keeps

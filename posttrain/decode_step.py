@@ -37,6 +37,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from posttrain.modeling import autocast_dtype
+
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """Causal LMs whose decoder layer is exactly the one :meth:`FusedDecoder.step` computes."""
 
@@ -79,13 +81,17 @@ PACK_MIN_ELEMENTS = 2**18
 class Linear:
     """``x @ weight.T + bias`` with the weight prepared once for many calls with ``rows`` rows."""
 
-    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int):
-        self.bias = bias
-        self.packed = (weight.is_cpu and weight.dtype == torch.float32 and torch.backends.mkldnn.is_available()
-                       and weight.numel() >= PACK_MIN_ELEMENTS)
+    def __init__(self, weight: Tensor, bias: Tensor | None, rows: int, dtype: torch.dtype | None = None):
+        """``dtype``: compute in it (a cast of the weight made once here, of the input at each call);
+        None: in the weight's own dtype."""
+        self.dtype = dtype or weight.dtype
+        weight, self.bias = weight.to(self.dtype), None if bias is None else bias.to(self.dtype)
+        self.packed = (weight.is_cpu and self.dtype in (torch.float32, torch.bfloat16)
+                       and torch.backends.mkldnn.is_available() and weight.numel() >= PACK_MIN_ELEMENTS)
         self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
 
     def __call__(self, x: Tensor) -> Tensor:
+        x = x.to(self.dtype)
         if self.packed:
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
         return F.linear(x, self.weight, self.bias)
@@ -150,16 +156,19 @@ class FusedDecoder:
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5  # transformers' attention scaling, to the same bits
+        # Mixed precision (posttrain.modeling.use_mixed_precision): the layers' products in its dtype, as
+        # the decoder stack's forward runs them under autocast; the LM head in the weights' dtype.
+        self.autocast_dtype = autocast_dtype(model)
         self.layers = []
         for block in body.layers:
             attention, mlp = block.self_attn, block.mlp
             self.layers.append(Layer(
                 input_norm=block.input_layernorm.weight,
-                qkv=Linear(*fused(attention.q_proj, attention.k_proj, attention.v_proj), rows),
-                out=Linear(*fused(attention.o_proj), rows),
+                qkv=Linear(*fused(attention.q_proj, attention.k_proj, attention.v_proj), rows, self.autocast_dtype),
+                out=Linear(*fused(attention.o_proj), rows, self.autocast_dtype),
                 post_attention_norm=block.post_attention_layernorm.weight,
-                gate_up=Linear(*fused(mlp.gate_proj, mlp.up_proj), rows),
-                down=Linear(*fused(mlp.down_proj), rows),
+                gate_up=Linear(*fused(mlp.gate_proj, mlp.up_proj), rows, self.autocast_dtype),
+                down=Linear(*fused(mlp.down_proj), rows, self.autocast_dtype),
             ))
         self.final_norm = body.norm.weight
         self.lm_head = Linear(*fused(model.lm_head), rows)
@@ -185,15 +194,17 @@ class FusedDecoder:
             sin = signed_sin(sin)
         cos, sin = cos.unsqueeze(1), sin.unsqueeze(1)  # [N, 1, 1, D], against [N, heads, 1, D]
         mask_N11S = attention_NS.bool()[:, None, None, :]
-        for layer, kv_cache in zip(self.layers, cache.layers):
-            qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps))
-            query_key = rotate(qkv[:, : (h + kv) * d].view(n, h + kv, 1, d), cos, sin)  # one rotation for both
-            query, key = query_key[:, :h], query_key[:, h:]
-            value = qkv[:, (h + kv) * d :].view(n, kv, 1, d)
-            keys, values = kv_cache.update(key, value)
-            attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask_N11S,
-                                                      scale=self.scale, enable_gqa=kv != h)
-            hidden = hidden + layer.out(attended.reshape(n, h * d))
-            gate_up = layer.gate_up(rms_norm(hidden, layer.post_attention_norm, self.eps))
-            hidden = hidden + layer.down(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
+        with torch.autocast(hidden.device.type, dtype=self.autocast_dtype or torch.bfloat16,
+                            enabled=self.autocast_dtype is not None):  # the attention's dtype, as in the forward
+            for layer, kv_cache in zip(self.layers, cache.layers):
+                qkv = layer.qkv(rms_norm(hidden, layer.input_norm, self.eps))
+                query_key = rotate(qkv[:, : (h + kv) * d].view(n, h + kv, 1, d), cos, sin)  # one rotation for both
+                query, key = query_key[:, :h], query_key[:, h:]
+                value = qkv[:, (h + kv) * d :].view(n, kv, 1, d)
+                keys, values = kv_cache.update(key, value)
+                attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask_N11S,
+                                                          scale=self.scale, enable_gqa=kv != h)
+                hidden = hidden + layer.out(attended.reshape(n, h * d))
+                gate_up = layer.gate_up(rms_norm(hidden, layer.post_attention_norm, self.eps))
+                hidden = hidden + layer.down(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
         return self.lm_head(rms_norm(hidden, self.final_norm, self.eps))

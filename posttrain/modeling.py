@@ -45,11 +45,12 @@ def resolve_model_path(name: str) -> Path:
     return loading.resolve_model_path(name)
 
 
-def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto") -> tuple[Any, Any]:
+def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto",
+                             mixed_precision: str = "no") -> tuple[Any, Any]:
     """The model and tokenizer of a model spec: see :mod:`posttrain.models.loading`."""
     from posttrain.models import loading
 
-    return loading.load_model_and_tokenizer(name, dtype=dtype, device=device)
+    return loading.load_model_and_tokenizer(name, dtype=dtype, device=device, mixed_precision=mixed_precision)
 
 
 def checkpoint_layers(model: nn.Module) -> int:
@@ -85,6 +86,49 @@ def _recomputed_in_backward(forward, *args, **kwargs):
 def is_checkpointed(module: nn.Module) -> bool:
     """Whether :func:`checkpoint_layers` wrapped a layer of ``module``."""
     return any(getattr(m, "posttrain_checkpointed", False) for m in module.modules())
+
+
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM, under a PEFT wrapper if any (``model.model`` for Llama); the
+    model itself when it names no base model."""
+    base = model.get_base_model() if hasattr(model, "get_base_model") else model
+    return base.base_model
+
+
+def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Mixed precision: ``model``'s decoder stack runs under ``torch.autocast(dtype)`` in every forward
+    pass, whoever calls it; the weights, their gradients and the optimizer stay in their own dtype.
+
+    The LM head, the value head and everything after them (log-softmax, losses) are outside the decoder
+    stack and run in float32: the log-probs that enter the ratio and the KL are exactly the float32 head
+    of the hidden states (MiniMax-M1, arXiv:2506.13585, traced training/inference probability mismatch to
+    the head's precision). A model with no separate decoder stack (:func:`decoder_body` is the model) has
+    its head under autocast too.
+
+    Each forward pass is its own autocast region, so the weight casts autocast caches never outlive an
+    optimizer step. The change is a bound method on the instance: a copy of the model (the reference)
+    keeps it, bound to the copy. :class:`posttrain.decode_step.FusedDecoder` reads the dtype and casts its
+    prepared weights once per ``decode`` call. Calling it again is a no-op.
+    """
+    body = decoder_body(model)
+    if getattr(body, "posttrain_autocast_dtype", None) is not None:
+        return
+    if "forward" in vars(body):  # the wrapper calls the class's forward: it would drop this one
+        raise RuntimeError(f"use_mixed_precision: {type(body).__name__}.forward is already replaced on this "
+                           "instance; apply mixed precision to the model as loaded, before other wrappers")
+    body.posttrain_autocast_dtype = dtype
+    body.forward = _autocast_forward.__get__(body)
+
+
+def autocast_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype :func:`use_mixed_precision` set for ``model``'s decoder stack (None: its own dtype)."""
+    return getattr(decoder_body(model), "posttrain_autocast_dtype", None)
+
+
+def _autocast_forward(self: nn.Module, *args, **kwargs):
+    device_type = next(self.parameters()).device.type
+    with torch.autocast(device_type, dtype=self.posttrain_autocast_dtype):
+        return type(self).forward(self, *args, **kwargs)
 
 
 def frozen_copy(model: nn.Module) -> nn.Module:
@@ -238,7 +282,7 @@ def forward(
         hidden_NTD = completion_hidden(body, batch)
         scored_NT = batch.mask.bool()
         logprobs_M, entropy_M = F.linear_log_softmax(
-            hidden_NTD[scored_NT], head.weight, batch.completion_ids[scored_NT], bias=head.bias,
+            hidden_NTD[scored_NT].to(head.weight.dtype), head.weight, batch.completion_ids[scored_NT], bias=head.bias,
             temperature=temperature, with_entropy=with_entropy)
         zeros_NT = logprobs_M.new_zeros(scored_NT.shape)
         entropy = zeros_NT.masked_scatter(scored_NT, entropy_M) if with_entropy else None

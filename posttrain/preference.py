@@ -109,7 +109,8 @@ class PreferenceSession:
         model_name = config.model.model or (task.source.default_model if task else None)
         if model_name is None:
             raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
-        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device)
+        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device,
+                                                 mixed_precision=config.model.mixed_precision)
         if config.model.lora_r:
             policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.eval()  # no dropout (decision 2); gradients flow all the same

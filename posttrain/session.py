@@ -140,7 +140,8 @@ class OnlineSession:
         if config.model.lora_r and config.optim.ref_refresh_every:
             raise ConfigError("ref_refresh_every: with LoRA the reference is the policy with its adapters off "
                               "and cannot be refreshed; set ref_refresh_every 0, or lora_r 0 to train all weights")
-        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device)
+        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device,
+                                                 mixed_precision=config.model.mixed_precision)
         if config.model.lora_r:
             policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
         policy.train()

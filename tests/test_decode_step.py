@@ -16,18 +16,23 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 from posttrain import decode_step
 from posttrain.decode_step import FusedDecoder, unsupported_reason
 from posttrain.generation import preallocated_cache
+from posttrain.modeling import use_mixed_precision
 
 from architectures import KINDS, build
 
 
 
-@pytest.mark.parametrize("packed, dtype", [(True, torch.float32), (False, torch.float32), (False, torch.bfloat16)],
-                         ids=["onednn", "f.linear", "bf16"])
+@pytest.mark.parametrize("packed, dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16),
+                                           (False, torch.bfloat16), (True, "mixed"), (False, "mixed")],
+                         ids=["onednn", "f.linear", "onednn-bf16", "bf16", "mixed-onednn", "mixed"])
 @pytest.mark.parametrize("angles", ["table", "per-step"])  # rotary angles computed once, or by the module per step
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
 def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, monkeypatch):
-    model = build(kind).to(dtype)
+    """"mixed": float32 weights, the decoder stack under bfloat16 autocast (use_mixed_precision)."""
+    model = build(kind).to(torch.float32 if dtype == "mixed" else dtype)
+    if dtype == "mixed":
+        use_mixed_precision(model)
     monkeypatch.setattr(decode_step, "PACK_MIN_ELEMENTS", 0)  # these weights are too small to be packed otherwise
     if not packed:
         monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
@@ -42,6 +47,9 @@ def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, 
     fused = FusedDecoder(model, rows=len(ids) * g,
                          positions=int(positions.max()) + steps + 1 if angles == "table" else None)
     assert fused.layers[0].qkv.packed is packed
+    if dtype == "mixed":  # the layers' products in bfloat16, the LM head in float32
+        assert fused.layers[0].qkv.dtype == fused.layers[0].down.dtype == torch.bfloat16
+        assert fused.lm_head.dtype == torch.float32
     assert (fused.cos_PD is not None) == (angles == "table")
     mask = attention.repeat_interleave(g, 0)
     position = positions[:, -1:].repeat_interleave(g, 0) + 1
@@ -56,6 +64,7 @@ def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, 
         expected = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position, cache=caches[0],
                          use_cache=True).logits[:, -1]
         actual = fused.step(tokens, position, mask, caches[1])
+        assert actual.dtype == expected.dtype == (torch.bfloat16 if dtype == torch.bfloat16 else torch.float32)
         tol = 1e-5 if dtype == torch.float32 else 3e-2  # bf16: the fused products round differently
         atol = tol if dtype == torch.float32 else tol * float(expected.abs().max())
         torch.testing.assert_close(actual, expected, rtol=tol, atol=atol)

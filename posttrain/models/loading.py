@@ -147,26 +147,35 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
-def check_dtype(dtype: str, device: torch.device) -> None:
-    """Reject bfloat16 on hardware without native support, saying what to change."""
-    if dtype == "bfloat16" and not bf16_supported(device):
-        where = "this GPU" if device.type == "cuda" else "this CPU (it has neither AVX512-BF16 nor AMX)"
+def check_dtype(dtype: str, device: torch.device, mixed_precision: str = "no") -> None:
+    """Reject bfloat16 (as the weights' dtype or mixed precision's) on hardware without native support,
+    saying what to change."""
+    if bf16_supported(device) or (dtype != "bfloat16" and mixed_precision != "bf16"):
+        return
+    where = "this GPU" if device.type == "cuda" else "this CPU (it has neither AVX512-BF16 nor AMX)"
+    if dtype == "bfloat16":
         raise ConfigError(f"dtype: bfloat16 is not supported natively on {where}; use --dtype float32")
+    raise ConfigError(f"mixed_precision: bf16 computes in bfloat16, which is not supported natively on {where}; "
+                      "use --mixed-precision no")
 
 
-def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto") -> tuple[Any, Any]:
-    """The model (``dtype``, on ``device``) and tokenizer for the spec ``name``; the tokenizer always
-    has a pad token (the EOS token when it defines none: masks come from the first EOS, never from
-    the pad id, so the two may coincide)."""
+def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto",
+                             mixed_precision: str = "no") -> tuple[Any, Any]:
+    """The model (``dtype``, on ``device``; its decoder stack under bfloat16 autocast with
+    ``mixed_precision="bf16"``, :func:`posttrain.modeling.use_mixed_precision`) and tokenizer for the
+    spec ``name``; the tokenizer always has a pad token (the EOS token when it defines none: masks come
+    from the first EOS, never from the pad id, so the two may coincide)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.modeling import DTYPES, resolve_device
+    from posttrain.modeling import DTYPES, resolve_device, use_mixed_precision
 
     target = resolve_device(device)
-    check_dtype(dtype, target)
+    check_dtype(dtype, target, mixed_precision)
     path = resolve_model_path(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(target)
+    if mixed_precision == "bf16":
+        use_mixed_precision(model)
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token
     return model, tokenizer

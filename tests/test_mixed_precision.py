@@ -1,0 +1,120 @@
+"""Mixed precision (``--mixed-precision bf16``): float32 weights, gradients and optimizer state; the
+decoder stack computed under bfloat16 autocast; the LM head, log-probs and losses in float32."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+import posttrain.functional as F
+from posttrain.config import Config, ConfigError
+from posttrain.modeling import (autocast_dtype, collate, completion_hidden, forward, frozen_copy, split_head,
+                                use_mixed_precision)
+from posttrain.models import loading
+
+from architectures import build
+
+needs_bf16 = pytest.mark.skipif(not loading.bf16_supported(torch.device("cpu")),
+                                reason="this CPU has neither AVX512-BF16 nor AMX")
+
+
+def a_batch():
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([5, 6, 7])]
+    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 16, 17], [18, 19, 0, 0]])
+    return collate(prompts, completions, (completions != 0).long(), 0, torch.device("cpu"))
+
+
+def run(model, batch):
+    """Log-probs and every parameter's gradient of a weighted sum of them."""
+    model.zero_grad()
+    out = forward(model, batch, temperature=0.7, with_entropy=True)
+    (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)).sum().backward()
+    return out.logprobs.detach(), torch.cat([p.grad.flatten() for p in model.parameters()])
+
+
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_decoder_stack_runs_in_bfloat16_and_the_head_in_float32(kind):
+    full = build(kind).train()
+    mixed = copy.deepcopy(full)
+    use_mixed_precision(mixed)
+    batch, real = a_batch(), None
+    real = batch.mask.bool()
+    logprobs, grads = run(mixed, batch)
+    logprobs32, grads32 = run(full, batch)
+    assert {p.dtype for p in mixed.parameters()} == {torch.float32}  # weights and gradients stay float32
+    assert grads.dtype == torch.float32
+
+    body, head = split_head(mixed)
+    with torch.no_grad():
+        hidden = completion_hidden(body, batch)  # under autocast: the wrapped forward
+        hidden32 = completion_hidden(split_head(full)[0], batch)
+        head_in_float32, _ = F.linear_log_softmax(hidden[real].float(), head.weight, batch.completion_ids[real],
+                                                  temperature=0.7)
+    assert (hidden - hidden32).abs().max() > 1e-3  # bfloat16 rounding: the stack did not run in float32
+    torch.testing.assert_close(logprobs[real], head_in_float32, rtol=0, atol=0)  # exactly the float32 head
+    # bfloat16's cost: log-probs within a few hundredths of a nat, the gradient's direction kept
+    assert (logprobs - logprobs32).abs().max() < 0.1
+    assert torch.nn.functional.cosine_similarity(grads.double(), grads32.double(), dim=0) > 0.99
+
+
+def test_a_copy_computes_with_its_own_weights_in_the_same_precision():
+    """The reference is a deep copy of the policy: the wrapped forward must follow it, not call the policy."""
+    policy = build("llama")
+    use_mixed_precision(policy)
+    ref = frozen_copy(policy)
+    assert autocast_dtype(ref) == torch.bfloat16
+    with torch.no_grad():
+        for p in ref.parameters():
+            p.mul_(0.5)
+        batch = a_batch()
+        mine, theirs = forward(ref, batch).logprobs, forward(policy, batch).logprobs
+    assert not torch.allclose(mine, theirs)
+    use_mixed_precision(policy)  # twice: nothing more
+    assert autocast_dtype(policy) == torch.bfloat16
+
+
+def test_a_replaced_forward_is_not_silently_dropped():
+    model = build("llama")
+    model.model.forward = lambda *args, **kwargs: None
+    with pytest.raises(RuntimeError, match="LlamaModel.forward is already replaced"):
+        use_mixed_precision(model)
+
+
+def test_bad_settings_name_the_field(tiny_model_dir, monkeypatch):
+    with pytest.raises(ConfigError, match="mixed_precision: got 'fp16'; use no or bf16"):
+        Config.from_flat({"mixed_precision": "fp16"})
+    with pytest.raises(ConfigError, match="mixed_precision: bf16 computes float32 weights in bfloat16; with dtype "
+                                          "bfloat16"):
+        Config.from_flat({"mixed_precision": "bf16", "dtype": "bfloat16"})
+    monkeypatch.setattr(loading, "bf16_supported", lambda device: False)
+    with pytest.raises(ConfigError, match=r"mixed_precision: bf16 computes in bfloat16, which is not supported "
+                                          r"natively on this CPU .*; use --mixed-precision no"):
+        loading.load_model_and_tokenizer(str(tiny_model_dir), device="cpu", mixed_precision="bf16")
+
+
+@needs_bf16
+@pytest.mark.parametrize("algorithm", ["grpo", "dpo"])
+def test_training_runs_in_mixed_precision(algorithm, tiny_model_dir, reward_file):
+    from posttrain import online, preference
+    from posttrain.session import OnlineSession
+
+    flat = dict(algorithm=algorithm, model=str(tiny_model_dir), task="addition", learning_rate=1e-3, max_steps=2,
+                progress=False, tensorboard=False, seed=0, eval_size=8, mixed_precision="bf16")
+    if algorithm == "grpo":
+        flat.update(reward=[f"{reward_file}:sevens"], prompts_per_step=4, group_size=4, max_new_tokens=12)
+        s = OnlineSession.create(Config.from_flat(flat))
+        step = online.train_step
+    else:
+        s = preference.PreferenceSession.create(Config.from_flat(flat))
+        step = preference.train_step
+    before = [p.detach().clone() for p in s.policy.parameters()]
+    for _ in range(2):
+        metrics = step(s)
+        s.step += 1
+        assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
+    assert autocast_dtype(s.policy) == torch.bfloat16
+    assert s.ref is None or autocast_dtype(s.ref) == torch.bfloat16  # (DPO's reference scored everything up front)
+    assert {p.dtype for p in s.policy.parameters()} == {torch.float32}
+    assert any(not torch.equal(a, b) for a, b in zip(before, s.policy.parameters()))
