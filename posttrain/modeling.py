@@ -108,7 +108,8 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
     Each forward pass is its own autocast region, so the weight casts autocast caches never outlive an
     optimizer step. The change is a bound method on the instance: a copy of the model (the reference)
     keeps it, bound to the copy. :class:`posttrain.decode_step.FusedDecoder` reads the dtype and casts its
-    prepared weights once per ``decode`` call. Calling it again is a no-op.
+    prepared weights once per ``decode`` call. Calling it again is a no-op. On a CPU it also caps oneDNN's
+    caches of compiled kernels (:func:`posttrain.allocator.bound_kernel_caches`).
     """
     body = decoder_body(model)
     if getattr(body, "posttrain_autocast_dtype", None) is not None:
@@ -118,6 +119,10 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
                            "instance; apply mixed precision to the model as loaded, before other wrappers")
     body.posttrain_autocast_dtype = dtype
     body.forward = _autocast_forward.__get__(body)
+    if next(body.parameters()).device.type == "cpu":
+        from posttrain.allocator import bound_kernel_caches
+
+        bound_kernel_caches()
 
 
 def autocast_dtype(model: nn.Module) -> torch.dtype | None:

@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
 CHILD = """
 import resource, sys, torch
@@ -37,3 +38,35 @@ def test_freed_memory_is_reused_without_page_faults_and_the_default_can_be_kept(
     assert applied and not kept
     # 20 x 64 MiB of fresh pages by default (16384 faults each); reused heap memory faults almost never
     assert default > 20 * 8000 and tuned < 1000
+
+
+KERNELS_CHILD = """
+import os, torch
+from posttrain.allocator import bound_kernel_caches
+bound_kernel_caches()
+def rss_mb():
+    with open("/proc/self/status") as status:
+        return next(int(line.split()[1]) for line in status if line.startswith("VmRSS")) / 1024
+weight = torch.randn(128, 64).bfloat16()
+before = rss_mb()
+for rows in range(1, 401):  # a new shape each time: oneDNN compiles and caches a kernel for each
+    torch.nn.functional.linear(torch.randn(rows, 64).bfloat16(), weight)
+print(os.environ["LRU_CACHE_CAPACITY"], os.environ["ONEDNN_PRIMITIVE_CACHE_CAPACITY"], rss_mb() - before)
+"""
+
+
+@pytest.mark.skipif(not (platform.system() == "Linux" and torch.cpu._is_avx512_bf16_supported()),
+                    reason="bfloat16 products on oneDNN need AVX512-BF16 (and /proc for the RSS)")
+def test_bfloat16_kernel_caches_are_bounded_unless_set():
+    def growth(**env):
+        clean = {k: v for k, v in os.environ.items() if k not in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY")}
+        out = subprocess.run([sys.executable, "-c", KERNELS_CHILD], env={**clean, **env}, capture_output=True,
+                             text=True, check=True)
+        lru, primitives, grown = out.stdout.split()
+        return lru, primitives, float(grown)
+
+    *bounded, bounded_mb = growth()
+    *kept, unbounded_mb = growth(LRU_CACHE_CAPACITY="1024", ONEDNN_PRIMITIVE_CACHE_CAPACITY="1024")
+    assert bounded == ["128", "128"] and kept == ["1024", "1024"]  # a value the user set is kept
+    # 400 shapes: about 0.6 MB each with oneDNN's default capacity, at most 128 of them kept when bounded
+    assert unbounded_mb > 150 and bounded_mb < 0.5 * unbounded_mb, (bounded_mb, unbounded_mb)
