@@ -4,6 +4,7 @@ decoder stack computed under bfloat16 autocast; the LM head, log-probs and losse
 from __future__ import annotations
 
 import copy
+import importlib.util
 
 import pytest
 import torch
@@ -95,13 +96,15 @@ def test_bad_settings_name_the_field(tiny_model_dir, monkeypatch):
 
 
 @needs_bf16
-@pytest.mark.parametrize("algorithm", ["grpo", "dpo"])
-def test_training_runs_in_mixed_precision(algorithm, tiny_model_dir, reward_file):
+@pytest.mark.parametrize("algorithm, lora_r", [("grpo", 0), ("dpo", 0), ("grpo", 4)], ids=["grpo", "dpo", "grpo-lora"])
+def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, reward_file):
     from posttrain import online, preference
     from posttrain.session import OnlineSession
 
+    if lora_r and importlib.util.find_spec("peft") is None:
+        pytest.skip("peft (extra: lora) is not installed")
     flat = dict(algorithm=algorithm, model=str(tiny_model_dir), task="addition", learning_rate=1e-3, max_steps=2,
-                progress=False, tensorboard=False, seed=0, eval_size=8, mixed_precision="bf16")
+                progress=False, tensorboard=False, seed=0, eval_size=8, mixed_precision="bf16", lora_r=lora_r)
     if algorithm == "grpo":
         flat.update(reward=[f"{reward_file}:sevens"], prompts_per_step=4, group_size=4, max_new_tokens=12)
         s = OnlineSession.create(Config.from_flat(flat))
