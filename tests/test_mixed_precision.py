@@ -118,6 +118,7 @@ def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, rew
         s.step += 1
         assert all(torch.isfinite(torch.tensor(v)) for v in metrics.values()), metrics
     assert autocast_dtype(s.policy) == torch.bfloat16
-    assert s.ref is None or autocast_dtype(s.ref) == torch.bfloat16  # (DPO's reference scored everything up front)
+    if s.ref is not None:  # (DPO's reference scored everything up front; LoRA's is the policy, adapters off)
+        assert autocast_dtype(s.ref.model if lora_r else s.ref) == torch.bfloat16
     assert {p.dtype for p in s.policy.parameters()} == {torch.float32}
     assert any(not torch.equal(a, b) for a, b in zip(before, s.policy.parameters()))
