@@ -109,8 +109,12 @@ class PreallocatedLayer(DynamicLayer):
     def lazy_initialization(self, key_states: Tensor, value_states: Tensor) -> None:
         prompts, heads, _, dim = key_states.shape
         self.device = key_states.device
-        self.key_buffer = key_states.new_empty(prompts * self.repeats, heads, self.capacity, dim)
-        self.value_buffer = value_states.new_empty(prompts * self.repeats, heads, self.capacity, value_states.shape[-1])
+        # Under autocast the rotated keys are float32 and the values bfloat16: both kept in float32, so the
+        # fused decode step's attention reads one dtype and casts nothing
+        dtype = torch.promote_types(key_states.dtype, value_states.dtype)
+        self.key_buffer = key_states.new_empty(prompts * self.repeats, heads, self.capacity, dim, dtype=dtype)
+        self.value_buffer = value_states.new_empty(prompts * self.repeats, heads, self.capacity, value_states.shape[-1],
+                                                   dtype=dtype)
         self.active = prompts * self.repeats
         self.is_initialized = True
 

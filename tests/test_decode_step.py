@@ -70,8 +70,10 @@ def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, 
         torch.testing.assert_close(actual, expected, rtol=tol, atol=atol)
         tokens, position = expected.argmax(-1), position + 1
     for mine, theirs in zip(caches[1].layers, caches[0].layers):
-        torch.testing.assert_close(mine.keys, theirs.keys, rtol=tol, atol=tol)
-        torch.testing.assert_close(mine.values, theirs.values, rtol=tol, atol=tol)
+        for a, b in ((mine.keys, theirs.keys), (mine.values, theirs.values)):
+            # mixed: the forward's attention runs in bfloat16, the fused step's in float32
+            atol = tol if dtype == torch.float32 else tol * float(b.abs().max())
+            torch.testing.assert_close(a, b, rtol=tol, atol=atol)
 
 
 @torch.no_grad()

@@ -60,6 +60,26 @@ def test_the_decoder_stack_runs_in_bfloat16_and_the_head_in_float32(kind):
     assert torch.nn.functional.cosine_similarity(grads.double(), grads32.double(), dim=0) > 0.99
 
 
+def test_attention_stays_float32_on_a_cpu_and_is_not_saved(tmp_path):
+    from transformers import LlamaForCausalLM
+
+    from posttrain.modeling import FLOAT32_SDPA
+
+    model = build("llama")
+    assert model.config._attn_implementation == "sdpa"
+    use_mixed_precision(model)
+    assert model.config._attn_implementation == FLOAT32_SDPA
+    assert frozen_copy(model).config._attn_implementation == FLOAT32_SDPA  # the reference too
+    seen = []
+    model.model.layers[0].self_attn.o_proj.register_forward_pre_hook(lambda module, args: seen.append(args[0].dtype))
+    with torch.no_grad():
+        forward(model, a_batch())
+    assert seen == [torch.float32]  # the attention's output; under autocast transformers' SDPA gives bfloat16
+    model.save_pretrained(tmp_path)
+    assert FLOAT32_SDPA not in (tmp_path / "config.json").read_text()
+    assert LlamaForCausalLM.from_pretrained(tmp_path).config._attn_implementation == "sdpa"
+
+
 def test_a_copy_computes_with_its_own_weights_in_the_same_precision():
     """The reference is a deep copy of the policy: the wrapped forward must follow it, not call the policy."""
     policy = build("llama")
