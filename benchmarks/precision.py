@@ -9,8 +9,8 @@ temperature 0.7), then scores them three ways:
 - ``float32``: the reference;
 - ``mixed``: posttrain's mixed precision (the decoder stack under bfloat16 autocast, the LM head and
   log-softmax in float32);
-- ``bf16 head too``: the whole forward under autocast, the LM head's products included (what wrapping
-  the whole model's forward gives), to show what keeping the head in float32 is worth.
+- ``bf16 head too``: the mixed-precision model with its LM head under autocast as well (what wrapping
+  the whole model's forward would give), to show what keeping the head in float32 is worth.
 
 Per setting it prints the error of the per-token log-probs against float32 (mean, 99th percentile
 and largest absolute difference in nats), the mean k3 estimate of KL(float32 || setting) (the noise
@@ -93,7 +93,7 @@ def main() -> None:
     print(f"{bench.model_dir(args.model).name}: {PROMPTS} prompts x {SAMPLES} samples, {int(real.sum())} completion "
           f"tokens sampled in float32 at temperature {TEMPERATURE}\n")
 
-    settings = {"float32": (full, False), "mixed": (mixed, False), "bf16 head too": (full, True)}
+    settings = {"float32": (full, False), "mixed": (mixed, False), "bf16 head too": (mixed, True)}
     results = {name: scored(model, batch, autocast_all) for name, (model, autocast_all) in settings.items()}
     reference, reference_grad = results["float32"]
     print("| setting | mean abs dlogp | p99 | max | KL(fp32 || setting), k3 | grad cosine | grad norm ratio "

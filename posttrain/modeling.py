@@ -88,11 +88,38 @@ def is_checkpointed(module: nn.Module) -> bool:
     return any(getattr(m, "posttrain_checkpointed", False) for m in module.modules())
 
 
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (LoRA keeps its adapters in place inside it), or ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
 def decoder_body(model: nn.Module) -> nn.Module:
     """The decoder stack of a causal LM, under a PEFT wrapper if any (``model.model`` for Llama); the
     model itself when it names no base model."""
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model
-    return base.base_model
+    return unwrapped(model).base_model
+
+
+FLOAT32_SDPA = "posttrain_sdpa_float32"
+"""The attention implementation :func:`use_mixed_precision` gives a CPU model that used ``"sdpa"``:
+transformers' SDPA attention with autocast off, on float32 inputs. Measured on SmolLM2 (2 cores), one
+GRPO batch's forward+backward: 1.75-1.77 s against 1.93-2.03 with the attention in bfloat16, the same
+log-prob error against float32. transformers does not save it in the model's config."""
+
+
+def _register_float32_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FLOAT32_SDPA, _sdpa_in_float32)
+    AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)  # the masks "sdpa" gets
+
+
+def _sdpa_in_float32(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):
+        return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
 
 
 def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
@@ -126,33 +153,9 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
         from posttrain.allocator import bound_kernel_caches
 
         bound_kernel_caches()
-        base = model.get_base_model() if hasattr(model, "get_base_model") else model
-        if getattr(base.config, "_attn_implementation", None) == "sdpa":
+        if getattr(unwrapped(model).config, "_attn_implementation", None) == "sdpa":
             _register_float32_sdpa()
-            base.set_attn_implementation(FLOAT32_SDPA)
-
-
-FLOAT32_SDPA = "posttrain_sdpa_float32"
-"""The attention implementation :func:`use_mixed_precision` gives a CPU model that used ``"sdpa"``:
-transformers' SDPA attention with autocast off, on float32 inputs. Measured on SmolLM2 (2 cores), one
-GRPO batch's forward+backward: 1.75-1.77 s against 1.93-2.03 with the attention in bfloat16, the same
-log-prob error against float32. transformers does not save it in the model's config."""
-
-
-def _register_float32_sdpa() -> None:
-    from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
-
-    AttentionInterface.register(FLOAT32_SDPA, _sdpa_in_float32)
-    AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)  # the masks "sdpa" gets
-
-
-def _sdpa_in_float32(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
-                     **kwargs):
-    from transformers.integrations.sdpa_attention import sdpa_attention_forward
-
-    with torch.autocast(query.device.type, enabled=False):
-        return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+            unwrapped(model).set_attn_implementation(FLOAT32_SDPA)
 
 
 def autocast_dtype(model: nn.Module) -> torch.dtype | None:
@@ -293,7 +296,7 @@ def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
 
     if any(c.peft_type != "LORA" for c in getattr(model, "peft_config", {}).values()):  # PeftType is a str enum
         return None  # prompt or prefix tuning act in the wrapper's forward, which the body call would skip
-    base = model.get_base_model() if hasattr(model, "get_base_model") else model  # LoRA keeps adapters in place
+    base = unwrapped(model)
     if not is_supported_class(base):
         return None
     if type(base.lm_head) is not nn.Linear or any(type(p).__name__ == "DTensor" for p in base.lm_head.parameters()):

@@ -115,6 +115,19 @@ def test_bad_settings_name_the_field(tiny_model_dir, monkeypatch):
         loading.load_model_and_tokenizer(str(tiny_model_dir), device="cpu", mixed_precision="bf16")
 
 
+def test_an_accelerate_launch_brings_its_mixed_precision(tiny_model_dir, monkeypatch):
+    monkeypatch.setattr(loading, "bf16_supported", lambda device: True)
+    for launched, expected in (("no", None), ("bf16", torch.bfloat16)):
+        monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", launched)
+        model, _ = loading.load_model_and_tokenizer(str(tiny_model_dir), device="cpu")
+        assert autocast_dtype(model) == expected
+    with pytest.raises(ConfigError, match="mixed_precision: .* with dtype bfloat16 they already are"):
+        loading.load_model_and_tokenizer(str(tiny_model_dir), device="cpu", dtype="bfloat16")
+    monkeypatch.setenv("ACCELERATE_MIXED_PRECISION", "fp16")
+    with pytest.raises(ConfigError, match="accelerate config asks for fp16, which posttrain does not run"):
+        loading.load_model_and_tokenizer(str(tiny_model_dir), device="cpu")
+
+
 @needs_bf16
 @pytest.mark.parametrize("algorithm, lora_r", [("grpo", 0), ("dpo", 0), ("grpo", 4)], ids=["grpo", "dpo", "grpo-lora"])
 def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, reward_file):

@@ -25,6 +25,7 @@ from __future__ import annotations
 import hashlib
 import importlib.util
 import json
+import os
 import re
 import shutil
 import sys
@@ -159,17 +160,31 @@ def check_dtype(dtype: str, device: torch.device, mixed_precision: str = "no") -
                       "use --mixed-precision no")
 
 
+def launched_mixed_precision(configured: str) -> str:
+    """The run's mixed precision: ``configured``, or bf16 when ``accelerate launch`` runs a config whose
+    ``mixed_precision`` is bf16 (it sets ``ACCELERATE_MIXED_PRECISION``); fp16 there is a ConfigError."""
+    launched = os.environ.get("ACCELERATE_MIXED_PRECISION", "no").lower()
+    if launched == "fp16":
+        raise ConfigError("mixed_precision: the accelerate config asks for fp16, which posttrain does not run "
+                          "(it needs loss scaling); set mixed_precision to bf16 or no in the accelerate config")
+    return "bf16" if launched == "bf16" else configured
+
+
 def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto",
                              mixed_precision: str = "no") -> tuple[Any, Any]:
     """The model (``dtype``, on ``device``; its decoder stack under bfloat16 autocast with
-    ``mixed_precision="bf16"``, :func:`posttrain.modeling.use_mixed_precision`) and tokenizer for the
-    spec ``name``; the tokenizer always has a pad token (the EOS token when it defines none: masks come
-    from the first EOS, never from the pad id, so the two may coincide)."""
+    ``mixed_precision="bf16"`` or an accelerate launch's bf16: :func:`posttrain.modeling.use_mixed_precision`)
+    and tokenizer for the spec ``name``; the tokenizer always has a pad token (the EOS token when it
+    defines none: masks come from the first EOS, never from the pad id, so the two may coincide)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.modeling import DTYPES, resolve_device, use_mixed_precision
 
     target = resolve_device(device)
+    mixed_precision = launched_mixed_precision(mixed_precision)
+    if mixed_precision == "bf16" and dtype != "float32":
+        raise ConfigError(f"mixed_precision: bf16 (from the accelerate config) computes float32 weights in "
+                          f"bfloat16; with dtype {dtype} they already are: set mixed_precision no there")
     check_dtype(dtype, target, mixed_precision)
     path = resolve_model_path(name)
     tokenizer = AutoTokenizer.from_pretrained(path)
