@@ -129,7 +129,8 @@ def test_an_accelerate_launch_brings_its_mixed_precision(tiny_model_dir, monkeyp
 
 
 @needs_bf16
-@pytest.mark.parametrize("algorithm, lora_r", [("grpo", 0), ("dpo", 0), ("grpo", 4)], ids=["grpo", "dpo", "grpo-lora"])
+@pytest.mark.parametrize("algorithm, lora_r", [("grpo", 0), ("ppo", 0), ("dpo", 0), ("grpo", 4)],
+                         ids=["grpo", "ppo", "dpo", "grpo-lora"])
 def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, reward_file):
     from posttrain import online, preference
     from posttrain.session import OnlineSession
@@ -138,7 +139,7 @@ def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, rew
         pytest.skip("peft (extra: lora) is not installed")
     flat = dict(algorithm=algorithm, model=str(tiny_model_dir), task="addition", learning_rate=1e-3, max_steps=2,
                 progress=False, tensorboard=False, seed=0, eval_size=8, mixed_precision="bf16", lora_r=lora_r)
-    if algorithm == "grpo":
+    if algorithm != "dpo":
         flat.update(reward=[f"{reward_file}:sevens"], prompts_per_step=4, group_size=4, max_new_tokens=12)
         s = OnlineSession.create(Config.from_flat(flat))
         step = online.train_step
@@ -155,3 +156,5 @@ def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, rew
         assert autocast_dtype(s.ref.model if lora_r else s.ref) == torch.bfloat16
     assert {p.dtype for p in s.policy.parameters()} == {torch.float32}
     assert any(not torch.equal(a, b) for a, b in zip(before, s.policy.parameters()))
+    if algorithm == "ppo":  # the value head reads the stack's hidden states in float32
+        assert metrics["value_loss"] > 0 and s.value_head.linear.weight.dtype == torch.float32
