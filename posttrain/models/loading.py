@@ -167,7 +167,12 @@ def launched_mixed_precision(configured: str) -> str:
     if launched == "fp16":
         raise ConfigError("mixed_precision: the accelerate config asks for fp16, which posttrain does not run "
                           "(it needs loss scaling); set mixed_precision to bf16 or no in the accelerate config")
-    return "bf16" if launched == "bf16" else configured
+    if launched == "bf16" and configured != "bf16":
+        from posttrain.distributed import say
+
+        say("mixed precision bf16, from the accelerate config (the run's config says mixed_precision no)")
+        return "bf16"
+    return configured
 
 
 def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto",
