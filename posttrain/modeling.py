@@ -153,9 +153,10 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
         from posttrain.allocator import bound_kernel_caches
 
         bound_kernel_caches()
-        if getattr(unwrapped(model).config, "_attn_implementation", None) == "sdpa":
+        base = unwrapped(model)
+        if getattr(base.config, "_attn_implementation", None) == "sdpa":
             _register_float32_sdpa()
-            unwrapped(model).set_attn_implementation(FLOAT32_SDPA)
+            base.set_attn_implementation(FLOAT32_SDPA)
 
 
 def autocast_dtype(model: nn.Module) -> torch.dtype | None:

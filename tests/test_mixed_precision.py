@@ -40,7 +40,7 @@ def test_the_decoder_stack_runs_in_bfloat16_and_the_head_in_float32(kind):
     full = build(kind).train()
     mixed = copy.deepcopy(full)
     use_mixed_precision(mixed)
-    batch, real = a_batch(), None
+    batch = a_batch()
     real = batch.mask.bool()
     logprobs, grads = run(mixed, batch)
     logprobs32, grads32 = run(full, batch)
