@@ -52,8 +52,9 @@ def bound_kernel_caches() -> None:
     ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) at :data:`KERNEL_CACHE_CAPACITY` entries, unless set already.
 
     Float32 products go to MKL; bfloat16 ones to oneDNN, which compiles a kernel for every new shape
-    and keeps up to 1024 of them in each cache, about 0.6-0.9 MB each (measured: a 576 x 1536 weight
-    over 300 row counts, +270 MB). Training batches change shape every micro-batch, so a run grows
+    and keeps up to 1024 of them in each cache, about 0.6-0.9 MB each with AVX512-BF16 (measured: a 576 x
+    1536 weight over 300 row counts, +270 MB) and about 1.1 MB with AMX (128 x 64 over 1600 row counts: +803
+    MB, +161 MB capped). Training batches change shape every micro-batch, so a run grows
     by up to a few GB; the built-in task's default run in mixed precision peaked at 1.30 GB against
     0.74 in float32. At 128 entries a miss costs one compilation (about 0.5 ms). Both variables are
     read when oneDNN first runs, so this acts only before the process's first oneDNN product.
