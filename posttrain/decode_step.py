@@ -8,12 +8,13 @@ which SmolLM2 and the embedded tiny model are) a decode step is instead :meth:`F
 1. **Fused projections.** Each layer's query, key and value projections are one matrix
    ``[(H + 2 * KV) * D, hidden]``, the gate and up projections another ``[2 * I, hidden]``: four
    GEMMs per layer instead of seven.
-2. **Prepacked weights on CPU.** At batch 16 a decode step is GEMMs with 16 rows, where MKL's
-   ``linear`` reaches 40-80 GFLOP/s on this machine kind (37 on the 49152-row LM head). oneDNN with
-   its weights reordered once per :func:`posttrain.generation.decode` call reaches 80-120 (99 on the
-   LM head): ``benchmarks/generation.py`` has the step times. Elsewhere (a GPU, a dtype oneDNN's
-   packing does not take, weights under :data:`PACK_MIN_ELEMENTS`) it is ``F.linear`` on the fused
-   weights.
+2. **Weights laid out for few rows, on CPU.** At batch 16 a decode step is GEMMs with 16 rows, where
+   MKL's ``linear`` reaches 40-80 GFLOP/s (37 on the 49152-row LM head). Each weight is prepared
+   once per :func:`posttrain.generation.decode` call for the kernel :func:`choose_kernel` picks:
+   oneDNN with the weight reordered (80-120 GFLOP/s, 99 on the LM head) for large weights, MKL on a
+   transposed copy (``x @ W.T`` with ``W.T`` contiguous) for small float32 ones.
+   ``benchmarks/generation.py`` has the step times. Elsewhere (a GPU, a dtype neither takes) it is
+   ``F.linear`` on the fused weights.
 3. **No module tree.** One function per step: no hooks, no mask construction per layer, no
    per-layer cache bookkeeping beyond writing one position.
 
@@ -24,7 +25,7 @@ mask, and the tied or untied LM head. Logits equal the module forward's to float
 sums in another order; ``tests/test_decode_step.py`` checks 1e-5 on every step,
 ``tests/test_rollout.py`` that greedy tokens equal ``generate``'s).
 
-The packed copies cost one copy of the weights while a ``decode`` call runs (540 MB for SmolLM2);
+The prepared copies cost one copy of the weights while a ``decode`` call runs (540 MB for SmolLM2);
 they are dropped when it returns, so the training phase's peak memory does not include them.
 """
 
@@ -72,10 +73,33 @@ def unsupported_reason(model) -> str | None:
     return None
 
 
-PACK_MIN_ELEMENTS = 2**18
-"""Smaller weights stay with ``F.linear``: at 16 rows oneDNN's call costs more than it saves on them
-(a 256 x 256 product takes 59 us packed against 38, a 99 x 256 head 50 against 20; 960 x 576 takes
-191 against 244, SmolLM2's 49152 x 576 head 10.1 ms against 25.3)."""
+ONEDNN_MIN_ELEMENTS = 2**18
+"""Smaller weights do not go to oneDNN: at 16 rows its call costs more than it saves on them (a 256 x
+256 product takes 59 us packed against 38 with ``F.linear``, a 99 x 256 head 50 against 20; 960 x 576
+takes 191 against 244, SmolLM2's 49152 x 576 head 10.1 ms against 25.3; AMD EPYC, session 4)."""
+
+TRANSPOSED_MAX_ELEMENTS = 2**19
+"""Float32 weights under this size use MKL on a transposed copy. ``F.linear`` hands MKL the weight as
+``[out, in]`` and ``x @ W.T`` with ``W.T`` stored contiguous as ``[in, out]``; at 16 rows the second
+runs 1.5-2x faster on small weights (Xeon with AMX, session 9: 256 x 768 in 32 us against 64 and
+oneDNN's 59). A whole decode call of the 3.2M benchmark model (its weights 65k-352k elements) took
+12-15% less time than with ``F.linear`` and oneDNN, alternating in one process (134 -> 114 ms at 16
+rows, 447 -> 378 at 32), with identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's
+576 x 3072 gate-up weight, streamed with the others as a decode step does, 20.0 ms per step for its
+30 layers against 26.5."""
+
+
+def choose_kernel(weight: Tensor, dtype: torch.dtype) -> str:
+    """The GEMM a decode step runs ``weight`` (computed in ``dtype``) with: "onednn" (reordered once),
+    "mm" (on a contiguous transposed copy) or "linear" (``F.linear`` on the weight as it is)."""
+    if not weight.is_cpu:
+        return "linear"
+    if dtype == torch.float32 and weight.numel() < TRANSPOSED_MAX_ELEMENTS:
+        return "mm"
+    if (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
+            and weight.numel() >= ONEDNN_MIN_ELEMENTS):
+        return "onednn"
+    return "linear"
 
 
 class Linear:
@@ -86,14 +110,20 @@ class Linear:
         None: in the weight's own dtype."""
         self.dtype = dtype or weight.dtype
         weight, self.bias = weight.to(self.dtype), None if bias is None else bias.to(self.dtype)
-        self.packed = (weight.is_cpu and self.dtype in (torch.float32, torch.bfloat16)
-                       and torch.backends.mkldnn.is_available() and weight.numel() >= PACK_MIN_ELEMENTS)
-        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows) if self.packed else weight
+        self.kernel = choose_kernel(weight, self.dtype)
+        if self.kernel == "onednn":
+            self.weight = torch.ops.mkldnn._reorder_linear_weight(weight, rows)
+        elif self.kernel == "mm":
+            self.weight = weight.t().contiguous()  # [in, out]
+        else:
+            self.weight = weight
 
     def __call__(self, x: Tensor) -> Tensor:
         x = x.to(self.dtype)
-        if self.packed:
+        if self.kernel == "onednn":
             return torch.ops.mkldnn._linear_pointwise(x, self.weight, self.bias, "none", [], "")
+        if self.kernel == "mm":
+            return x @ self.weight if self.bias is None else torch.addmm(self.bias, x, self.weight)
         return F.linear(x, self.weight, self.bias)
 
 

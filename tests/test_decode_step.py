@@ -22,20 +22,19 @@ from architectures import KINDS, build
 
 
 
-@pytest.mark.parametrize("packed, dtype", [(True, torch.float32), (False, torch.float32), (True, torch.bfloat16),
-                                           (False, torch.bfloat16), (True, "mixed"), (False, "mixed")],
-                         ids=["onednn", "f.linear", "onednn-bf16", "bf16", "mixed-onednn", "mixed"])
+@pytest.mark.parametrize("kernel, dtype", [("onednn", torch.float32), ("mm", torch.float32), ("linear", torch.float32),
+                                           ("onednn", torch.bfloat16), ("linear", torch.bfloat16),
+                                           ("onednn", "mixed"), ("linear", "mixed")],
+                         ids=["onednn", "mm", "f.linear", "onednn-bf16", "bf16", "mixed-onednn", "mixed"])
 @pytest.mark.parametrize("angles", ["table", "per-step"])  # rotary angles computed once, or by the module per step
 @pytest.mark.parametrize("kind", KINDS)
 @torch.no_grad()
-def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, monkeypatch):
+def test_fused_step_logits_equal_the_model_forward(kind, angles, kernel, dtype, monkeypatch):
     """"mixed": float32 weights, the decoder stack under bfloat16 autocast (use_mixed_precision)."""
     model = build(kind).to(torch.float32 if dtype == "mixed" else dtype)
     if dtype == "mixed":
         use_mixed_precision(model)
-    monkeypatch.setattr(decode_step, "PACK_MIN_ELEMENTS", 0)  # these weights are too small to be packed otherwise
-    if not packed:
-        monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    monkeypatch.setattr(decode_step, "choose_kernel", lambda weight, dtype: kernel)  # whatever the weights' size
     assert unsupported_reason(model) is None
     g, steps = 2, 6
     ids = torch.tensor([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12], [0, 0, 0, 0, 13]])
@@ -46,7 +45,7 @@ def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, 
         model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
     fused = FusedDecoder(model, rows=len(ids) * g,
                          positions=int(positions.max()) + steps + 1 if angles == "table" else None)
-    assert fused.layers[0].qkv.packed is packed
+    assert fused.layers[0].qkv.kernel == fused.lm_head.kernel == kernel
     if dtype == "mixed":  # the layers' products in bfloat16, the LM head in float32
         assert fused.layers[0].qkv.dtype == fused.layers[0].down.dtype == torch.bfloat16
         assert fused.lm_head.dtype == torch.float32
@@ -74,6 +73,16 @@ def test_fused_step_logits_equal_the_model_forward(kind, angles, packed, dtype, 
             # mixed: the forward's attention runs in bfloat16, the fused step's in float32
             atol = tol if dtype == torch.float32 else tol * float(b.abs().max())
             torch.testing.assert_close(a, b, rtol=tol, atol=atol)
+
+
+def test_kernel_choice_by_size_and_dtype(monkeypatch):
+    small, medium, large = torch.zeros(256, 768), torch.zeros(1376, 256), torch.zeros(3072, 576)
+    assert [decode_step.choose_kernel(w, torch.float32) for w in (small, medium, large)] == ["mm", "mm", "onednn"]
+    # bfloat16 (the layers under mixed precision): oneDNN from 2**18 elements, F.linear below
+    assert [decode_step.choose_kernel(w, torch.bfloat16) for w in (small, medium, large)] == ["linear", "onednn", "onednn"]
+    monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
+    assert decode_step.choose_kernel(large, torch.float32) == "linear"
+    assert decode_step.choose_kernel(torch.zeros(1024, 1024, device="meta"), torch.float32) == "linear"  # not a CPU
 
 
 @torch.no_grad()
