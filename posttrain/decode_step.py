@@ -82,9 +82,10 @@ TRANSPOSED_MAX_ELEMENTS = 2**19
 """Float32 weights under this size use MKL on a transposed copy. ``F.linear`` hands MKL the weight as
 ``[out, in]`` and ``x @ W.T`` with ``W.T`` stored contiguous as ``[in, out]``; at 16 rows the second
 runs 1.5-2x faster on small weights (Xeon with AMX, session 9: 256 x 768 in 32 us against 64 and
-oneDNN's 59). A whole decode call of the 3.2M benchmark model (its weights 65k-352k elements) took
-12-15% less time than with ``F.linear`` and oneDNN, alternating in one process (134 -> 114 ms at 16
-rows, 447 -> 378 at 32), with identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's
+oneDNN's 59; not measured on session 4's AMD machine). A whole decode call of the 3.2M benchmark
+model (its weights 65k-352k elements) took 13-17% less time than with ``F.linear`` and oneDNN,
+alternating in one process (two A/Bs: 134 -> 114 and 164 -> 136 ms at 16 rows, 447 -> 378 and 407 ->
+354 at 32), with identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's
 576 x 3072 gate-up weight, streamed with the others as a decode step does, 20.0 ms per step for its
 30 layers against 26.5."""
 
