@@ -31,8 +31,10 @@ they are dropped when it returns, so the training phase's peak memory does not i
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 import torch.nn.functional as F
@@ -74,20 +76,36 @@ def unsupported_reason(model) -> str | None:
 
 
 ONEDNN_MIN_ELEMENTS = 2**18
-"""Smaller weights do not go to oneDNN: at 16 rows its call costs more than it saves on them (a 256 x
-256 product takes 59 us packed against 38 with ``F.linear``, a 99 x 256 head 50 against 20; 960 x 576
-takes 191 against 244, SmolLM2's 49152 x 576 head 10.1 ms against 25.3; AMD EPYC, session 4)."""
+"""Smaller weights computed in bfloat16 do not go to oneDNN: at 16 rows its call costs more than it
+saves on small weights (measured in float32 on the AMD EPYC, session 4: a 256 x 256 product takes 59
+us packed against 38 with ``F.linear``, a 99 x 256 head 50 against 20; 960 x 576 takes 191 against
+244, SmolLM2's 49152 x 576 head 10.1 ms against 25.3). Float32 weights of that size run transposed."""
 
-TRANSPOSED_MAX_ELEMENTS = 2**19
-"""Float32 weights under this size use MKL on a transposed copy. ``F.linear`` hands MKL the weight as
-``[out, in]`` and ``x @ W.T`` with ``W.T`` stored contiguous as ``[in, out]``; at 16 rows the second
-runs 1.5-2x faster on small weights (Xeon with AMX, session 9: 256 x 768 in 32 us against 64 and
-oneDNN's 59; not measured on session 4's AMD machine). A whole decode call of the 3.2M benchmark
-model (its weights 65k-352k elements) took 13-17% less time than with ``F.linear`` and oneDNN,
-alternating in one process (two A/Bs: 134 -> 114 and 164 -> 136 ms at 16 rows, 447 -> 378 and 407 ->
-354 at 32), with identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's
-576 x 3072 gate-up weight, streamed with the others as a decode step does, 20.0 ms per step for its
-30 layers against 26.5."""
+TRANSPOSED_MAX_ELEMENTS = {"GenuineIntel": 2**19, "AuthenticAMD": 2**17}
+"""Float32 weights under this size (by CPU vendor; other vendors take Intel's, the value before AMD was
+measured) use MKL on a transposed copy, the larger ones oneDNN on a reordered copy. ``F.linear`` hands MKL the weight as ``[out, in]`` and ``x @ W.T`` with
+``W.T`` stored contiguous as ``[in, out]``; at 16 rows the second runs 1.5-2x faster on small weights
+on a Xeon with AMX (session 9: 256 x 768 in 32 us against 64 and oneDNN's 59), and a whole decode call
+of the 3.2M benchmark model (its weights 24k-352k elements) took 13-17% less time than with
+``F.linear`` and oneDNN, alternating in one process (134 -> 114 and 164 -> 136 ms at 16 rows, 447 ->
+378 and 407 -> 354 at 32), with identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's 576 x
+3072 gate-up weight, streamed with the others as a decode step does, 20.0 ms per step for its 30
+layers against 26.5.
+
+MKL runs its tuned kernels on Intel CPUs only (its verbose banner on the AMD EPYC of FACTS.md names
+no instruction set), and there oneDNN's own kernels win from about 2^17 elements: at 16 rows
+768 x 256 takes 57 us on oneDNN against 68 transposed, 1376 x 256 72 against 121, SmolLM2's 576 x
+576 74 against 100, 256 x 256 25 against 24 (session 11). A whole decode call of the 3.2M model,
+alternating in one process: 153 -> 120, 216 -> 178 ms (4 x 4 x 32, medians of 8) and 241 -> 202 ms
+(4 x 8 x 32) against this table's Intel value."""
+
+
+@functools.cache
+def cpu_vendor() -> str:
+    """``vendor_id`` of /proc/cpuinfo ("GenuineIntel", "AuthenticAMD", ...); "" where there is none."""
+    cpuinfo = Path("/proc/cpuinfo")
+    lines = cpuinfo.read_text().splitlines() if cpuinfo.is_file() else []
+    return next((line.split(":", 1)[1].strip() for line in lines if line.startswith("vendor_id")), "")
 
 
 def choose_kernel(weight: Tensor, dtype: torch.dtype) -> str:
@@ -95,10 +113,12 @@ def choose_kernel(weight: Tensor, dtype: torch.dtype) -> str:
     "mm" (on a contiguous transposed copy) or "linear" (``F.linear`` on the weight as it is)."""
     if not weight.is_cpu:
         return "linear"
-    if dtype == torch.float32 and weight.numel() < TRANSPOSED_MAX_ELEMENTS:
+    transposed_max = TRANSPOSED_MAX_ELEMENTS.get(cpu_vendor(), TRANSPOSED_MAX_ELEMENTS["GenuineIntel"])
+    if dtype == torch.float32 and weight.numel() < transposed_max:
         return "mm"
+    onednn_min = 0 if dtype == torch.float32 else ONEDNN_MIN_ELEMENTS
     if (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and weight.numel() >= ONEDNN_MIN_ELEMENTS):
+            and weight.numel() >= onednn_min):
         return "onednn"
     return "linear"
 

@@ -75,9 +75,16 @@ def test_fused_step_logits_equal_the_model_forward(kind, angles, kernel, dtype, 
             torch.testing.assert_close(a, b, rtol=tol, atol=atol)
 
 
-def test_kernel_choice_by_size_and_dtype(monkeypatch):
-    small, medium, large = torch.zeros(256, 768), torch.zeros(1376, 256), torch.zeros(3072, 576)
-    assert [decode_step.choose_kernel(w, torch.float32) for w in (small, medium, large)] == ["mm", "mm", "onednn"]
+def test_kernel_choice_by_size_dtype_and_cpu_vendor(monkeypatch):
+    tiny, small, medium, large = torch.zeros(256, 256), torch.zeros(256, 768), torch.zeros(1376, 256), torch.zeros(3072, 576)
+    weights = (tiny, small, medium, large)
+    # float32 on Intel (and CPUs not measured): MKL on the transposed copy below 2**19 elements
+    for vendor in ("GenuineIntel", "", "HygonGenuine"):
+        monkeypatch.setattr(decode_step, "cpu_vendor", lambda v=vendor: v)
+        assert [decode_step.choose_kernel(w, torch.float32) for w in weights] == ["mm", "mm", "mm", "onednn"]
+    # on AMD, where MKL's kernels are not its tuned ones, oneDNN from 2**17
+    monkeypatch.setattr(decode_step, "cpu_vendor", lambda: "AuthenticAMD")
+    assert [decode_step.choose_kernel(w, torch.float32) for w in weights] == ["mm", "onednn", "onednn", "onednn"]
     # bfloat16 (the layers under mixed precision): oneDNN from 2**18 elements, F.linear below
     assert [decode_step.choose_kernel(w, torch.bfloat16) for w in (small, medium, large)] == ["linear", "onednn", "onednn"]
     monkeypatch.setattr(torch.backends.mkldnn, "is_available", lambda: False)
