@@ -174,7 +174,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # our own progress bar is the one to watch
     try:
         if args.command == "algorithms":
-            from posttrain.algorithms import format_presets_table, format_side_by_side
+            from posttrain.algorithm_tables import format_presets_table, format_side_by_side
 
             print(format_side_by_side(args.names) if args.names else format_presets_table())
             return 0

@@ -17,9 +17,8 @@ from posttrain.algorithms import (
     PreferenceAlgorithm,
     algorithm,
     field_help,
-    format_presets_table,
-    format_side_by_side,
 )
+from posttrain.algorithm_tables import format_presets_table, format_side_by_side
 
 # ALGORITHMS.md "Presets", written out field by field.
 ONLINE_COLUMNS = ("advantage", "ratio", "clip", "eps_low", "eps_high", "aggregation", "loss",

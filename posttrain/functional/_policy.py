@@ -206,8 +206,7 @@ def policy_loss(
     loss_NT, clipped_NT = CLIPS[clip](ratio_NT, logp_NT, adv_NT, low, high)
     metrics: dict[str, Tensor] = {}
     if dual_clip is not None:
-        dual_clipped_NT = (adv_NT < 0) & (-dual_clip * adv_NT < loss_NT)
-        loss_NT = torch.where(adv_NT < 0, torch.minimum(loss_NT, -dual_clip * adv_NT), loss_NT)  # Ye et al. 2020
+        loss_NT, dual_clipped_NT = _dual_clip(loss_NT, adv_NT, dual_clip)
         metrics["dual_clip_fraction"] = _token_mean(dual_clipped_NT.to(dtype), valid_NT)
 
     def reduce(values_NT: Tensor) -> Tensor:
@@ -228,6 +227,13 @@ def policy_loss(
         "empty_batch": (~valid_NT.any()).to(dtype),
     }
     return loss, metrics
+
+
+def _dual_clip(loss_NT: Tensor, adv_NT: Tensor, c: float) -> tuple[Tensor, Tensor]:
+    """Dual-clip PPO (Ye et al. 2020): where A < 0 the loss is at most -c * A. Returns the bounded
+    loss [N, T] and where the bound is active [N, T]."""
+    bound_NT = -c * adv_NT
+    return torch.where(adv_NT < 0, torch.minimum(loss_NT, bound_NT), loss_NT), (adv_NT < 0) & (bound_NT < loss_NT)
 
 
 def _token_mean(values_NT: Tensor, valid_NT: Tensor) -> Tensor:
