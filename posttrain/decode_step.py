@@ -96,8 +96,9 @@ MKL runs its tuned kernels on Intel CPUs only (its verbose banner on the AMD EPY
 no instruction set), and there oneDNN's own kernels win from about 2^17 elements: at 16 rows
 768 x 256 takes 57 us on oneDNN against 68 transposed, 1376 x 256 72 against 121, SmolLM2's 576 x
 576 74 against 100, 256 x 256 25 against 24 (session 11). A whole decode call of the 3.2M model,
-alternating in one process: 153 -> 120, 216 -> 178 ms (4 x 4 x 32, medians of 8) and 241 -> 202 ms
-(4 x 8 x 32) against this table's Intel value."""
+alternating in one process against this table's Intel value: 153 -> 120, 216 -> 178 and 122 -> 108 ms
+(4 x 4 x 32, medians of 8-10), 241 -> 202 ms (4 x 8 x 32) and 285 -> 248 (4 x 8 x 64); SmolLM2's
+(4 x 4 x 32) 2028 -> 1991 ms, within the spread."""
 
 
 @functools.cache
