@@ -254,6 +254,9 @@ def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: 
 def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     """[n, T, D] the final hidden states that predict each completion token (position P + t - 1 for token t).
 
+    The last column (position P + T - 1) predicts nothing, so it never enters the layers: under causal
+    attention no other position depends on it.
+
     When rows share a prompt, the distinct prompts run once (keeping their keys and values, with
     gradient) and each row's completion runs on its prompt's cache: the prompt's share of the work
     is done once per prompt instead of once per row. The result is the same computation (equal to
@@ -265,9 +268,9 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     recomputed = torch.is_grad_enabled() and is_checkpointed(body)  # a prompt pass would write its cache twice
     if (batch.first_U is None or batch.owner_n is None or recomputed
             or unsupported_reason(body.config) is not None):  # a cache of full-attention layers is what it needs
-        hidden = body(input_ids=batch.input_ids, attention_mask=batch.attention_mask,
-                      position_ids=batch.position_ids, use_cache=False).last_hidden_state
-        return hidden[:, -(width + 1):-1]
+        hidden = body(input_ids=batch.input_ids[:, :-1], attention_mask=batch.attention_mask[:, :-1],
+                      position_ids=batch.position_ids[:, :-1], use_cache=False).last_hidden_state
+        return hidden[:, -width:]
     from transformers.cache_utils import DynamicCache
 
     p, first, owner = batch.prompt_width, batch.first_U, batch.owner_n
@@ -278,9 +281,12 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
         # index_select, not indexing: its backward is index_add_, where indexing's (index_put_ with
         # accumulate) ran about 1 ms per layer on the benchmark model's DPO step, a tenth of its backward
         cache.update(layer.keys.index_select(0, owner), layer.values.index_select(0, owner), i)
-    completion = body(input_ids=batch.input_ids[:, p:], attention_mask=batch.attention_mask,
-                      position_ids=batch.position_ids[:, p:], cache=cache, use_cache=True).last_hidden_state
-    return torch.cat([prompt.last_hidden_state[:, -1:].index_select(0, owner), completion[:, :-1]], 1)
+    first_token = prompt.last_hidden_state[:, -1:].index_select(0, owner)  # predicts completion token 0
+    if width == 1:
+        return first_token
+    completion = body(input_ids=batch.input_ids[:, p:-1], attention_mask=batch.attention_mask[:, :-1],
+                      position_ids=batch.position_ids[:, p:-1], cache=cache, use_cache=True).last_hidden_state
+    return torch.cat([first_token, completion], 1)
 
 
 @dataclass
@@ -327,22 +333,23 @@ def forward(
         entropy = zeros_NT.masked_scatter(scored_NT, entropy_M) if with_entropy else None
         values = value_head(hidden_NTD.to(value_head.linear.weight.dtype)) if value_head is not None else None
         return ForwardOutput(zeros_NT.masked_scatter(scored_NT, logprobs_M), entropy, values)
-    out = model(
-        input_ids=batch.input_ids,
-        attention_mask=batch.attention_mask,
-        position_ids=batch.position_ids,
-        logits_to_keep=width + 1,
+    out = model(  # the last position predicts nothing: it is left out
+        input_ids=batch.input_ids[:, :-1],
+        attention_mask=batch.attention_mask[:, :-1],
+        position_ids=batch.position_ids[:, :-1],
+        logits_to_keep=width,
         output_hidden_states=value_head is not None,
         use_cache=False,
     )
-    logits = out.logits[:, :-1]  # [n, T, V]: position P + t - 1 predicts completion token t
+    logits = out.logits  # [n, T, V]: position P + t - 1 predicts completion token t
     if temperature != 1.0:
         logits = logits / temperature
-    logprobs = F.selective_log_softmax(logits, batch.completion_ids)
-    entropy = F.entropy_from_logits(logits.detach()) if with_entropy else None
+    padding = batch.mask == 0
+    logprobs = F.selective_log_softmax(logits, batch.completion_ids).masked_fill(padding, 0.0)
+    entropy = F.entropy_from_logits(logits.detach()).masked_fill(padding, 0.0) if with_entropy else None
     values = None
     if value_head is not None:
-        hidden = out.hidden_states[-1][:, -(width + 1):-1]
+        hidden = out.hidden_states[-1][:, -width:]
         values = value_head(hidden.to(value_head.linear.weight.dtype))
     return ForwardOutput(logprobs, entropy, values)
 

@@ -65,6 +65,45 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
 
 
+@pytest.mark.parametrize("path", ["folded-shared", "folded-whole-rows", "models-own-forward"])
+@pytest.mark.parametrize("completion_width", [1, 3])
+def test_training_forward_equals_the_log_softmax_of_each_rows_full_logits(path, completion_width, monkeypatch):
+    """Every path of modeling.forward against the textbook computation, one row at a time with no
+    padding: the model's logits over prompt + completion, log-softmax, the sampled token's entry. The
+    layers never see a row's last position (it predicts nothing)."""
+    from posttrain import modeling
+    from posttrain.modeling import collate
+
+    model = build("llama")
+    a, b = torch.tensor([5, 6, 7]), torch.tensor([8])
+    prompts = [a, a, b, b]
+    completions = torch.tensor([[11, 12, 13], [14, 15, 0], [16, 0, 0], [17, 18, 19]])[:, :completion_width]
+    mask = (completions != 0).long()
+    monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: path == "folded-shared")
+    if path == "models-own-forward":
+        monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
+    widths = []
+    forward_of = modeling.split_head(model)[0] if path != "models-own-forward" else model
+    inner = forward_of.forward
+    monkeypatch.setattr(forward_of, "forward", lambda **kw: widths.append(kw["input_ids"].shape[1]) or inner(**kw))
+    with torch.no_grad():
+        out = modeling.forward(model, batch, temperature=0.7)
+        widths_seen = list(widths)
+        for row, (prompt, completion) in enumerate(zip(prompts, completions)):
+            n = int(mask[row].sum())
+            ids = torch.cat([prompt, completion[:n]])[None]
+            logits = model(input_ids=ids).logits[0, len(prompt) - 1 : -1] / 0.7  # position P + t - 1 predicts token t
+            expected = logits.log_softmax(-1).gather(-1, completion[:n, None])[:, 0]
+            torch.testing.assert_close(out.logprobs[row, :n], expected, rtol=1e-5, atol=1e-5)
+            assert (out.logprobs[row, n:] == 0).all()
+    prompt_width = 3  # the longest prompt
+    expected_widths = {"folded-shared": [prompt_width, completion_width - 1] if completion_width > 1 else [prompt_width],
+                       "folded-whole-rows": [prompt_width + completion_width - 1],
+                       "models-own-forward": [prompt_width + completion_width - 1]}[path]
+    assert widths_seen == expected_widths
+
+
 def test_collate_finds_the_rows_that_share_a_prompt(monkeypatch):
     from posttrain import modeling
     from posttrain.modeling import collate
