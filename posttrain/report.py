@@ -24,8 +24,8 @@ Decisions:
    clock would not. On a time axis each step sits at the seeds' mean time to reach it.
 2. **Seeds are aligned by step**: mean, min and max over the runs that logged that step (a run
    cut short counts until it stops). Each run's series is smoothed first exactly as in
-   ``posttrain.plots`` (bias-corrected EMA, series of ``MIN_POINTS_TO_SMOOTH`` points or more
-   only, so sparse evaluations stay raw); summary numbers use the raw values.
+   ``posttrain.plots`` (bias-corrected EMA of dense series only, so evaluations every
+   ``eval_every`` steps stay raw); summary numbers use the raw values.
 3. **The headline metric** is ``eval/accuracy`` when any run logged it, else
    ``eval/pairwise_accuracy`` (preference runs on a dataset), else ``eval/reward``.
 4. A column's best is chosen among the algorithms with a value for every seed (for "to target":
@@ -51,7 +51,7 @@ from matplotlib.figure import Figure
 
 from posttrain.config import load_yaml
 from posttrain.logging import read_metrics
-from posttrain.plots import MIN_POINTS_TO_SMOOTH, _series, smooth
+from posttrain.plots import _series, line_through
 
 REPORT_FILE = "report.html"
 FIGURES_DIR = "figures"
@@ -190,9 +190,7 @@ def across_runs(per_run: Sequence[Mapping[int, float]]) -> dict[int, tuple[float
 
 
 def _smoothed(values: dict[int, float]) -> dict[int, float]:
-    if len(values) < MIN_POINTS_TO_SMOOTH:
-        return values
-    return dict(zip(values, smooth(list(values.values()))))
+    return dict(zip(values, line_through(list(values), list(values.values())))) if values else values
 
 
 def curve(runs: Sequence[Run], key: str, x: str) -> tuple[list[float], list[float], list[float], list[float]]:

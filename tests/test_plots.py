@@ -4,7 +4,7 @@ import pytest
 from matplotlib.image import imread
 
 from posttrain.logging import MetricsLogger
-from posttrain.plots import plot_run, smooth
+from posttrain.plots import line_through, plot_run, smooth
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -48,3 +48,13 @@ def test_smoothing_is_a_bias_corrected_moving_average():
     # w = 0.5: m1 = 0.5 * 1 = 0.5 -> 0.5 / (1 - 0.5) = 1; m2 = 0.5 * 0.5 + 0.5 * 3 = 1.75 -> 1.75 / 0.75 = 7/3
     assert smooth([1.0, 3.0], weight=0.5) == pytest.approx([1.0, 7 / 3])
     assert smooth([4.0] * 5) == pytest.approx([4.0] * 5)  # a constant stays constant from the first point
+
+
+def test_only_dense_series_are_smoothed():
+    noisy = [0.1, 0.9] * 10
+    assert line_through(list(range(1, 21)), noisy) == pytest.approx(smooth(noisy))  # logged every step
+    assert line_through(list(range(2, 41, 2)), noisy) == pytest.approx(smooth(noisy))  # every other step
+    # held-out accuracy every 25 steps of the default run: drawn through its points, ending on the last
+    accuracy = [0.416, 0.494, 0.606, 0.606, 0.646, 0.704, 0.694, 0.726, 0.728, 0.738, 0.748]
+    assert line_through(list(range(0, 251, 25)), accuracy) == accuracy
+    assert line_through([1, 2, 3], [0.1, 0.9, 0.1]) == [0.1, 0.9, 0.1]  # too few points to smooth
