@@ -12,7 +12,8 @@ which SmolLM2 and the embedded tiny model are) a decode step is instead :meth:`F
    MKL's ``linear`` reaches 40-80 GFLOP/s (37 on the 49152-row LM head). Each weight is prepared
    once per :func:`posttrain.generation.decode` call for the kernel :func:`choose_kernel` picks:
    oneDNN with the weight reordered (80-120 GFLOP/s, 99 on the LM head) for large weights, MKL on a
-   transposed copy (``x @ W.T`` with ``W.T`` contiguous) for small float32 ones.
+   transposed copy (``x @ W.T`` with ``W.T`` contiguous) for small float32 ones (how small depends on
+   the CPU's vendor: MKL's tuned kernels run on Intel CPUs only).
    ``benchmarks/generation.py`` has the step times. Elsewhere (a GPU, a dtype neither takes) it is
    ``F.linear`` on the fused weights.
 3. **No module tree.** One function per step: no hooks, no mask construction per layer, no
@@ -83,21 +84,21 @@ us packed against 38 with ``F.linear``, a 99 x 256 head 50 against 20; 960 x 576
 
 TRANSPOSED_MAX_ELEMENTS = {"GenuineIntel": 2**19, "AuthenticAMD": 2**17}
 """Float32 weights under this size (by CPU vendor; other vendors take Intel's, the value before AMD was
-measured) use MKL on a transposed copy, the larger ones oneDNN on a reordered copy. ``F.linear`` hands MKL the weight as ``[out, in]`` and ``x @ W.T`` with
-``W.T`` stored contiguous as ``[in, out]``; at 16 rows the second runs 1.5-2x faster on small weights
-on a Xeon with AMX (session 9: 256 x 768 in 32 us against 64 and oneDNN's 59), and a whole decode call
-of the 3.2M benchmark model (its weights 24k-352k elements) took 13-17% less time than with
-``F.linear`` and oneDNN, alternating in one process (134 -> 114 and 164 -> 136 ms at 16 rows, 447 ->
-378 and 407 -> 354 at 32), with identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's 576 x
-3072 gate-up weight, streamed with the others as a decode step does, 20.0 ms per step for its 30
-layers against 26.5.
+measured) use MKL on a transposed copy, the larger ones oneDNN on a reordered copy. ``F.linear``
+hands MKL the weight as ``[out, in]`` and ``x @ W.T`` with ``W.T`` stored contiguous as ``[in,
+out]``; at 16 rows the second runs 1.5-2x faster on small weights on a Xeon with AMX (session 9: 256
+x 768 in 32 us against 64 and oneDNN's 59), and a whole decode call of the 3.2M benchmark model (its
+weights 24k-352k elements) took 13-17% less time than with ``F.linear`` and oneDNN, alternating in
+one process (134 -> 114 and 164 -> 136 ms at 16 rows, 447 -> 378 and 407 -> 354 at 32), with
+identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's 576 x 3072 gate-up weight, streamed
+with the others as a decode step does, 20.0 ms per step for its 30 layers against 26.5.
 
 MKL runs its tuned kernels on Intel CPUs only (its verbose banner on the AMD EPYC of FACTS.md names
-no instruction set), and there oneDNN's own kernels win from about 2^17 elements: at 16 rows
-768 x 256 takes 57 us on oneDNN against 68 transposed, 1376 x 256 72 against 121, SmolLM2's 576 x
-576 74 against 100, 256 x 256 25 against 24 (session 11). A whole decode call of the 3.2M model,
-alternating in one process against this table's Intel value: 153 -> 120, 216 -> 178 and 122 -> 108 ms
-(4 x 4 x 32, medians of 8-10), 241 -> 202 ms (4 x 8 x 32) and 285 -> 248 (4 x 8 x 64); SmolLM2's
+no instruction set), and there oneDNN's own kernels win from about 2^17 elements: at 16 rows 768 x
+256 takes 57 us on oneDNN against 68 transposed, 1376 x 256 72 against 121, SmolLM2's 576 x 576 74
+against 100, 256 x 256 25 against 24 (session 11). A whole decode call of the 3.2M model,
+alternating in one process against this table's Intel value: 153 -> 120, 216 -> 178 and 122 -> 108
+ms (4 x 4 x 32, medians of 8-10), 241 -> 202 ms (4 x 8 x 32) and 285 -> 248 (4 x 8 x 64); SmolLM2's
 (4 x 4 x 32) 2028 -> 1991 ms, within the spread."""
 
 
