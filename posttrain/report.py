@@ -190,7 +190,7 @@ def across_runs(per_run: Sequence[Mapping[int, float]]) -> dict[int, tuple[float
 
 
 def _smoothed(values: dict[int, float]) -> dict[int, float]:
-    return dict(zip(values, line_through(list(values), list(values.values())))) if values else values
+    return dict(zip(values, line_through(list(values), list(values.values()))))
 
 
 def curve(runs: Sequence[Run], key: str, x: str) -> tuple[list[float], list[float], list[float], list[float]]:
