@@ -80,7 +80,8 @@ ONEDNN_MIN_ELEMENTS = 2**18
 """Smaller weights computed in bfloat16 do not go to oneDNN: at 16 rows its call costs more than it
 saves on small weights (measured in float32 on the AMD EPYC, session 4: a 256 x 256 product takes 59
 us packed against 38 with ``F.linear``, a 99 x 256 head 50 against 20; 960 x 576 takes 191 against
-244, SmolLM2's 49152 x 576 head 10.1 ms against 25.3). Float32 weights of that size run transposed."""
+244, SmolLM2's 49152 x 576 head 10.1 ms against 25.3). Float32 weights do not use it: they run
+transposed below ``TRANSPOSED_MAX_ELEMENTS`` and on oneDNN from there."""
 
 TRANSPOSED_MAX_ELEMENTS = {"GenuineIntel": 2**19, "AuthenticAMD": 2**17}
 """Float32 weights under this size (by CPU vendor; other vendors take Intel's, the value before AMD was
@@ -115,13 +116,12 @@ def choose_kernel(weight: Tensor, dtype: torch.dtype) -> str:
     "mm" (on a contiguous transposed copy) or "linear" (``F.linear`` on the weight as it is)."""
     if not weight.is_cpu:
         return "linear"
-    transposed_max = TRANSPOSED_MAX_ELEMENTS.get(cpu_vendor(), TRANSPOSED_MAX_ELEMENTS["GenuineIntel"])
-    if dtype == torch.float32 and weight.numel() < transposed_max:
-        return "mm"
-    onednn_min = 0 if dtype == torch.float32 else ONEDNN_MIN_ELEMENTS
-    if (dtype in (torch.float32, torch.bfloat16) and torch.backends.mkldnn.is_available()
-            and weight.numel() >= onednn_min):
-        return "onednn"
+    onednn = "onednn" if torch.backends.mkldnn.is_available() else "linear"
+    if dtype == torch.float32:
+        transposed_max = TRANSPOSED_MAX_ELEMENTS.get(cpu_vendor(), TRANSPOSED_MAX_ELEMENTS["GenuineIntel"])
+        return "mm" if weight.numel() < transposed_max else onednn
+    if dtype == torch.bfloat16 and weight.numel() >= ONEDNN_MIN_ELEMENTS:
+        return onednn
     return "linear"
 
 

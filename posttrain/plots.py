@@ -8,8 +8,8 @@ other, with ``MIN_POINTS_TO_SMOOTH`` points or more. Any other (held-out evaluat
 ``eval_every`` steps, a short run) is joined point to point: each evaluation is already an average
 over the held-out prompts, and averaging them again would only make the line lag behind them (at 11
 evaluations of the default run, it ended 5 points under the last one). NaN and infinite values are
-left out of the curves (they are in ``metrics.jsonl``). The figure is drawn with matplotlib's Agg canvas
-directly, without ``pyplot``: no display, no global figure state.
+left out of the curves (they are in ``metrics.jsonl``). The figure is drawn with matplotlib's Agg
+canvas directly, without ``pyplot``: no display, no global figure state.
 """
 
 from __future__ import annotations
