@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import multiprocessing
+import numbers
 import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
@@ -101,42 +102,80 @@ def score(
 def _score_one(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list],
                policy: RewardPolicy) -> tuple[Tensor, Tensor]:
     """([N] values, nan where None or failed; [N] bool failed)."""
+    n = len(completions)
     try:
-        return _checked(_call(fn, prompts, completions, columns, policy.timeout), len(completions)), \
-            torch.zeros(len(completions), dtype=torch.bool)
+        returned = _call(fn, prompts, completions, columns, policy.timeout)
     except _CallFailed as whole:
-        batch_failure = whole.detail
-    # Retry one sample at a time to find which samples fail.
+        return _score_one_by_one(fn, name, prompts, completions, columns, policy, whole.detail)
+    if not _has_length(returned, n):  # the batch is wrong, not one sample: say so, whatever the policy
+        raise RewardError(f"reward function {name!r} returned {_describe_count(returned)} for {n} completions; "
+                          "it must return one value (or None) per completion")
+    values, problems = _checked(returned)
+    failed = torch.zeros(n, dtype=torch.bool)
+    for i, problem in problems.items():
+        _fail_or_skip(policy, name, i, prompts, completions, problem)
+        failed[i] = True
+    return values, failed
+
+
+def _score_one_by_one(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list],
+                      policy: RewardPolicy, batch_failure: str) -> tuple[Tensor, Tensor]:
+    """The call on the whole batch raised or timed out: retry one sample at a time to find which fail."""
     values = torch.full((len(completions),), math.nan, dtype=torch.float64)
     failed = torch.zeros(len(completions), dtype=torch.bool)
     for i in range(len(completions)):
         one = {k: v[i:i + 1] for k, v in columns.items()}
         try:
-            values[i] = _checked(_call(fn, prompts[i:i + 1], completions[i:i + 1], one, policy.timeout), 1)[0]
+            returned = _call(fn, prompts[i:i + 1], completions[i:i + 1], one, policy.timeout)
+            problem = None if _has_length(returned, 1) else f"returned {_describe_count(returned)} for 1 completion"
         except _CallFailed as error:
-            if policy.on_error == "error":
-                raise RewardError(f"reward function {name!r} failed on sample {i}\n  prompt: {prompts[i]!r}\n"
-                                  f"  completion: {completions[i]!r}\n{error.detail}") from None
+            problem = error.detail
+        if problem is None:
+            value, problems = _checked(returned)
+            values[i], problem = value[0], problems.get(0)
+        if problem is not None:
+            _fail_or_skip(policy, name, i, prompts, completions, problem)
             failed[i] = True
     if policy.on_error == "error":  # every sample passes alone: the batch call itself is wrong
         raise RewardError(f"reward function {name!r} failed on the batch of {len(completions)}: {batch_failure}")
     return values, failed
 
 
-def _checked(values: Any, expected: int) -> Tensor:
-    if values is None or not hasattr(values, "__len__") or len(values) != expected:
-        got = "None" if values is None else (f"{len(values)} values" if hasattr(values, "__len__") else repr(values))
-        raise _CallFailed(f"returned {got} for {expected} completions")
-    out = torch.empty(expected, dtype=torch.float64)
+def _fail_or_skip(policy: RewardPolicy, name: str, i: int, prompts: list, completions: list, problem: str) -> None:
+    if policy.on_error == "error":
+        raise RewardError(f"reward function {name!r} failed on sample {i}\n  prompt: {prompts[i]!r}\n"
+                          f"  completion: {completions[i]!r}\n{problem}")
+
+
+def _has_length(values: Any, expected: int) -> bool:
+    return values is not None and hasattr(values, "__len__") and len(values) == expected
+
+
+def _describe_count(values: Any) -> str:
+    if values is None:
+        return "None"
+    return f"{len(values)} values" if hasattr(values, "__len__") else f"{type(values).__name__} {values!r}"
+
+
+def _checked(values: Sequence[Any]) -> tuple[Tensor, dict[int, str]]:
+    """(float64 values, nan for None and for unusable ones; sample index -> what is wrong with its value).
+
+    Only numbers are rewards: a string, even "0.5", is a bug in the function, and NaN or inf is a failure
+    (None is the way to say "not applicable")."""
+    out = torch.full((len(values),), math.nan, dtype=torch.float64)
+    problems: dict[int, str] = {}
     for i, value in enumerate(values):
+        if isinstance(value, Tensor) and value.numel() == 1:
+            value = value.item()
         if value is None:
-            out[i] = math.nan
             continue
-        value = float(value)
-        if not math.isfinite(value):
-            raise _CallFailed(f"returned {value} for sample {i}; return None for 'not applicable'")
-        out[i] = value
-    return out
+        if not isinstance(value, numbers.Real):
+            problems[i] = f"returned {type(value).__name__} {value!r}; return a number, or None for 'not applicable'"
+        elif not math.isfinite(value):
+            problems[i] = f"returned {float(value)}; return None for 'not applicable'"
+        else:
+            out[i] = float(value)
+    return out, problems
 
 
 def _call(fn: RewardFn, prompts: list, completions: list, columns: dict[str, list], timeout: float) -> Any:

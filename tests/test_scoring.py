@@ -69,9 +69,47 @@ def test_error_policy_names_the_failing_sample_and_shows_why(fn, sample, text):
     assert repr(PROMPTS[sample]) in message and repr(COMPLETIONS[sample]) in message
 
 
-def test_wrong_number_of_values_is_an_error():
-    with pytest.raises(RewardError, match="returned 1 values for 3 completions"):
-        score([wrong_count], [1.0], PROMPTS, COMPLETIONS, {})
+def one_too_few(prompts, completions, **kw):
+    return [1.0] * (len(completions) - 1)
+
+
+@pytest.mark.parametrize("fn, count", [(wrong_count, 1), (one_too_few, 2)])
+@pytest.mark.parametrize("on_error", ["error", "skip"])
+def test_wrong_number_of_values_is_an_error_of_the_batch_not_of_a_sample(fn, count, on_error):
+    """One value too few used to be retried sample by sample and pinned on sample 0 ("returned 0 values
+    for 1 completions"): a count is the batch's problem, and no policy can skip it."""
+    with pytest.raises(RewardError) as info:
+        score([fn], [1.0], PROMPTS, COMPLETIONS, {}, RewardPolicy(on_error=on_error))
+    message = str(info.value)
+    assert f"reward function {fn.__name__!r} returned {count} values for 3 completions" in message
+    assert "sample" not in message
+
+
+def strings(prompts, completions, **kw):
+    return ["0.5", "high", "1"]
+
+
+@pytest.mark.parametrize("sample, shown", [(0, "str '0.5'"), (1, "str 'high'")])
+def test_a_string_is_not_a_reward_even_a_numeric_one(sample, shown):
+    def only(prompts, completions, **kw):  # the batch's other values are numbers
+        return [strings(prompts, completions)[i] if i == sample else 1.0 for i in range(len(completions))]
+
+    with pytest.raises(RewardError) as info:
+        score([only], [1.0], PROMPTS, COMPLETIONS, {})
+    message = str(info.value)
+    assert f"reward function 'only' failed on sample {sample}" in message and shown in message
+    assert repr(COMPLETIONS[sample]) in message and "return a number" in message
+    skipped = score([only], [1.0], PROMPTS, COMPLETIONS, {}, RewardPolicy(on_error="skip"))
+    assert skipped.failed.tolist() == [i == sample for i in range(3)]
+
+
+def test_numpy_scalars_bools_and_one_element_tensors_are_numbers():
+    import numpy as np
+
+    def mixed(prompts, completions, **kw):
+        return [np.float32(0.5), True, torch.tensor(2.0)]
+
+    assert score([mixed], [1.0], PROMPTS, COMPLETIONS, {}).total.tolist() == [0.5, 1.0, 2.0]
 
 
 @pytest.mark.parametrize("fn, bad", [(raises_on_b, 1), (nan_on_c, 2)])
