@@ -208,7 +208,7 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
         algorithm="grpo", model=str(path), dataset=str(write_jsonl(prompt_rows(), data / "prompts.jsonl")),
         reward=(f"{Path(__file__).resolve()}:vowel_reward",), prompts_per_step=b.prompts, group_size=b.group,
         max_new_tokens=b.new_tokens, temperature=1.0, learning_rate=LEARNING_RATE, micro_batch_size=64,
-        max_steps=total, eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu",
+        max_steps=total, eval_size=0, progress=False, report_to="none", seed=SEED, device="cpu",
         lr_schedule="constant",  # as TRL's side (lr_scheduler_type)
         mixed_precision="bf16" if b.bf16 else "no",
     ), **overrides})
@@ -243,7 +243,7 @@ def posttrain_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str
     config = Config.from_flat(dict(
         algorithm="dpo", model=str(path), dataset=str(write_jsonl(pair_rows(), data / "pairs.jsonl")),
         pairs_per_step=b.prompts, learning_rate=LEARNING_RATE, micro_batch_size=64, max_steps=total,
-        eval_size=0, progress=False, tensorboard=False, seed=SEED, device="cpu", lr_schedule="constant",
+        eval_size=0, progress=False, report_to="none", seed=SEED, device="cpu", lr_schedule="constant",
         mixed_precision="bf16" if b.bf16 else "no",
     ))
     s = PreferenceSession.create(config)

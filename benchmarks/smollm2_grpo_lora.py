@@ -59,7 +59,7 @@ def main() -> None:
         algorithm="grpo", task="gsm", model="smollm2-135m", lora_r=args.lora_r, lora_alpha=2.0 * args.lora_r,
         prompts_per_step=args.prompts_per_step, group_size=args.group_size, max_new_tokens=args.max_new_tokens,
         learning_rate=args.learning_rate, micro_batch_size=args.micro_batch_size, max_steps=args.steps,
-        eval_size=args.eval_size, temperature=1.0, progress=False, tensorboard=False, seed=0, device="cpu",
+        eval_size=args.eval_size, temperature=1.0, progress=False, report_to="none", seed=0, device="cpu",
     ))
     started = time.perf_counter()
     keep_freed_memory()  # as posttrain.train does for every CLI run

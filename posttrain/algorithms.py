@@ -57,9 +57,18 @@ def _field(help: str, default: Any = None) -> Any:
     return field(default=default, metadata={"help": help})
 
 
+DESCRIPTIVE_FIELDS = ("name", "paper", "summary")
+"""Fields that say what a preset is; they are not settings, and no config or flag overrides them."""
+
+
 def field_help(cls: type | object) -> dict[str, str]:
-    """Field name -> its one-line help, for the CLI (a preset class or instance)."""
-    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls)}
+    """Setting name -> its one-line help, for the CLI (a preset class or instance)."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if f.name not in DESCRIPTIVE_FIELDS}
+
+
+def setting_names(cls: type | object) -> list[str]:
+    """The fields of a preset class or instance that a config may override."""
+    return list(field_help(cls))
 
 
 def _choice_problems(obj: object, choices: dict[str, tuple]) -> list[str]:
@@ -500,7 +509,7 @@ def _preset(name: str) -> OnlineAlgorithm | PreferenceAlgorithm:
 def algorithm(name: str, **overrides: Any) -> OnlineAlgorithm | PreferenceAlgorithm:
     """The preset `name` with `overrides` applied (a new frozen object; the registry is unchanged)."""
     preset = _preset(name)
-    valid = [f.name for f in dataclasses.fields(preset)]
+    valid = setting_names(preset)
     for key in overrides:
         if key not in valid:
             raise _unknown(f"unknown field {key!r} for {name!r} ({type(preset).__name__})", key, valid)

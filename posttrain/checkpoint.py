@@ -178,9 +178,32 @@ def load_checkpoint(
         saved = torch.load(_existing(path, "optimizer.pt"), map_location="cpu", weights_only=True)
         optimizer.load_state_dict(fsdp.load_optimizer_state(optimizer, saved))  # FSDP: each process its shards
     if scheduler is not None:
-        scheduler.load_state_dict(torch.load(_existing(path, "scheduler.pt"), map_location="cpu", weights_only=True))
+        _continue_schedule(scheduler, torch.load(_existing(path, "scheduler.pt"), map_location="cpu", weights_only=True))
     _set_rng_state(torch.load(_existing(path, "rng.pt"), weights_only=True))
     return state
+
+
+def checkpoint_step(path: str | os.PathLike) -> int:
+    """The training step a checkpoint directory was saved at (from its ``step_N`` name)."""
+    match = _STEP_DIR.fullmatch(Path(path).name)
+    if match is None:
+        raise CheckpointError(f"{path} is not a checkpoint directory (step_N)")
+    return int(match.group(1))
+
+
+def _continue_schedule(scheduler: torch.optim.lr_scheduler.LambdaLR, saved: Mapping[str, Any]) -> None:
+    """Take the saved scheduler's step count and set each group's rate from this run's schedule.
+
+    The saved state also holds the rate the saved run's own schedule gave its next step. A run
+    resumed with more steps (``--resume DIR --max-steps N``) or another learning rate has another
+    schedule: its rates come from the base rates and multipliers it was built with, at the loaded
+    step. (Loading the saved rates made an extended linear or cosine run take its next step at 0.)
+    """
+    scheduler.last_epoch = saved["last_epoch"]
+    rates = [base * rule(scheduler.last_epoch) for base, rule in zip(scheduler.base_lrs, scheduler.lr_lambdas)]
+    for group, base, rate in zip(scheduler.optimizer.param_groups, scheduler.base_lrs, rates):
+        group["initial_lr"], group["lr"] = base, rate
+    scheduler._last_lr = rates
 
 
 def load_extra_state(path: str | os.PathLike) -> dict[str, Any]:

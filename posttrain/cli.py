@@ -17,10 +17,11 @@ import dataclasses
 import sys
 import types
 import typing
+from pathlib import Path
 from typing import Any, Sequence
 
 from posttrain.compare import _add_compare_parsers, compare_command, report_command
-from posttrain.config import SECTIONS, Config, ConfigError, load_yaml, unknown_field_hint
+from posttrain.config import SECTIONS, Config, ConfigError, load_yaml, unknown_field_hint, upgrade_saved_config
 
 
 def _parse_value(text: str) -> Any:
@@ -78,16 +79,30 @@ def _strip_none(annotation: Any) -> Any:
 def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
     from posttrain.algorithms import OnlineAlgorithm, PreferenceAlgorithm, field_help
 
-    group = parser.add_argument_group("algorithm options (override the preset's defaults)")
-    seen = {"name", "paper", "summary"}
+    group = parser.add_argument_group("algorithm options (override the preset's defaults; "
+                                      "posttrain algorithms NAME lists a preset's settings)")
     config_fields = {f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
-    for klass in (OnlineAlgorithm, PreferenceAlgorithm):
-        for name, text in field_help(klass).items():
-            if name in seen or name in config_fields:
-                continue
-            seen.add(name)
-            group.add_argument("--" + name.replace("_", "-"), type=_parse_value, default=argparse.SUPPRESS,
-                               metavar="VALUE", help=text)
+    online, preference = field_help(OnlineAlgorithm), field_help(PreferenceAlgorithm)
+    for name in dict.fromkeys([*online, *preference]):
+        if name in config_fields:
+            continue
+        meanings = [f"{kind} presets: {texts[name]}" for kind, texts in (("online", online),
+                                                                         ("preference", preference)) if name in texts]
+        group.add_argument("--" + name.replace("_", "-"), type=_parse_value, default=argparse.SUPPRESS,
+                           metavar="VALUE", help=" | ".join(meanings) + " " + _preset_defaults(name))
+
+
+def _preset_defaults(setting: str) -> str:
+    """``[default: 0.2; dapo: 0.28; cispo: 5.0]``: the value most presets that have ``setting`` give it,
+    then the presets that differ."""
+    from posttrain.algorithms import ALGORITHMS, setting_names
+
+    by_value: dict[str, list[str]] = {}
+    for preset in ALGORITHMS.values():
+        if setting in setting_names(preset):
+            by_value.setdefault(repr(getattr(preset, setting)), []).append(preset.name)
+    common, *others = sorted(by_value, key=lambda value: -len(by_value[value]))
+    return "[default: " + "; ".join([common, *(f"{', '.join(by_value[v])}: {v}" for v in others)]) + "]"
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -110,6 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     algorithms = commands.add_parser("algorithms", help="list presets, or compare the named ones side by side")
     algorithms.add_argument("names", nargs="*")
     _add_compare_parsers(commands)
+    for command_parser in (parser, *commands.choices.values()):
+        command_parser.allow_abbrev = False  # a flag's prefix is an unknown flag, not silently another field
     return parser
 
 
@@ -118,22 +135,32 @@ def resolve_config(args: argparse.Namespace) -> Config:
     flat: dict[str, Any] = {}
     options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     if "resume" in options:
-        from pathlib import Path
-
-        flat.update(load_yaml(Path(options["resume"]) / "config.yaml"))
+        flat.update(upgrade_saved_config(load_yaml(_run_config(options["resume"]))))
     if args.config:
         flat.update(load_yaml(args.config))
     flat.update(options)
     return Config.from_flat(flat)
 
 
+def _run_config(run_dir: str) -> Path:
+    """The saved config of the run that ``--resume run_dir`` names; a ConfigError on ``resume`` if none."""
+    path = Path(run_dir) / "config.yaml"
+    if not Path(run_dir).is_dir():
+        raise ConfigError(f"resume: run directory {run_dir!r} does not exist")
+    if not path.is_file():
+        raise ConfigError(f"resume: {run_dir!r} is not a run directory (it has no config.yaml)")
+    return path
+
+
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that explain a problem with the user's input: printed as one line, no traceback."""
     from posttrain.checkpoint import CheckpointError
     from posttrain.data import DataError
+    from posttrain.guards import NoLearningSignal, WeightsNotUpdated
     from posttrain.scoring import RewardError
 
-    return (ConfigError, DataError, RewardError, CheckpointError, FileNotFoundError, FileExistsError)
+    return (ConfigError, DataError, RewardError, CheckpointError, NoLearningSignal, WeightsNotUpdated,
+            FileNotFoundError, FileExistsError)
 
 
 def _hyphenated(argv: Sequence[str]) -> list[str]:

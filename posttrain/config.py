@@ -15,6 +15,7 @@ with a message that names the field and says what to change.
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
@@ -135,6 +136,10 @@ class RolloutConfig:
     top_p: float = _help("Nucleus sampling threshold (1.0 = off).", 1.0)
     top_k: int = _help("Top-k sampling (0 = off).", 0)
     backend: str = _help("Generation backend: hf (transformers generate) or vllm (GPU only).", "hf")
+    max_no_signal_steps: int = _help(
+        "Stop after this many consecutive steps in which every group's rewards were all equal (zero "
+        "advantages: nothing is learned); a warning comes after 5. 0 = never stop.", 25,
+    )
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
@@ -147,6 +152,8 @@ class RolloutConfig:
         _require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
         _require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
         _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
+        _require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
+                 f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -217,16 +224,34 @@ class RunConfig:
     save_every: int = _help("Save a checkpoint every N steps (0 = only at the end).", 50)
     log_samples_every: int = _help("Write sampled completions to samples.jsonl every N steps.", 10)
     resume: str | None = _help("Resume the run in this directory from its latest checkpoint.")
-    tensorboard: bool = _help("Write TensorBoard events to RUN_DIR/tensorboard.", True)
-    wandb_project: str | None = _help("Also log to this Weights & Biases project.")
+    report_to: tuple[str, ...] = _help(
+        "Experiment trackers that get the metrics: tensorboard, wandb, mlflow, trackio, or none. Each logs "
+        "locally: W&B offline unless WANDB_MODE is set, MLflow to RUN_DIR/mlflow.db unless MLFLOW_TRACKING_URI "
+        "is set.", ("tensorboard",),
+    )
+    project: str = _help("Tracker project (W&B, trackio) and MLflow experiment name.", "posttrain")
     progress: bool = _help("Show a progress bar.", True)
 
     def __post_init__(self) -> None:
-        _require(self.max_steps >= 0, "max_steps", f"got {self.max_steps}; use 0 or more")
+        _require(self.max_steps >= 1, "max_steps", f"got {self.max_steps}; use 1 or more (posttrain eval scores a "
+                 "model without training it)")
         for name in ("eval_every", "save_every", "log_samples_every"):
             _require(getattr(self, name) >= 0, name, f"got {getattr(self, name)}; use 0 (off) or more")
+        _check_report_to(self.report_to)
         if self.resume is not None:
             _require(Path(self.resume).is_dir(), "resume", f"run directory {self.resume!r} does not exist")
+
+
+def _check_report_to(report_to: tuple[str, ...]) -> None:
+    """Every name a tracker of ``posttrain.logging.TRACKERS``, or ``none`` alone."""
+    from posttrain.logging import TRACKERS  # the registry: a tracker a user adds there is valid here too
+
+    valid = f"use one or more of {', '.join(TRACKERS)}, or none alone"
+    _require(isinstance(report_to, tuple), "report_to", f"got {report_to!r}; {valid}, as a tuple")
+    for name in report_to:
+        _require(name in TRACKERS or name == "none", "report_to", f"got {name!r}; {valid}")
+    _require("none" not in report_to or len(report_to) == 1, "report_to",
+             f"got {', '.join(report_to)}: none means no tracker; {valid}")
 
 
 SECTIONS: dict[str, type] = {
@@ -257,6 +282,20 @@ class Config:
 
         return algorithm(self.algorithm, **self.overrides)
 
+    def with_absolute_paths(self) -> "Config":
+        """The same config with every local file or directory it names made absolute, so that the
+        ``config.yaml`` of a run resumes from any working directory. Built-in names (``smollm2-135m``,
+        ``addition``) and ``hf:`` datasets are left as they are."""
+        return dataclasses.replace(
+            self,
+            model=dataclasses.replace(self.model, model=absolute_path(self.model.model)),
+            data=dataclasses.replace(
+                self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
+                reward=tuple(_absolute_reward(spec) for spec in self.data.reward)),
+            run=dataclasses.replace(self.run, output=absolute_path(self.run.output),
+                                    resume=absolute_path(self.run.resume)),
+        )
+
     def to_flat(self) -> dict[str, Any]:
         """The flat mapping a YAML config holds (the inverse of ``Config.from_flat``)."""
         flat: dict[str, Any] = {"algorithm": self.algorithm, **self.overrides}
@@ -269,11 +308,11 @@ class Config:
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "Config":
         """Build from a flat mapping; a key that is neither a config nor an algorithm field is an error."""
-        from posttrain.algorithms import algorithm
+        from posttrain.algorithms import algorithm, setting_names
 
         flat = dict(flat)
         name = flat.pop("algorithm", "grpo")
-        preset_fields = {f.name for f in fields(algorithm(name))}  # raises on an unknown name
+        preset_fields = set(setting_names(algorithm(name)))  # raises on an unknown name
         sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
         owner = {f.name: s for s, klass in SECTIONS.items() for f in fields(klass)}
         overrides: dict[str, Any] = {}
@@ -285,9 +324,7 @@ class Config:
             elif key in preset_fields:
                 overrides[key] = value
             else:
-                valid = sorted(owner) + sorted(preset_fields)
-                raise ConfigError(f"unknown config field {key!r}{unknown_field_hint(key, valid)}; "
-                                  f"valid fields: {', '.join(valid)}")
+                raise _unknown_field(key, name, sorted(owner) + sorted(preset_fields))
         config = cls(
             algorithm=name,
             overrides=overrides,
@@ -313,13 +350,57 @@ error that meets a config brought from TRL. They are hints, not aliases: one nam
 saved configs and resumed runs unambiguous."""
 
 
+def _unknown_field(key: str, algorithm_name: str, valid: Sequence[str]) -> ConfigError:
+    """The error for a key that is no field of this config: a setting of other presets says whose it is."""
+    from posttrain.algorithms import ALGORITHMS, setting_names
+
+    owners = [name for name, preset in ALGORITHMS.items() if key in setting_names(preset)]
+    users = [name for name in owners if getattr(ALGORITHMS[name], key) is not None]  # None: a setting not in use
+    owners = users or owners
+    if owners:
+        return ConfigError(f"{key}: not a setting of {algorithm_name!r}; it belongs to {', '.join(owners)} "
+                           f"(posttrain algorithms {algorithm_name} lists {algorithm_name}'s settings)")
+    return ConfigError(f"unknown config field {key!r}{unknown_field_hint(key, valid)}; "
+                       f"valid fields: {', '.join(valid)}")
+
+
+SHORT_NAMES = {"lr": "learning_rate"}
+"""Abbreviations users type for a field, for the error that meets them (hints, not aliases)."""
+
+RENAMED_FIELDS = {
+    "tensorboard": "report_to (TensorBoard is its default; report_to none turns it off)",
+    "no_tensorboard": "report_to none",
+    "wandb_project": "project, with report_to wandb",
+}
+"""Fields posttrain has renamed, with what replaces them, for the error that meets an old config or command
+line (hints, not aliases)."""
+
+
 def unknown_field_hint(key: str, valid: Sequence[str]) -> str:
-    """What to say after "unknown field KEY": posttrain's name for a TRL field, or the closest valid name."""
+    """What to say after "unknown field KEY": posttrain's name for a TRL field, an abbreviation or a renamed
+    field, or the closest valid name."""
     key = key.replace("-", "_")
     if key in TRL_NAMES:
         return f" (TRL's name; posttrain calls it {TRL_NAMES[key]!r})"
+    if key in SHORT_NAMES:
+        return f" (did you mean {SHORT_NAMES[key]!r}?)"
+    if key in RENAMED_FIELDS:
+        return f" (renamed; now {RENAMED_FIELDS[key]})"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def absolute_path(value: str | None) -> str | None:
+    """``value`` as an absolute path when it names an existing local file or directory, else unchanged."""
+    if value is None or value.startswith("hf:") or not Path(value).exists():
+        return value
+    return str(Path(value).resolve())
+
+
+def _absolute_reward(spec: str) -> str:
+    """``FILE.py:FUNCTION`` with FILE absolute."""
+    path, _, function = spec.rpartition(":")
+    return f"{absolute_path(path)}:{function}"
 
 
 def _coerce_tuple(klass: type, key: str, value: Any) -> Any:
@@ -327,6 +408,21 @@ def _coerce_tuple(klass: type, key: str, value: Any) -> Any:
     if str(annotation).startswith("tuple") and not isinstance(value, tuple):
         return tuple(value) if isinstance(value, list) else (value,)
     return value
+
+
+def upgrade_saved_config(flat: dict[str, Any]) -> dict[str, Any]:
+    """A run directory's saved config in today's fields, so that runs saved before a rename resume as they
+    are: ``tensorboard`` and ``wandb_project`` became ``report_to`` and ``project``. (A config the user
+    writes gets the rename hint instead: only saved runs are upgraded.)"""
+    flat = dict(flat)
+    if "tensorboard" in flat or "wandb_project" in flat:
+        trackers = ["tensorboard"] if flat.pop("tensorboard", True) else []
+        project = flat.pop("wandb_project", None)
+        if project:
+            trackers.append("wandb")
+            flat.setdefault("project", project)
+        flat.setdefault("report_to", trackers or ["none"])
+    return flat
 
 
 def load_yaml(path: str | Path) -> dict[str, Any]:

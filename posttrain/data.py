@@ -74,9 +74,18 @@ def is_chat(prompt: Any) -> bool:
     return isinstance(prompt, list)
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]]) -> Tensor:
+def require_chat_template(tokenizer: Any, where: str) -> None:
+    """A DataError naming ``where`` unless the tokenizer can render chat messages."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        raise DataError(f"{where}: the prompt is a list of chat messages, but the model's tokenizer has no chat "
+                        "template (tokenizer_config.json has no 'chat_template'); give the prompts as plain "
+                        "strings, or use a chat model")
+
+
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], where: str = "prompt") -> Tensor:
     """Token ids of a prompt; chat messages get the template and the generation prompt."""
     if is_chat(prompt):
+        require_chat_template(tokenizer, where)
         ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
     else:
         ids = tokenizer(prompt)["input_ids"]

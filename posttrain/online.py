@@ -37,6 +37,7 @@ from torch import Tensor
 
 import posttrain.functional as F
 from posttrain import distributed, fsdp
+from posttrain.guards import has_signal, step_has_signal
 from posttrain.modeling import collate, forward
 from posttrain.rollout import Completions
 from posttrain.session import OnlineSession
@@ -150,6 +151,7 @@ def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, flo
     texts = s.decode(completions)
     t1 = time.perf_counter()
     scores, correct = s.score_rows(rows, texts, g)
+    s.reward_watch.update(scores.terms, scores.failures)
     rewards = scores.total
     if alg.binary_reward is not None:  # DAPO: +1 for a correct answer, -1 otherwise
         low, high = alg.binary_reward
@@ -171,11 +173,6 @@ def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, flo
     if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
         groups = groups.select(~scores.failed.view(-1, g).any(-1))
     return groups, times, failures
-
-
-def has_signal(rewards: Tensor) -> Tensor:
-    """[B, G] -> [B] True where the group's rewards are not all equal."""
-    return (rewards != rewards[:, :1]).any(-1)
 
 
 def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
@@ -225,10 +222,14 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
         **distributed.reduce_values(failures),
         "generation_rounds": rounds,
         "zero_variance_groups": total["zero_variance"] / max(total["generated"], 1),
+
         "groups_trained": total["groups_trained"],
         "surplus_groups": total["surplus_groups"],
     }
-    return batch, {**stats, **rollout_metrics(Groups.cat(distributed.concat(fresh)))}
+    generated_metrics = rollout_metrics(Groups.cat(distributed.concat(fresh)))
+    signal = distributed.any_true(any(step_has_signal(p.rewards) for p in fresh))
+    stats["no_signal_steps"] = s.signal_watch.update(signal, generated_metrics.get("accuracy"))
+    return batch, {**stats, **generated_metrics}
 
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:

@@ -56,7 +56,8 @@ from torch import Tensor
 from posttrain import distributed, fsdp, offload
 from posttrain.distributed import say as _say
 from posttrain.algorithms import PreferenceAlgorithm
-from posttrain.config import Config, ConfigError
+from posttrain.config import Config, ConfigError, absolute_path
+from posttrain.guards import UpdateCheck
 from posttrain.data import PromptSampler, encode_prompt
 from posttrain.modeling import checkpoint_layers, collate, forward, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
@@ -88,6 +89,10 @@ class PreferenceSession:
     value_head: None = None  # the runner's protocol: no value head here
     last_batch: list[int] = field(default_factory=list)
     last_inputs: dict[str, Tensor] = field(default_factory=dict)
+    update_check: UpdateCheck = field(init=False)  # an optimizer step that moves no weight is an error
+
+    def __post_init__(self) -> None:
+        self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
 
     @classmethod
     def create(cls, config: Config) -> "PreferenceSession":
@@ -145,7 +150,7 @@ class PreferenceSession:
             generator = make_generator("hf", policy, tokenizer, SamplingParams(budget), eos_token_ids(policy, tokenizer))
         return cls(config, preset, policy, tokenizer, ref, optimizer, scheduler, train, test, task, generator,
                    PromptSampler(len(train), config.run.seed), ref_logps, test_ref_logps,
-                   fingerprint={"model": model_name, "algorithm": preset.name,
+                   fingerprint={"model": absolute_path(model_name), "algorithm": preset.name,
                                 "parameters": sum(p.numel() for p in policy.parameters())})
 
     @property
@@ -330,7 +335,9 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
         for start in starts:
             fsdp.sync_gradients(s.policy, start == starts[-1])  # FSDP reduces at the last backward
             parts.append(train_micro_batch(s, mine[start:start + m], len(mine[start:start + m]) / len(idx), kl))
+    before = s.update_check.before_step()
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
+    s.update_check.after_step(before, grad_norm, lr)
     # every process's log-probs, in the order of idx
     inputs = {name: distributed.gather_rows(torch.cat([part[name] for part in parts])) for name in parts[0]}
     with torch.no_grad():

@@ -37,7 +37,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.data import DataError, encode_prompt, is_chat, read_rows
+from posttrain.data import DataError, encode_prompt, is_chat, read_rows, require_chat_template
 from posttrain.tasks import Task
 
 PAIR_COLUMNS = ("chosen", "rejected")
@@ -186,17 +186,19 @@ def truncate(prompt: list[int], completions: list[list[int]], *, max_length: int
     return kept_prompt, kept, cut
 
 
-def prompt_token_ids(tokenizer: Any, prompts: list[Any]) -> list[list[int]]:
+def prompt_token_ids(tokenizer: Any, prompts: list[Any], source: str = "preference data") -> list[list[int]]:
     """Token ids of each prompt, as ``posttrain.data.encode_prompt`` gives them (strings in one batch call)."""
     texts = [p for p in prompts if not is_chat(p)]
     encoded = iter(tokenizer(texts)["input_ids"] if texts else [])
-    return [encode_prompt(tokenizer, p).tolist() if is_chat(p) else next(encoded) for p in prompts]
+    return [encode_prompt(tokenizer, p, f"{source}: row {number}").tolist() if is_chat(p) else next(encoded)
+            for number, p in enumerate(prompts, start=1)]
 
 
 def completion_text(tokenizer: Any, prompt: Any, completion: Any, where: str) -> str:
     """A completion as text; chat messages are what the template adds after the prompt (TRL)."""
     if not is_chat(prompt):
         return completion
+    require_chat_template(tokenizer, where)
     prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
     if not full.startswith(prompt_text):
@@ -216,7 +218,7 @@ def encode(rows: list[dict[str, Any]], tokenizer: Any, *, paired: bool, with_sco
            max_prompt_length: int, source: str = "data") -> PreferenceExamples:
     """Tokenize and truncate checked rows (see the module docstring for the rules)."""
     columns = PAIR_COLUMNS if paired else UNPAIRED_COLUMNS
-    prompts = prompt_token_ids(tokenizer, [row["prompt"] for row in rows])
+    prompts = prompt_token_ids(tokenizer, [row["prompt"] for row in rows], source)
     texts = [[completion_text(tokenizer, row["prompt"], row[name], f"{source}: row {number}")
               for number, row in enumerate(rows, start=1)] for name in columns]
     completions = [completion_token_ids(tokenizer, column) for column in texts]  # [K][N]

@@ -1,8 +1,9 @@
 """The run around the loop: run directory, evaluation, logging, checkpoints, progress.
 
 A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl``,
-``samples.jsonl``, ``tensorboard/``, ``checkpoints/step_N/``, ``final_model/``
-and ``curves.png``. ``--resume RUN_DIR`` restores the latest complete checkpoint
+``samples.jsonl``, ``tensorboard/`` (and the local stores of the other
+``report_to`` trackers), ``checkpoints/step_N/``, ``final_model/`` and
+``curves.png``. ``--resume RUN_DIR`` restores the latest complete checkpoint
 (weights, optimizer, scheduler, RNG, data order, dynamic-sampling surplus) so
 the resumed run logs the same metrics as an uninterrupted one.
 
@@ -26,7 +27,8 @@ import torch
 from posttrain import distributed, fsdp, offload
 from posttrain.distributed import say as _say
 from posttrain.checkpoint import (
-    CheckpointError, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint, save_final_model,
+    CheckpointError, checkpoint_step, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint,
+    save_final_model,
 )
 from posttrain.config import Config, save_yaml
 from posttrain.logging import MetricsLogger, NullLogger
@@ -35,11 +37,25 @@ from posttrain.plots import plot_run
 
 
 def open_run_dir(config: Config) -> Path:
-    """The resumed run's directory (its config.yaml rewritten), or a new one."""
+    """The resumed run's directory (its config.yaml rewritten once the resume is known to work), or a
+    new one. Paths in the saved config are absolute, so the run resumes from any directory."""
     if config.run.resume:
-        save_yaml(config, Path(config.run.resume) / "config.yaml")
-        return Path(config.run.resume)
+        run_dir = Path(config.run.resume)
+        check_resumable(run_dir, config.run.max_steps)
+        save_yaml(config.with_absolute_paths(), run_dir / "config.yaml")
+        return run_dir
     return new_run_dir(config)
+
+
+def check_resumable(run_dir: Path, max_steps: int) -> None:
+    """Raise CheckpointError unless ``run_dir`` has a complete checkpoint before ``max_steps``."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
+    step = checkpoint_step(path)
+    if step >= max_steps:
+        raise CheckpointError(f"max_steps: the run in {run_dir} is at step {step} already, with max_steps "
+                              f"{max_steps} there is nothing to train; resume with --max-steps {step + 1} or more")
 
 
 def new_run_dir(config: Config) -> Path:
@@ -50,7 +66,7 @@ def new_run_dir(config: Config) -> Path:
     else:
         path = Path("runs") / f"{config.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
     path.mkdir(parents=True, exist_ok=True)
-    save_yaml(config, path / "config.yaml")
+    save_yaml(config.with_absolute_paths(), path / "config.yaml")
     return path
 
 
@@ -110,7 +126,7 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
     start = restore(session, run_dir) if run.resume else 0
     logger = NullLogger()
     if distributed.is_main():
-        logger = MetricsLogger.open(run_dir, tensorboard=run.tensorboard, wandb_project=run.wandb_project,
+        logger = MetricsLogger.open(run_dir, report_to=run.report_to, project=run.project,
                                     config=config.to_flat(), resume_step=start if run.resume else None)
     evaluate = partial(evaluate_on_main, evaluate)
     first = {}
@@ -119,6 +135,7 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
         logger.log(0, first)
         _say(f"before training: {_summary(first)}")
     last_eval: dict[str, float] = {}
+    evaluated_at, saved_at = (None if run.resume else 0), start
     progress = _progress(run, start)
     started = time.perf_counter()
     with logger:
@@ -132,18 +149,23 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
             step = session.step
             metrics["time/step"] = time.perf_counter() - t0
             if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
-                last_eval = evaluate(session)
+                last_eval, evaluated_at = evaluate(session), step
                 metrics.update(last_eval)
             logger.log(step, metrics)
             if run.log_samples_every and step % run.log_samples_every == 0:
                 logger.log_samples(step, session.sample_rows())
             if (run.save_every and step % run.save_every == 0) or step == run.max_steps:
                 save(session, run_dir)
+                saved_at = step
             progress.update(1)
             progress.set_postfix(_postfix(metrics), refresh=False)
         progress.close()
-    if not last_eval or session.step != run.max_steps:
-        last_eval = evaluate(session)
+        if evaluated_at != session.step:  # stopped by max_minutes: the run's result is logged like any other
+            last_eval = evaluate(session)
+            if last_eval:
+                logger.log(session.step, last_eval)
+        if saved_at != session.step:  # ... and it can be resumed from where it stopped
+            save(session, run_dir)
     state = fsdp.full_state_dict(session.policy) if fsdp.is_sharded(session.policy) else None
     final_dir = distributed.on_main(lambda: save_final_model(run_dir, merged_for_saving(session.policy),
                                                              session.tokenizer, state))

@@ -20,7 +20,8 @@ from torch import Tensor
 import posttrain.functional as F
 from posttrain import distributed, fsdp, offload
 from posttrain.algorithms import OnlineAlgorithm
-from posttrain.config import Config, ConfigError
+from posttrain.config import Config, ConfigError, absolute_path
+from posttrain.guards import RewardWatch, SignalWatch, UpdateCheck
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
 from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.modeling import ValueHead, batched_logprobs, checkpoint_layers, load_model_and_tokenizer
@@ -119,6 +120,15 @@ class OnlineSession:
     bad_steps: int = 0
     greedy_decodes: int = 0  # prompts decoded greedily for ReMax's baseline (a test counts them)
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    # the guards against runs that learn nothing (posttrain.guards)
+    signal_watch: SignalWatch = field(init=False)
+    reward_watch: RewardWatch = field(init=False)
+    update_check: UpdateCheck = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.signal_watch = SignalWatch(self.config.rollout.max_no_signal_steps)
+        self.reward_watch = RewardWatch()
+        self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
 
     # -- construction ---------------------------------------------------------------------
 
@@ -163,10 +173,11 @@ class OnlineSession:
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler,
             make_generator(r.backend, policy, tokenizer, params_, eos_ids, model_path=policy.config.name_or_path,
                            seed=config.run.seed + distributed.rank()),
-            [encode_prompt(tokenizer, row["prompt"]) for row in work.train_rows],
+            [encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}")
+             for number, row in enumerate(work.train_rows, start=1)],
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
             eos_ids,
-            fingerprint={"model": model_name, "algorithm": alg.name,
+            fingerprint={"model": absolute_path(model_name), "algorithm": alg.name,
                          "parameters": sum(p.numel() for p in policy.parameters())},
         )
 
@@ -243,14 +254,17 @@ class OnlineSession:
 
     def optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped, not applied."""
+        before, lr = self.update_check.before_step(), self.scheduler.get_last_lr()[0]
         grad_norm, self.bad_steps = apply_gradients(self.optimizer, self.scheduler, self.config.optim, self.bad_steps)
+        self.update_check.after_step(before, grad_norm, lr)
         return grad_norm
 
     # -- checkpoint state --------------------------------------------------------------------
 
     def trainer_state(self) -> dict[str, Any]:
         """JSON-able state for an exact resume (weights and optimizer are saved separately)."""
-        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps,
+                "no_signal_steps": self.signal_watch.streak}
 
     def extra_state(self) -> dict[str, Any]:
         """Tensor state: dynamic sampling's surplus groups of every process, which train at the next step
@@ -265,6 +279,7 @@ class OnlineSession:
 
         self.sampler.load_state_dict(state["sampler"])
         self.bad_steps = state["bad_steps"]
+        self.signal_watch.streak = state.get("no_signal_steps", 0)  # absent from checkpoints before the guard
         surplus = extra.get("surplus")  # every process's: each takes its share, whatever the process count
         self.surplus = None if surplus is None else Groups(**{
             **surplus, "completions": Completions(**surplus["completions"])}).shard()

@@ -13,10 +13,12 @@ import posttrain
 import posttrain.functional as F
 from posttrain.algorithms import (
     ALGORITHMS,
+    DESCRIPTIVE_FIELDS,
     OnlineAlgorithm,
     PreferenceAlgorithm,
     algorithm,
     field_help,
+    setting_names,
 )
 from posttrain.algorithm_tables import format_presets_table, format_side_by_side
 
@@ -97,7 +99,7 @@ def test_each_preset_cites_its_paper_and_summarises_its_change(name):
 def test_every_field_has_a_one_line_help():
     for cls in (OnlineAlgorithm, PreferenceAlgorithm):
         helps = field_help(cls)
-        assert list(helps) == [f.name for f in dataclasses.fields(cls)]
+        assert list(helps) == [f.name for f in dataclasses.fields(cls) if f.name not in DESCRIPTIVE_FIELDS]
         assert all(text and "\n" not in text for text in helps.values())
     assert "max_num_gen_batches" in field_help(OnlineAlgorithm)["max_generation_rounds"]
     assert field_help(ALGORITHMS["dpo"]) == field_help(PreferenceAlgorithm)
@@ -157,7 +159,8 @@ def test_unknown_field_names_it_and_lists_the_fields_of_that_kind():
     with pytest.raises(ValueError, match=r"unknown field 'epsilon_high' for 'dapo' \(OnlineAlgorithm\)") as info:
         algorithm("dapo", epsilon_high=0.3)
     assert "Did you mean 'eps_high'" in str(info.value)
-    assert all(f.name in str(info.value) for f in dataclasses.fields(OnlineAlgorithm))
+    assert all(name in str(info.value) for name in setting_names(OnlineAlgorithm))
+    assert "summary" not in str(info.value)  # what a preset is, not a setting
     with pytest.raises(ValueError, match=r"unknown field 'eps_high' for 'dpo' \(PreferenceAlgorithm\)") as info:
         algorithm("dpo", eps_high=0.3)
     assert "label_smoothing" in str(info.value) and "advantage" not in str(info.value)

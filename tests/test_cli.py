@@ -95,3 +95,47 @@ def test_algorithms_lists_every_preset_and_marks_differences(capsys):
     marked = {line.split()[1] for line in side.splitlines() if line.startswith("*")}
     assert {"advantage", "aggregation", "beta"} <= marked
     assert "eps_high" not in marked
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["train", "--learning_rat", "5e-3"], "--learning-rat (did you mean 'learning_rate'?)"),
+    (["train", "--lr", "1e-3"], "--lr (did you mean 'learning_rate'?)"),
+    (["train", "--max-step", "3"], "--max-step (did you mean 'max_steps'?)"),
+])
+def test_a_prefix_of_a_flag_is_an_unknown_flag_not_silently_another(argv, message, capsys):
+    """argparse takes any unique prefix by default: --learning_rat trained at 5e-3 without a word, and
+    --lr 1e-3 was taken as --lr-schedule."""
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_max_steps_zero_is_refused_before_any_model_loads(capsys):
+    assert main(["train", "--max-steps", "0"]) == 2
+    assert "max_steps: got 0; use 1 or more" in capsys.readouterr().err
+
+
+def test_a_setting_of_other_presets_says_whose_it_is_and_lists_no_descriptive_fields(capsys):
+    assert main(["train", "--alpha", "0.5"]) == 2
+    err = capsys.readouterr().err
+    assert "alpha: not a setting of 'grpo'; it belongs to odpo" in err
+    from posttrain.config import Config, ConfigError
+
+    with pytest.raises(ConfigError) as info:
+        Config.from_flat({"learning_rat": 1e-3})
+    valid = str(info.value).split("valid fields: ")[1].split(", ")
+    assert "eps_high" in valid and not {"name", "paper", "summary"} & set(valid)
+    with pytest.raises(ConfigError, match="unknown config field 'paper'"):
+        Config.from_flat({"paper": "mine"})
+
+
+def test_preset_flags_show_each_presets_default_and_every_meaning(capsys):
+    with pytest.raises(SystemExit):
+        main(["train", "--help"])
+    text = " ".join(capsys.readouterr().out.split())  # argparse wraps lines
+    assert "--eps-high VALUE online presets: Upper clip bound" in text
+    assert "[default: 0.2; gspo, gspo_token: 0.0004; dapo: 0.28;" in text
+    beta = text.split("--beta VALUE online")[1].split("--num-epochs VALUE online")[0]
+    assert beta.startswith(" presets: KL coefficient") and "preference presets: Reward scale" in beta
+    assert "grpo: 0.04" in beta and "simpo: 2.0" in beta

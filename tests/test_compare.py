@@ -32,7 +32,7 @@ def compare_args(model_dir, reward_file, prompts_file, output):
             "--reward", f"{reward_file}:sevens", "--binary-reward", "none",  # DAPO's +-1 needs a right/wrong check
             "--prompts-per-step", "4", "--group-size", "4", "--max-new-tokens", "12", "--eval-size", "4",
             "--learning-rate", "1e-3", "--max-steps", "2", "--eval-every", "1", "--save-every", "1",
-            "--no-tensorboard"]
+            "--report-to", "none"]
 
 
 def run_files(output: Path) -> dict[str, int]:

@@ -126,14 +126,14 @@ def trained(data: Path, model_dir, reward_file, name: str, **flat) -> dict:
 def run_config(data: Path, model_dir, reward_file, output, **flat) -> Config:
     # a constant learning rate: the resume tests extend the run by a step, which a decay would notice
     return online_config(data, model_dir, reward_file, "dapo", output=str(output), eval_every=1, save_every=1,
-                         log_samples_every=1, tensorboard=True, lr_schedule="constant", **flat)
+                         log_samples_every=1, report_to="tensorboard", lr_schedule="constant", **flat)
 
 
 def preference_config(data: Path, model_dir, algorithm: str, **flat) -> Config:
     return Config.from_flat(dict(
         algorithm=algorithm, model=str(model_dir), dataset=str(data / "pairs.jsonl"), pairs_per_step=4,
         micro_batch_size=2, learning_rate=1e-3, max_steps=STEPS, max_grad_norm=0.0, device="cpu", progress=False,
-        tensorboard=False, seed=0, **flat))
+        report_to="none", seed=0, **flat))
 
 
 def _writes_under(root: Path, record: list) -> None:

@@ -24,7 +24,7 @@ def test_online_preset_raises_held_out_accuracy(name, precision, tmp_path):
     if precision == "bf16" and not bf16_supported(resolve_device("auto")):
         pytest.skip("no native bfloat16 here (a CPU needs AVX512-BF16 or AMX)")
     config = Config.from_flat({"algorithm": name, "output": str(tmp_path / name), "progress": False,
-                               "tensorboard": False, "eval_every": 0, "save_every": 0,
+                               "report_to": "none", "eval_every": 0, "save_every": 0,
                                "mixed_precision": precision})
     result = train(config)
     before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]

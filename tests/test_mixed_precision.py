@@ -138,7 +138,7 @@ def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, rew
     if lora_r and importlib.util.find_spec("peft") is None:
         pytest.skip("peft (extra: lora) is not installed")
     flat = dict(algorithm=algorithm, model=str(tiny_model_dir), task="addition", learning_rate=1e-3, max_steps=2,
-                progress=False, tensorboard=False, seed=0, eval_size=8, mixed_precision="bf16", lora_r=lora_r)
+                progress=False, report_to="none", seed=0, eval_size=8, mixed_precision="bf16", lora_r=lora_r)
     if algorithm != "dpo":
         flat.update(reward=[f"{reward_file}:sevens"], prompts_per_step=4, group_size=4, max_new_tokens=12)
         s = OnlineSession.create(Config.from_flat(flat))

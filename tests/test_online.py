@@ -23,7 +23,7 @@ def make_config(model_dir, reward_file, algorithm="grpo", reward="sevens", **fla
     base = dict(
         algorithm=algorithm, model=str(model_dir), task="addition", reward=[f"{reward_file}:{reward}"],
         prompts_per_step=4, group_size=4, max_new_tokens=12, eval_size=8, micro_batch_size=64,
-        learning_rate=1e-3, max_steps=2, progress=False, tensorboard=False, seed=0,
+        learning_rate=1e-3, max_steps=2, progress=False, report_to="none", seed=0,
     )
     base.update(flat)
     return Config.from_flat(base)

@@ -57,7 +57,7 @@ def test_online_run_logs_the_lr_each_step_used(tiny_model_dir, reward_file, tmp_
     config = Config.from_flat(dict(
         algorithm=algorithm, model=str(tiny_model_dir), task="addition", reward=[f"{reward_file}:sevens"],
         prompts_per_step=2, group_size=2, max_new_tokens=6, eval_size=0, learning_rate=1e-3, max_steps=3,
-        warmup_steps=1, lr_schedule="linear", progress=False, tensorboard=False, log_samples_every=0,
+        warmup_steps=1, lr_schedule="linear", progress=False, report_to="none", log_samples_every=0,
         output=str(tmp_path / "run")))
     session = OnlineSession.create(config)
     run_training(session, config, train_step, evaluate)

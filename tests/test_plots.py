@@ -10,7 +10,7 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
 
 def write_metrics(run_dir, rows):
-    with MetricsLogger.open(run_dir, tensorboard=False) as logger:
+    with MetricsLogger.open(run_dir, report_to="none") as logger:
         for step, metrics in rows:
             logger.log(step, metrics)
 

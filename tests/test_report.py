@@ -66,7 +66,7 @@ def make_run(root, algorithm, seed, evals, *, steps=4, step_time=1.0, metrics=No
     run_dir = root / algorithm / f"seed{seed}"
     run_dir.mkdir(parents=True)
     save_yaml(Config.from_flat({"algorithm": algorithm, "seed": seed, "max_steps": steps}), run_dir / "config.yaml")
-    with MetricsLogger.open(run_dir, tensorboard=False) as logger:
+    with MetricsLogger.open(run_dir, report_to="none") as logger:
         logger.log(0, {"eval/accuracy": evals[0]})
         for step in range(1, steps + 1):
             row = {"time/step": step_time, **(metrics(step) if metrics else {})}
@@ -164,7 +164,7 @@ def test_missing_metrics_and_empty_runs_do_not_break_the_report(tmp_path):
     preference = tmp_path / "dpo" / "seed0"
     preference.mkdir(parents=True)
     save_yaml(Config.from_flat({"algorithm": "dpo", "max_steps": 3}), preference / "config.yaml")
-    with MetricsLogger.open(preference, tensorboard=False) as logger:
+    with MetricsLogger.open(preference, report_to="none") as logger:
         logger.log(0, {"eval/pairwise_accuracy": 0.5})
         logger.log(1, {"loss": 0.69, "rewards/margin": 0.01, "logps/chosen": -9.0, "time/step": 0.5})
     killed = tmp_path / "gspo" / "seed0"  # killed before its first log line

@@ -80,7 +80,7 @@ def test_grpo_with_lora_on_gsm_trains_only_the_adapters(tmp_path):
         algorithm="grpo", task="gsm", model="smollm2-135m", reward=[f"{tmp_path / 'rewards.py'}:brevity"],
         lora_r=8, lora_alpha=16.0, prompts_per_step=2,
         group_size=4, max_new_tokens=48, learning_rate=1e-3, micro_batch_size=8, eval_size=0,
-        progress=False, tensorboard=False, seed=0, device="cpu",
+        progress=False, report_to="none", seed=0, device="cpu",
     ))
     s = OnlineSession.create(config)
     before = copy.deepcopy(s.policy.state_dict())
