@@ -57,7 +57,7 @@ def _field(help: str, default: Any = None) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-DESCRIPTIVE_FIELDS = ("name", "paper", "summary")
+DESCRIPTIVE_FIELDS = ("name", "paper", "summary", "update_structure")
 """Fields that say what a preset is; they are not settings, and no config or flag overrides them."""
 
 
@@ -109,6 +109,9 @@ class OnlineAlgorithm:
     kl_estimator: KLEstimator | None = _field("k1, k2 or k3 (Schulman 2020); k1 in a reward; None without a KL.")
     beta: float = _field("KL coefficient; 0 = no KL term, no reference model.", 0.0)
     num_epochs: int = _field("Passes over each rollout (PPO epochs, GRPO's mu).", 1)
+    mini_batches: int = _field("Optimizer steps per pass: the rollout is split into this many mini-batches "
+                               "(InstructGPT's PPO: 8, DAPO: 16, GSPO: 4). Several make updates off-policy, "
+                               "which is where the clip schemes act.", 1)
     value_clip: float | None = _field("Value-loss clip range around the old values (gae only); None = unclipped.")
     gamma: float | None = _field("GAE discount (gae only).")
     lam: float | None = _field("GAE lambda (gae only).")
@@ -127,6 +130,8 @@ class OnlineAlgorithm:
     min_reward: float | None = _field("best_of_n: skip prompts whose best reward is below; None = keep all "
                                       "(with a 0/1 reward use 1, or groups with no right answer train on a wrong one).")
     eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
+    update_structure: str = _field("Where mini_batches x num_epochs come from: the paper's words, or why another "
+                                   "paper's when it states none.", "")
 
     @property
     def needs_reference(self) -> bool:
@@ -138,10 +143,10 @@ class OnlineAlgorithm:
         """The sampling policy's log-probs must be recorded at generation.
 
         With one update per rollout they equal the updated policy's detached log-probs
-        (its own forward pass gives them); several epochs move the policy away, and
+        (its own forward pass gives them); several epochs or mini-batches move the policy away, and
         dynamic sampling carries surplus groups to the next step, one policy later.
         """
-        return self.num_epochs > 1 or self.dynamic_sampling
+        return self.num_epochs > 1 or self.mini_batches > 1 or self.dynamic_sampling
 
     @property
     def needs_value_model(self) -> bool:
@@ -179,6 +184,7 @@ class OnlineAlgorithm:
             (self.ratio != "token" and self.clip != "ppo", f"ratio={self.ratio!r} (GSPO) needs clip='ppo'"),
             (self.beta < 0, f"beta={self.beta} must be >= 0"),
             (self.num_epochs < 1, f"num_epochs={self.num_epochs} must be >= 1"),
+            (self.mini_batches < 1, f"mini_batches={self.mini_batches} must be >= 1"),
             (self.max_generation_rounds < 1, f"max_generation_rounds={self.max_generation_rounds} must be >= 1"),
             (self.overlong_buffer_ratio is not None and not 0 < self.overlong_buffer_ratio <= 1,
              f"overlong_buffer_ratio={self.overlong_buffer_ratio} must be in (0, 1] (DAPO: 0.2) or None"),
@@ -408,62 +414,85 @@ _ONLINE = [
         "for LLM RLHF: Training language models to follow instructions with human feedback (Ouyang et al., 2022) "
         "https://arxiv.org/abs/2203.02155",
         "Clipped surrogate with a learned value model and GAE; for LLMs, a per-token k1 KL penalty in the reward.",
-        advantage="gae", aggregation="sequence_mean", **_REWARD_KL, num_epochs=4, value_clip=0.2, gamma=1.0,
-        lam=0.95),
+        advantage="gae", aggregation="sequence_mean", **_REWARD_KL, value_clip=0.2, gamma=1.0, lam=0.95,
+        mini_batches=8, num_epochs=1, update_structure="InstructGPT (arXiv:2203.02155) App. C.4: batches of 512 "
+        "episodes, each randomly split into 8 minibatches of 64 and trained on for a single inner epoch"),
     OnlineAlgorithm(
         "remax", "ReMax: A Simple, Effective, and Efficient Reinforcement Learning Method for Aligning Large "
         "Language Models (Li et al., 2023) https://arxiv.org/abs/2310.10505",
         "PPO without the value model: the reward of the prompt's greedy decode is the baseline.",
-        advantage="greedy_baseline", aggregation="sequence_mean", **_SEQUENCE_KL),
+        advantage="greedy_baseline", aggregation="sequence_mean", **_SEQUENCE_KL,
+        update_structure="one update per rollout: the paper states no mini-batch count; its REINFORCE estimator "
+        "is on-policy, and its code (liziniu/ReMax, run_llama2_7b.sh) trains once per generation batch"),
     OnlineAlgorithm(
         "rloo", "Back to Basics: Revisiting REINFORCE Style Optimization for Learning from Human Feedback in LLMs "
         "(Ahmadian et al., 2024) https://arxiv.org/abs/2402.14740",
         "PPO without the value model: the baseline is the mean reward of the prompt's other G - 1 samples.",
-        advantage="rloo", aggregation="sequence_mean", **_SEQUENCE_KL),
+        advantage="rloo", aggregation="sequence_mean", **_SEQUENCE_KL,
+        update_structure="one update per rollout: the paper states no mini-batch or epoch count; its REINFORCE "
+        "estimator is on-policy, as is ReMax's, its closest baseline"),
     OnlineAlgorithm(
         "grpo", "DeepSeekMath: Pushing the Limits of Mathematical Reasoning in Open Language Models "
         "(Shao et al., 2024) https://arxiv.org/abs/2402.03300",
         "PPO without the value model: group-normalised rewards as advantages; the KL (k3) moves into the loss.",
-        advantage="group", aggregation="sequence_mean", kl_placement="loss", kl_estimator="k3", beta=0.04),
+        advantage="group", aggregation="sequence_mean", kl_placement="loss", kl_estimator="k3", beta=0.04,
+        update_structure="DeepSeekMath (arXiv:2402.03300) sec. 4.2: the policy model only has a single update "
+        "following each exploration stage"),
     OnlineAlgorithm(
         "reinforce_pp", "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models "
         "(Hu et al., 2025) https://arxiv.org/abs/2501.03262",
         "PPO without the value model: KL-shaped token returns whitened over the whole batch; rewards clipped.",
-        advantage="reinforce_pp", aggregation="token_mean", **_REWARD_KL, reward_clip=10.0),
+        advantage="reinforce_pp", aggregation="token_mean", **_REWARD_KL, reward_clip=10.0, mini_batches=8,
+        update_structure="PPO's (InstructGPT: 8 mini-batches, 1 epoch): the paper states no mini-batch count; "
+        "REINFORCE++ is PPO's clipped update without the critic"),
     OnlineAlgorithm(
         "reinforce_pp_baseline", "REINFORCE++: A Simple and Efficient Approach for Aligning Large Language Models "
         "(Hu et al., 2025) https://arxiv.org/abs/2501.03262",
         "REINFORCE++ with the group mean subtracted from each reward before batch whitening (G > 1 per prompt).",
-        advantage="reinforce_pp_baseline", aggregation="token_mean", **_REWARD_KL),
+        advantage="reinforce_pp_baseline", aggregation="token_mean", **_REWARD_KL, mini_batches=8,
+        update_structure="PPO's (InstructGPT: 8 mini-batches, 1 epoch): the paper states no mini-batch count, "
+        "as for reinforce_pp"),
     OnlineAlgorithm(
         "dapo", "DAPO: An Open-Source LLM Reinforcement Learning System at Scale (Yu et al., 2025) "
         "https://arxiv.org/abs/2503.14476",
         "GRPO without KL: clip-higher, token-mean loss, dynamic sampling, soft overlong punishment, +-1 reward.",
         **_GROUP_NO_KL, eps_high=0.28, aggregation="token_mean", dynamic_sampling=True,
-        overlong_buffer_ratio=0.2, binary_reward=(-1.0, 1.0)),
+        overlong_buffer_ratio=0.2, binary_reward=(-1.0, 1.0), mini_batches=16,
+        update_structure="DAPO (arXiv:2503.14476) sec. 4.1: 512 prompts x 16 responses per rollout, mini-batch "
+        "512, i.e. 16 gradient updates for each rollout step"),
     OnlineAlgorithm(
         "dr_grpo", "Understanding R1-Zero-Like Training: A Critical Perspective (Liu et al., 2025) "
         "https://arxiv.org/abs/2503.20783",
         "GRPO without its biases: no std division in the advantage, no per-length normalisation, no KL.",
-        advantage="group_mean", aggregation="constant", kl_placement="none", beta=0.0),
+        advantage="group_mean", aggregation="constant", kl_placement="none", beta=0.0, mini_batches=8,
+        update_structure="Dr.GRPO (arXiv:2503.20783) Table 6: inner proximal update epoch 1; its code "
+        "(sail-sg/understand-r1-zero) trains 128 prompts x 8 responses in mini-batches of 128: 8 updates"),
     OnlineAlgorithm(
         "cispo", "MiniMax-M1: Scaling Test-Time Compute Efficiently with Lightning Attention (MiniMax, 2025) "
         "https://arxiv.org/abs/2506.13585",
         "GRPO/DAPO clipping the detached IS weight instead of the update: no token loses its gradient.",
-        **_GROUP_NO_KL, clip="is_weight", eps_low=None, eps_high=4.0, aggregation="token_mean"),
+        **_GROUP_NO_KL, clip="is_weight", eps_low=None, eps_high=4.0, aggregation="token_mean", mini_batches=16,
+        update_structure="MiniMax-M1 (arXiv:2506.13585) sec. 3.1: 16 rounds of off-policy updates per "
+        "generation batch"),
     OnlineAlgorithm(
         "gspo", "Group Sequence Policy Optimization (Zheng et al., 2025) https://arxiv.org/abs/2507.18071",
         "GRPO with a length-normalised sequence-level ratio, clipped per sequence; no KL.",
-        **_GROUP_NO_KL, ratio="sequence", eps_low=3e-4, eps_high=4e-4, aggregation="sequence_mean"),
+        **_GROUP_NO_KL, ratio="sequence", eps_low=3e-4, eps_high=4e-4, aggregation="sequence_mean",
+        mini_batches=4, update_structure="GSPO (arXiv:2507.18071) sec. 5.1: each batch of rollout data is "
+        "partitioned into four minibatches for gradient updates"),
     OnlineAlgorithm(
         "gspo_token", "Group Sequence Policy Optimization (Zheng et al., 2025) https://arxiv.org/abs/2507.18071",
         "GSPO as a per-token surrogate whose ratio equals the sequence ratio, so advantages may vary by token.",
-        **_GROUP_NO_KL, ratio="sequence_token", eps_low=3e-4, eps_high=4e-4, aggregation="sequence_mean"),
+        **_GROUP_NO_KL, ratio="sequence_token", eps_low=3e-4, eps_high=4e-4, aggregation="sequence_mean",
+        mini_batches=4, update_structure="GSPO's (sec. 5.1, four minibatches); GSPO-token (sec. 4.3) states "
+        "no settings of its own"),
     OnlineAlgorithm(
         "best_of_n", "RAFT: Reward rAnked FineTuning for Generative Foundation Model Alignment (Dong et al., 2023) "
         "https://arxiv.org/abs/2304.06767",
         "No policy gradient: fine-tune (NLL) on the highest-reward completion of each prompt.",
-        advantage="best_of_n", clip="none", eps_low=None, eps_high=None, aggregation="token_mean", loss="nll"),
+        advantage="best_of_n", clip="none", eps_low=None, eps_high=None, aggregation="token_mean", loss="nll",
+        update_structure="one update per rollout: RAFT fine-tunes on each round's selected samples and states no "
+        "mini-batch count here; the NLL of the best sample has no ratio to go off-policy with"),
 ]
 _PREFERENCE = [
     PreferenceAlgorithm(

@@ -172,7 +172,6 @@ class OptimConfig:
     micro_batch_size: int = _help(
         "Sequences per forward/backward pass; gradients accumulate to the full optimizer step.", 64,
     )
-    mini_batches: int = _help("Optimizer steps per epoch over one rollout (PPO mini-batches).", 1)
     value_loss_coef: float = _help("Weight of the value loss (PPO's value head).", 0.1)
     ref_refresh_every: int = _help("Copy the policy into the reference model every N steps (0 = never).", 0)
     max_bad_steps: int = _help("Stop after this many consecutive steps with a non-finite loss or gradient.", 3)
@@ -189,7 +188,6 @@ class OptimConfig:
         _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
                  f"got {self.lr_schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
         _require(self.micro_batch_size >= 1, "micro_batch_size", f"got {self.micro_batch_size}; use 1 or more")
-        _require(self.mini_batches >= 1, "mini_batches", f"got {self.mini_batches}; use 1 or more")
         _require(self.max_grad_norm >= 0, "max_grad_norm", f"got {self.max_grad_norm}; use 0 (off) or more")
         _require(self.ref_refresh_every >= 0, "ref_refresh_every", f"got {self.ref_refresh_every}; use 0 or more")
         _require(self.max_bad_steps >= 1, "max_bad_steps", f"got {self.max_bad_steps}; use 1 or more")
@@ -340,6 +338,7 @@ TRL_NAMES = {
     "max_completion_length": "max_new_tokens",
     "lr_scheduler_type": "lr_schedule",
     "num_iterations": "num_epochs",
+    "steps_per_generation": "mini_batches",
     "epsilon_high": "eps_high",
     "save_steps": "save_every",
     "eval_steps": "eval_every",

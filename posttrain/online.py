@@ -279,8 +279,8 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
     additive: dict[str, float] = {}
     tokens_seen, steps, skipped, grad_norms = 0.0, 0, 0, []
     for _ in range(alg.num_epochs):
-        order = torch.randperm(len(mask)) if optim.mini_batches > 1 else torch.arange(len(mask))
-        for mini in order.tensor_split(optim.mini_batches):  # always mini_batches steps, on every process
+        order = torch.randperm(len(mask)) if alg.mini_batches > 1 else torch.arange(len(mask))
+        for mini in order.tensor_split(alg.mini_batches):  # always mini_batches steps, on every process
             normalizer = step_normalizer(mask[mini], alg.aggregation)
             micros = [micro for micro in mini.split(optim.micro_batch_size) if len(micro)]
             with fsdp.full_parameters(s.policy):

@@ -163,7 +163,7 @@ class OnlineSession:
             policy = fsdp.shard(policy)  # after the reference copy, before the optimizer sees the parameters
         trainable = [p for p in policy.parameters() if p.requires_grad]
         params = trainable + (list(value_head.parameters()) if value_head else [])
-        optimizer_steps = config.run.max_steps * alg.num_epochs * config.optim.mini_batches
+        optimizer_steps = config.run.max_steps * alg.num_epochs * alg.mini_batches
         optimizer, scheduler = build_optimizer(params, config.optim, optimizer_steps)
         distributed.broadcast_parameters(params)  # e.g. LoRA's random init: every process starts from rank 0's
         eos_ids = eos_token_ids(policy, tokenizer)
@@ -207,7 +207,7 @@ class OnlineSession:
         dynamic sampling's surplus groups (trained one step later)."""
         a = self.alg
         kl_in_reward = a.needs_reference and a.kl_placement != "loss"
-        return a.needs_old_logprobs or self.config.optim.mini_batches > 1 or kl_in_reward or a.needs_value_model
+        return a.needs_old_logprobs or kl_in_reward or a.needs_value_model
 
     def decode(self, completions: Completions) -> list[str]:
         return self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)

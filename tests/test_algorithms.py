@@ -4,6 +4,7 @@ advantages, delegation of the losses to posttrain.functional, and the lineage vi
 from __future__ import annotations
 
 import dataclasses
+import re
 import math
 
 import pytest
@@ -22,23 +23,26 @@ from posttrain.algorithms import (
 )
 from posttrain.algorithm_tables import format_presets_table, format_side_by_side
 
-# ALGORITHMS.md "Presets", written out field by field.
+# ALGORITHMS.md "Presets", written out field by field; the last two columns are each preset's papers'
+# update structure (optimizer steps per rollout = mini_batches x num_epochs, cited in update_structure).
 ONLINE_COLUMNS = ("advantage", "ratio", "clip", "eps_low", "eps_high", "aggregation", "loss",
-                  "kl_placement", "kl_estimator", "beta", "num_epochs")
+                  "kl_placement", "kl_estimator", "beta", "num_epochs", "mini_batches")
 ONLINE_TABLE = {
-    "ppo": ("gae", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "token_reward", "k1", 0.01, 4),
-    "remax": ("greedy_baseline", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "sequence_reward", "k1", 0.01, 1),
-    "rloo": ("rloo", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "sequence_reward", "k1", 0.01, 1),
-    "grpo": ("group", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "loss", "k3", 0.04, 1),
-    "reinforce_pp": ("reinforce_pp", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "token_reward", "k1", 0.01, 1),
+    "ppo": ("gae", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "token_reward", "k1", 0.01, 1, 8),
+    "remax": ("greedy_baseline", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "sequence_reward", "k1", 0.01,
+              1, 1),
+    "rloo": ("rloo", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "sequence_reward", "k1", 0.01, 1, 1),
+    "grpo": ("group", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "loss", "k3", 0.04, 1, 1),
+    "reinforce_pp": ("reinforce_pp", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "token_reward", "k1", 0.01,
+                     1, 8),
     "reinforce_pp_baseline": ("reinforce_pp_baseline", "token", "ppo", 0.2, 0.2, "token_mean", "policy",
-                              "token_reward", "k1", 0.01, 1),
-    "dapo": ("group", "token", "ppo", 0.2, 0.28, "token_mean", "policy", "none", None, 0.0, 1),
-    "dr_grpo": ("group_mean", "token", "ppo", 0.2, 0.2, "constant", "policy", "none", None, 0.0, 1),
-    "cispo": ("group", "token", "is_weight", None, 4.0, "token_mean", "policy", "none", None, 0.0, 1),
-    "gspo": ("group", "sequence", "ppo", 3e-4, 4e-4, "sequence_mean", "policy", "none", None, 0.0, 1),
-    "gspo_token": ("group", "sequence_token", "ppo", 3e-4, 4e-4, "sequence_mean", "policy", "none", None, 0.0, 1),
-    "best_of_n": ("best_of_n", "token", "none", None, None, "token_mean", "nll", "none", None, 0.0, 1),
+                              "token_reward", "k1", 0.01, 1, 8),
+    "dapo": ("group", "token", "ppo", 0.2, 0.28, "token_mean", "policy", "none", None, 0.0, 1, 16),
+    "dr_grpo": ("group_mean", "token", "ppo", 0.2, 0.2, "constant", "policy", "none", None, 0.0, 1, 8),
+    "cispo": ("group", "token", "is_weight", None, 4.0, "token_mean", "policy", "none", None, 0.0, 1, 16),
+    "gspo": ("group", "sequence", "ppo", 3e-4, 4e-4, "sequence_mean", "policy", "none", None, 0.0, 1, 4),
+    "gspo_token": ("group", "sequence_token", "ppo", 3e-4, 4e-4, "sequence_mean", "policy", "none", None, 0.0, 1, 4),
+    "best_of_n": ("best_of_n", "token", "none", None, None, "token_mean", "nll", "none", None, 0.0, 1, 1),
 }
 ONLINE_DEFAULTS = dict(dual_clip=None, value_clip=None, gamma=None, lam=None, reward_clip=None, binary_reward=None,
                        dynamic_sampling=False, max_generation_rounds=3, overlong_buffer_ratio=None,
@@ -79,7 +83,18 @@ def test_online_preset_fields_equal_the_table(name):
     assert isinstance(preset, OnlineAlgorithm)
     expected = {**dict(zip(ONLINE_COLUMNS, ONLINE_TABLE[name])), **ONLINE_DEFAULTS, **ONLINE_EXTRAS.get(name, {})}
     actual = {f.name: getattr(preset, f.name) for f in dataclasses.fields(preset)}
-    assert {k: v for k, v in actual.items() if k not in ("name", "paper", "summary")} == expected
+    assert {k: v for k, v in actual.items() if k not in DESCRIPTIVE_FIELDS} == expected
+
+
+@pytest.mark.parametrize("name", ONLINE_TABLE)
+def test_each_online_preset_cites_its_update_structure(name):
+    """Where the paper gives the count, the citation names the paper's arXiv id (or, for a paper silent on
+    it, says so and whose count it takes)."""
+    preset = ALGORITHMS[name]
+    papers = re.findall(r"arxiv.org/abs/(\d+\.\d+)", preset.paper)
+    text = preset.update_structure
+    assert any(f"arXiv:{paper}" in text for paper in papers) or "states no" in text, text
+    assert f"{preset.mini_batches} " in text.replace("four", "4") or preset.mini_batches == 1, text
 
 
 @pytest.mark.parametrize("name", PREFERENCE_TABLE)
@@ -106,12 +121,13 @@ def test_every_field_has_a_one_line_help():
 
 
 DERIVED = {  # needs_reference, needs_old_logprobs, needs_value_model, needs_greedy_baseline, is_group_estimator
+    # needs_old_logprobs: several updates per rollout (mini_batches x num_epochs > 1) or dynamic sampling
     "ppo": (True, True, True, False, False), "remax": (True, False, False, True, False),
     "rloo": (True, False, False, False, True), "grpo": (True, False, False, False, True),
-    "reinforce_pp": (True, False, False, False, False), "reinforce_pp_baseline": (True, False, False, False, True),
-    "dapo": (False, True, False, False, True), "dr_grpo": (False, False, False, False, True),
-    "cispo": (False, False, False, False, True), "gspo": (False, False, False, False, True),
-    "gspo_token": (False, False, False, False, True), "best_of_n": (False, False, False, False, False),
+    "reinforce_pp": (True, True, False, False, False), "reinforce_pp_baseline": (True, True, False, False, True),
+    "dapo": (False, True, False, False, True), "dr_grpo": (False, True, False, False, True),
+    "cispo": (False, True, False, False, True), "gspo": (False, True, False, False, True),
+    "gspo_token": (False, True, False, False, True), "best_of_n": (False, False, False, False, False),
 }
 
 
@@ -132,7 +148,8 @@ def test_derived_flags_of_preference_presets():
 def test_zero_beta_drops_the_reference_and_one_epoch_needs_no_recorded_old_logprobs():
     assert not algorithm("grpo", beta=0.0).needs_reference
     assert algorithm("grpo", num_epochs=2).needs_old_logprobs
-    assert not algorithm("dapo", dynamic_sampling=False).needs_old_logprobs
+    assert algorithm("grpo", mini_batches=2).needs_old_logprobs
+    assert not algorithm("dapo", dynamic_sampling=False, mini_batches=1).needs_old_logprobs
 
 
 # --- overrides and validation -------------------------------------------------------------
@@ -459,7 +476,8 @@ def test_side_by_side_marks_what_dapo_changed_in_grpo():
     assert ALGORITHMS["grpo"].summary in view and ALGORITHMS["dapo"].summary in view
     marked, unmarked = _marked(view)
     assert marked == {"eps_high", "aggregation", "kl_placement", "kl_estimator", "beta", "binary_reward",
-                      "dynamic_sampling", "overlong_buffer_ratio", "needs_reference", "needs_old_logprobs"}
+                      "dynamic_sampling", "overlong_buffer_ratio", "needs_reference", "needs_old_logprobs",
+                      "mini_batches"}
     assert {"advantage", "ratio", "clip", "eps_low", "num_epochs", "eps"} <= unmarked
     eps_high = next(line for line in view.splitlines() if line.startswith("*") and line.split()[1] == "eps_high")
     assert eps_high.split()[2:] == ["0.2", "0.28"]
@@ -467,7 +485,8 @@ def test_side_by_side_marks_what_dapo_changed_in_grpo():
 
 def test_side_by_side_shows_what_dr_grpo_removed():
     marked, _ = _marked(format_side_by_side(["grpo", "dr_grpo"]))
-    assert marked == {"advantage", "aggregation", "kl_placement", "kl_estimator", "beta", "needs_reference"}
+    assert marked == {"advantage", "aggregation", "kl_placement", "kl_estimator", "beta", "needs_reference",
+                      "mini_batches", "needs_old_logprobs"}  # and its paper's 8 updates per rollout
     marked, _ = _marked(format_side_by_side(["dpo", "simpo", "orpo"]))
     assert marked == {"loss", "beta", "label_smoothing", "gamma", "lam", "needs_reference"}
 

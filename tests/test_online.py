@@ -53,7 +53,7 @@ def recompute_loss(s: OnlineSession, policy, value_head) -> torch.Tensor:
 
 @pytest.mark.parametrize("name", ONLINE)
 def test_each_online_preset_trains_on_exactly_the_functional_loss(name, tiny_model_dir, reward_file):
-    overrides = {"num_epochs": 1}
+    overrides = {"num_epochs": 1, "mini_batches": 1}  # one update: the loss is the pre-update weights'
     if ALGORITHMS[name].binary_reward is not None:
         overrides["binary_reward"] = None  # the random model is never right: train on the dense reward
     s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, micro_batch_size=5, **overrides))
@@ -99,7 +99,7 @@ def test_ppo_value_loss_falls(tiny_model_dir, reward_file):
 
 def test_dapo_trains_only_groups_with_reward_variance(tiny_model_dir, reward_file):
     config = make_config(tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None,
-                         overlong_buffer_ratio=None, max_generation_rounds=4)
+                         overlong_buffer_ratio=None, max_generation_rounds=4, mini_batches=1)
     s = OnlineSession.create(config)
     zero_variance = []
     for _ in range(3):
@@ -246,3 +246,18 @@ def test_offloaded_reference_is_refreshed_saved_and_resumed(tiny_model_dir, rewa
     second = resumed(first, tmp_path / "split")
     run_training(OnlineSession.create(second), second, train_step, evaluate)
     assert_runs_identical(tmp_path / "resident", tmp_path / "split")
+
+
+@pytest.mark.parametrize("name, mini_batches", [("grpo", 1), ("gspo", 4), ("dapo", 16)])
+def test_several_mini_batches_move_the_ratio_off_one_and_clip(name, mini_batches, tiny_model_dir, reward_file):
+    """One update per rollout keeps the ratio at exactly 1, so no clip scheme acts; the papers'
+    mini-batches make every update after the first off-policy."""
+    overrides = {"binary_reward": None, "dynamic_sampling": False} if name == "dapo" else {}
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, learning_rate=1e-2, prompts_per_step=8,
+                                         **overrides))
+    assert s.alg.mini_batches == mini_batches  # the preset's own update structure
+    metrics = train_step(s)
+    if mini_batches == 1:
+        assert metrics["ratio_mean"] == 1.0 and metrics["clip_fraction"] == 0.0
+    else:
+        assert metrics["ratio_mean"] != 1.0 and metrics["clip_fraction"] > 0.0

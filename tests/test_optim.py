@@ -51,9 +51,9 @@ def test_unknown_schedule_is_a_config_error_naming_the_field():
         Config.from_flat({"warmup_steps": -1})
 
 
-@pytest.mark.parametrize("algorithm, updates_per_step", [("grpo", 1), ("ppo", 4)])
+@pytest.mark.parametrize("algorithm, updates_per_step", [("grpo", 1), ("ppo", 8)])
 def test_online_run_logs_the_lr_each_step_used(tiny_model_dir, reward_file, tmp_path, algorithm, updates_per_step):
-    """The schedule spans max_steps x PPO's epochs x mini_batches optimizer steps; each step logs its first update's lr."""
+    """The schedule spans max_steps x epochs x mini_batches optimizer steps; each step logs its first update's lr."""
     config = Config.from_flat(dict(
         algorithm=algorithm, model=str(tiny_model_dir), task="addition", reward=[f"{reward_file}:sevens"],
         prompts_per_step=2, group_size=2, max_new_tokens=6, eval_size=0, learning_rate=1e-3, max_steps=3,
