@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
+from posttrain.functional._value import explained_variance
 from posttrain import distributed, fsdp
 from posttrain.guards import has_signal, step_has_signal
 from posttrain.modeling import collate, forward
@@ -270,6 +271,25 @@ def step_normalizer(mask: Tensor, aggregation: str) -> Tensor:
 ADDITIVE_METRICS = ("loss", "policy_loss", "value_loss")
 
 
+def mini_batch_rows(rows: int, mini_batches: int, seed: int, step: int, epoch: int) -> list[Tensor]:
+    """This process's rows [k] of each mini-batch: a random split of the whole step's rows (every
+    process's, in rank order) drawn from (seed, step, epoch), so every process draws the same split,
+    one process splits the same global batch the same way, and a resumed run repeats it.
+
+    ``mini_batches`` of them, or one per row when the step has fewer rows (a small batch, or dynamic
+    sampling kept few groups): no optimizer step without data. Every process gets the same number of
+    entries (its share of one may be empty), so every process joins every optimizer step.
+    """
+    counts = [int(n) for n in distributed.gather(rows)] if mini_batches > 1 else [rows]
+    start, total = sum(counts[:distributed.rank()]), sum(counts)
+    if min(mini_batches, total) <= 1:
+        return [torch.arange(rows)]
+    generator = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + epoch) % 2**63)
+    order = torch.randperm(total, generator=generator)
+    return [mini[(mini >= start) & (mini < start + rows)] - start
+            for mini in order.tensor_split(min(mini_batches, total))]
+
+
 def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor | None,
            ref: Tensor | None) -> dict[str, float]:
     """``num_epochs`` x ``mini_batches`` optimizer steps over one batch of groups."""
@@ -278,9 +298,9 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
     weighted: dict[str, float] = {}
     additive: dict[str, float] = {}
     tokens_seen, steps, skipped, grad_norms = 0.0, 0, 0, []
-    for _ in range(alg.num_epochs):
-        order = torch.randperm(len(mask)) if alg.mini_batches > 1 else torch.arange(len(mask))
-        for mini in order.tensor_split(alg.mini_batches):  # always mini_batches steps, on every process
+    for epoch in range(alg.num_epochs):
+        minis = mini_batch_rows(len(mask), alg.mini_batches, s.config.run.seed, s.step, epoch)
+        for mini in minis:
             normalizer = step_normalizer(mask[mini], alg.aggregation)
             micros = [micro for micro in mini.split(optim.micro_batch_size) if len(micro)]
             with fsdp.full_parameters(s.policy):
@@ -299,6 +319,10 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
             grad_norms.append(s.optimizer_step())
             steps += 1
             skipped += not math.isfinite(grad_norms[-1])
+        for _ in range(alg.mini_batches - len(minis)):
+            # fewer rows than mini-batches: no update without data (AdamW's momentum alone would move
+            # the weights), but the schedule, which counts the preset's updates, moves on
+            s.scheduler.step()
     weighted, additive = distributed.reduce_values(weighted), distributed.reduce_values(additive)
     tokens_seen = distributed.reduce_values({"tokens": tokens_seen})["tokens"]
     out = {key: value / max(tokens_seen, 1.0) for key, value in weighted.items()}
@@ -321,6 +345,10 @@ def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
     valid = batch["mask"].bool()
     stats = {"advantage/mean": advantages[valid].mean().item() if valid.any() else 0.0,
              "advantage/std": advantages[valid].std().item() if valid.sum() > 1 else 0.0}
+    if returns is not None and batch["values"] is not None:
+        # of the rollout-time values, over the whole batch (a per-micro-batch figure would depend on
+        # how the rows are split over micro-batches and processes)
+        stats["value/explained_variance"] = explained_variance(batch["values"], returns, valid).item()
     start = sum(len(part["mask"]) for part in parts[:distributed.rank()])
     mine = slice(start, start + len(groups.completions.mask))
     width = groups.completions.mask.shape[1]
@@ -350,6 +378,7 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
         value_loss, value_metrics = alg.value_loss(out.values, cut(groups.old_values), cut(returns), mask,
                                                    normalizer=normalizer)
         loss = loss + s.config.optim.value_loss_coef * value_loss
+        value_metrics.pop("explained_variance")  # the whole batch's, in step_advantages
         metrics = {**metrics, **{f"value/{k}": v for k, v in value_metrics.items()}, "value_loss": value_loss}
     loss.backward()
     tokens = mask.sum().clamp(min=1)

@@ -11,7 +11,7 @@ import torch
 from posttrain.algorithms import ALGORITHMS, OnlineAlgorithm
 from posttrain.config import Config
 from posttrain.modeling import collate, forward
-from posttrain.online import has_signal, train_step
+from posttrain.online import has_signal, mini_batch_rows, train_step
 from posttrain.runner import run_training
 from posttrain.session import OnlineSession, evaluate
 from conftest import assert_runs_identical, resumed, run_interrupted
@@ -246,6 +246,18 @@ def test_offloaded_reference_is_refreshed_saved_and_resumed(tiny_model_dir, rewa
     second = resumed(first, tmp_path / "split")
     run_training(OnlineSession.create(second), second, train_step, evaluate)
     assert_runs_identical(tmp_path / "resident", tmp_path / "split")
+
+
+def test_mini_batches_split_every_row_once_reproducibly_and_never_empty():
+    split = mini_batch_rows(10, 4, seed=0, step=3, epoch=0)
+    assert [len(m) for m in split] == [3, 3, 2, 2]
+    assert sorted(torch.cat(split).tolist()) == list(range(10))
+    assert all(torch.equal(a, b) for a, b in zip(split, mini_batch_rows(10, 4, seed=0, step=3, epoch=0)))
+    assert not all(torch.equal(a, b) for a, b in zip(split, mini_batch_rows(10, 4, seed=0, step=4, epoch=0)))
+    assert not all(torch.equal(a, b) for a, b in zip(split, mini_batch_rows(10, 4, seed=0, step=3, epoch=1)))
+    # fewer rows than mini-batches (dynamic sampling kept few): one row each, no step without data
+    assert sorted(len(m) for m in mini_batch_rows(3, 16, seed=0, step=0, epoch=0)) == [1, 1, 1]
+    assert [m.tolist() for m in mini_batch_rows(5, 1, seed=0, step=0, epoch=0)] == [[0, 1, 2, 3, 4]]
 
 
 @pytest.mark.parametrize("name, mini_batches", [("grpo", 1), ("gspo", 4), ("dapo", 16)])

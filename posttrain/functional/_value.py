@@ -65,12 +65,12 @@ def value_loss(
     clip_fraction = ((clipped_NT > unclipped_NT) & valid_NT).sum() / count
     metrics = {
         "value_clip_fraction": clip_fraction.to(dtype).detach(),
-        "explained_variance": _explained_variance(values_NT.detach(), returns_NT, valid_NT),
+        "explained_variance": explained_variance(values_NT.detach(), returns_NT, valid_NT),
     }
     return loss, metrics
 
 
-def _explained_variance(values_NT: Tensor, returns_NT: Tensor, valid_NT: Tensor) -> Tensor:
+def explained_variance(values_NT: Tensor, returns_NT: Tensor, valid_NT: Tensor) -> Tensor:
     """1 - Var[R - V] / Var[R] over valid entries; 0 when Var[R] is 0."""
     count = valid_NT.sum().clamp(min=1)
 
