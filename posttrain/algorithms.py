@@ -127,8 +127,10 @@ class OnlineAlgorithm:
     overlong_filter: bool = _field("Mask truncated completions out of the loss (DAPO's overlong filtering).", False)
     history_resampling: bool = _field("Skip prompts solved by every completion in the previous epoch (SRPO, "
                                       "https://arxiv.org/abs/2504.14286).", False)
-    min_reward: float | None = _field("best_of_n: skip prompts whose best reward is below; None = keep all "
-                                      "(with a 0/1 reward use 1, or groups with no right answer train on a wrong one).")
+    min_reward: float | None = _field("best_of_n: skip prompts whose best reward is below; None = keep all.")
+    skip_ties: bool = _field("best_of_n: skip prompts whose completions all have the same reward (none is better "
+                             "than another; with a 0/1 reward, a group without a right answer would train on a "
+                             "wrong one).", False)
     eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
     update_structure: str = _field("Where mini_batches x num_epochs come from: the paper's words, or why another "
                                    "paper's when it states none.", "")
@@ -208,6 +210,7 @@ class OnlineAlgorithm:
              f"gamma, lam and value_clip belong to advantage='gae'; set them to None for {a!r}"),
             (self.value_clip is not None and not self.value_clip > 0, f"value_clip={self.value_clip} must be > 0"),
             (self.min_reward is not None and a != "best_of_n", "min_reward applies to advantage='best_of_n' only"),
+            (self.skip_ties and a != "best_of_n", "skip_ties applies to advantage='best_of_n' only"),
             (self.dynamic_sampling and a not in GROUP_ESTIMATORS, "dynamic_sampling drops groups with equal rewards, "
              f"which carry no signal only for a group estimator ({', '.join(GROUP_ESTIMATORS)})"),
         ]
@@ -236,7 +239,7 @@ class OnlineAlgorithm:
         if self.advantage in TOKEN_ESTIMATORS:
             return self._token_advantages(rewards, mask, logprobs, ref_logprobs, values)
         if self.advantage == "best_of_n":
-            index, keep = F.best_of_n(rewards, min_reward=self.min_reward)
+            index, keep = F.best_of_n(rewards, min_reward=self.min_reward, skip_ties=self.skip_ties)
             advantages = torch.nn.functional.one_hot(index, rewards.shape[1]).to(rewards.dtype) * keep[:, None]
         else:
             if self.kl_placement == "sequence_reward" and self.beta > 0:  # r_i - beta * sum_t k1[i, t]
@@ -324,7 +327,9 @@ _PREFERENCE_INPUTS = {  # named like F's arguments, in F's order
     "orpo": (*_PAIR, "chosen_lengths", "rejected_lengths"),
     "kto": ("logps", "ref_logps", "desirable", "kl_logps", "kl_ref_logps"),
 }
-_ALL_PREFERENCE_INPUTS = sorted({name for names in _PREFERENCE_INPUTS.values() for name in names})
+_NLL_INPUTS = {"paired": ("chosen_logps", "chosen_lengths"), "unpaired": ("logps", "lengths", "desirable")}
+_ALL_PREFERENCE_INPUTS = sorted({name for names in (*_PREFERENCE_INPUTS.values(), *_NLL_INPUTS.values())
+                                 for name in names})
 
 
 @dataclass(frozen=True)
@@ -342,6 +347,9 @@ class PreferenceAlgorithm:
     lam: float | None = _field("ORPO: weight of the odds-ratio term added to the chosen NLL.")
     desirable_weight: float | None = _field("KTO: weight of desirable examples.")
     undesirable_weight: float | None = _field("KTO: weight of undesirable examples.")
+    rpo_alpha: float | None = _field("Weight of the chosen completions' per-token NLL added to the loss (RPO, "
+                                     "arXiv:2404.19733; TRL's rpo_alpha); KTO: the desirable examples'. None = "
+                                     "off; ORPO has its own (lam).")
 
     @property
     def needs_reference(self) -> bool:
@@ -369,8 +377,10 @@ class PreferenceAlgorithm:
         positive = ("beta", "desirable_weight", "undesirable_weight")
         problems += [f"{p}={getattr(self, p)} must be > 0" for p in positive
                      if getattr(self, p) is not None and not getattr(self, p) > 0]
-        problems += [f"{p}={getattr(self, p)} must be >= 0" for p in ("alpha", "gamma", "lam")
+        problems += [f"{p}={getattr(self, p)} must be >= 0" for p in ("alpha", "gamma", "lam", "rpo_alpha")
                      if getattr(self, p) is not None and getattr(self, p) < 0]
+        if self.loss == "orpo" and self.rpo_alpha is not None:
+            problems.append("rpo_alpha: ORPO's loss has its chosen NLL already (weighted 1); set rpo_alpha None")
         if self.label_smoothing is not None and not 0 <= self.label_smoothing < 0.5:
             problems.append(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         _raise_if_problems(self, sorted(set(problems), key=problems.index))
@@ -381,8 +391,8 @@ class PreferenceAlgorithm:
         Paired losses: chosen_logps, rejected_logps [B]; DPO/ODPO also ref_chosen_logps,
         ref_rejected_logps [B]; ODPO also chosen_scores, rejected_scores [B]; SimPO/ORPO
         also chosen_lengths, rejected_lengths [B]. KTO: logps, ref_logps, desirable (bool),
-        kl_logps, kl_ref_logps [B]. Inputs this loss does not use are ignored, so a loop
-        can pass everything it has.
+        kl_logps, kl_ref_logps [B]. With ``rpo_alpha``: chosen_lengths (KTO: lengths) [B] too.
+        Inputs this loss does not use are ignored, so a loop can pass everything it has.
         """
         unknown = sorted(set(inputs) - set(_ALL_PREFERENCE_INPUTS))
         if unknown:
@@ -392,15 +402,26 @@ class PreferenceAlgorithm:
         _require(self.name, f"loss={self.loss!r}", **{n: inputs.get(n) for n in needed})
         x = [inputs[n] for n in needed]
         if self.loss == "dpo":
-            return F.dpo_loss(*x, beta=self.beta, label_smoothing=self.label_smoothing)
+            return self._with_nll(F.dpo_loss(*x, beta=self.beta, label_smoothing=self.label_smoothing), inputs)
         if self.loss == "odpo":
-            return F.dpo_loss(*x[:4], beta=self.beta, offset=F.odpo_offset(*x[4:], alpha=self.alpha))
+            return self._with_nll(F.dpo_loss(*x[:4], beta=self.beta, offset=F.odpo_offset(*x[4:], alpha=self.alpha)),
+                                  inputs)
         if self.loss == "simpo":
-            return F.simpo_loss(*x, beta=self.beta, gamma=self.gamma)
+            return self._with_nll(F.simpo_loss(*x, beta=self.beta, gamma=self.gamma), inputs)
         if self.loss == "orpo":
             return F.orpo_loss(*x, lam=self.lam)
-        return F.kto_loss(*x, beta=self.beta, desirable_weight=self.desirable_weight,
-                          undesirable_weight=self.undesirable_weight)
+        return self._with_nll(F.kto_loss(*x, beta=self.beta, desirable_weight=self.desirable_weight,
+                                         undesirable_weight=self.undesirable_weight), inputs)
+
+    def _with_nll(self, loss_and_metrics: tuple[Tensor, Metrics], inputs: dict[str, Tensor]) -> tuple[Tensor, Metrics]:
+        """The loss plus ``rpo_alpha`` times the chosen (KTO: desirable) completions' per-token NLL."""
+        loss, metrics = loss_and_metrics
+        if not self.rpo_alpha:
+            return loss, metrics
+        names = _NLL_INPUTS["paired" if self.paired else "unpaired"]
+        _require(self.name, "rpo_alpha", **{n: inputs.get(n) for n in names})
+        nll = F.chosen_nll(*(inputs[n] for n in names))
+        return loss + self.rpo_alpha * nll, {**metrics, "nll": nll.detach()}
 
 
 # Presets (ALGORITHMS.md, "Presets"). Unset fields take the defaults above: PPO's
@@ -491,6 +512,7 @@ _ONLINE = [
         "https://arxiv.org/abs/2304.06767",
         "No policy gradient: fine-tune (NLL) on the highest-reward completion of each prompt.",
         advantage="best_of_n", clip="none", eps_low=None, eps_high=None, aggregation="token_mean", loss="nll",
+        skip_ties=True,
         update_structure="one update per rollout: RAFT fine-tunes on each round's selected samples and states no "
         "mini-batch count here; the NLL of the best sample has no ratio to go off-policy with"),
 ]

@@ -201,9 +201,25 @@ class PreferenceConfig:
     precompute_reference: bool = _help(
         "Score the whole dataset with the reference model once at the start instead of every step.", False,
     )
+    pairs_from: str = _help(
+        "Where the training pairs come from: dataset (--dataset's pairs, or the built-in task's) or policy "
+        "(group_size completions per prompt sampled from the policy being trained and labelled by the task's "
+        "answer check: a correct completion is chosen over an incorrect one of the same prompt; built-in "
+        "tasks only).", "dataset",
+    )
+    resample_every: int = _help(
+        "With pairs_from policy: sample a new round of pairs from the current policy every N steps (iterative, "
+        "or with 1 online, preference optimization); a round samples prompts_per_step x N prompts.", 10,
+    )
 
     def __post_init__(self) -> None:
         _require(self.pairs_per_step >= 1, "pairs_per_step", f"got {self.pairs_per_step}; use 1 or more")
+        _require(self.pairs_from in ("dataset", "policy"), "pairs_from",
+                 f"got {self.pairs_from!r}; use dataset or policy")
+        _require(self.resample_every >= 1, "resample_every", f"got {self.resample_every}; use 1 or more")
+        _require(not (self.pairs_from == "policy" and self.precompute_reference), "precompute_reference",
+                 "pairs sampled from the policy change every resample_every steps, so the reference scores them "
+                 "as they come; drop precompute_reference or use pairs_from dataset")
         _require(self.max_prompt_length >= 1, "max_prompt_length", f"got {self.max_prompt_length}; use 1 or more")
         _require(
             self.max_length > self.max_prompt_length, "max_length",

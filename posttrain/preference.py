@@ -2,6 +2,12 @@
 
 One optimizer step (``train_step``), top to bottom:
 
+0. ``pairs_from policy`` (a built-in task), every ``resample_every`` steps: sample
+   ``group_size`` completions of each of the task's next ``prompts_per_step x
+   resample_every`` prompts from the current policy (rollout temperature), label them
+   with the task's answer check and pair a correct completion (chosen) with an
+   incorrect one of the same prompt; the steps until the next round train on these
+   pairs (iterative, or with ``resample_every`` 1 online, preference optimization);
 1. take the next ``pairs_per_step`` examples (pairs; KTO: labelled completions) of a
    shuffled, resumable order;
 2. unpaired presets (KTO): score the mismatched pairs, prompt ``i`` with completion
@@ -17,6 +23,10 @@ One optimizer step (``train_step``), top to bottom:
    gradient is the whole batch's whatever the micro-batch size;
 4. one guarded optimizer step (``posttrain.optim``: a non-finite gradient is skipped);
 5. log the preset's loss and metrics on the whole step's detached log-probs.
+
+A preset with ``rpo_alpha`` adds that weight times the chosen (KTO: desirable)
+completions' per-token NLL to its loss (RPO): on pairs of its own samples a preference
+loss alone can lower both log-probs, and the NLL keeps the right answers likely.
 
 ``evaluate``: held-out pairwise accuracy under the preset's own implicit reward and,
 for a built-in task, greedy generation accuracy on its held-out prompts.
@@ -42,6 +52,10 @@ The loop never looks at the preset's name: ``needs_reference``, ``paired``,
    share of the whole step, and the gradients are summed: the update of one process.
    KTO's mismatched pairs are the whole step's (each process scores its share of them),
    and the logged loss and metrics are computed on the whole step's log-probs.
+   Pairs sampled from the policy need one process (``validate`` says so).
+7. KTO's ``rpo_alpha`` term is the desirable examples' NLL averaged over all the
+   step's examples (undesirable ones add 0), a mean over examples like KTO's loss, so
+   micro-batches and processes add up to the one-batch value.
 """
 
 from __future__ import annotations
@@ -57,12 +71,14 @@ from posttrain import distributed, fsdp, offload
 from posttrain.distributed import say as _say
 from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError, absolute_path
-from posttrain.guards import UpdateCheck
+from posttrain.guards import NoLearningSignal, UpdateCheck
 from posttrain.data import PromptSampler, encode_prompt
 from posttrain.modeling import checkpoint_layers, collate, forward, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.optim import apply_gradients, build_optimizer
-from posttrain.preference_data import PreferenceExamples, PreferenceTask, encode, load_rows
+from posttrain.preference_data import (
+    PreferenceExamples, PreferenceTask, encode, load_rows, pairs_from_samples, unpair,
+)
 from posttrain.rollout import Generator, SamplingParams, make_generator
 from posttrain.runner import run_training
 
@@ -76,7 +92,7 @@ class PreferenceSession:
     ref: Any | None  # frozen reference model, only for presets that need one
     optimizer: torch.optim.Optimizer
     scheduler: Any
-    train: PreferenceExamples
+    train: PreferenceExamples | None  # pairs_from policy: None until the first round is sampled
     test: PreferenceExamples | None  # held-out pairs
     task: PreferenceTask | None  # built-in task: held-out generation accuracy
     generator: Generator | None
@@ -90,6 +106,8 @@ class PreferenceSession:
     last_batch: list[int] = field(default_factory=list)
     last_inputs: dict[str, Tensor] = field(default_factory=dict)
     update_check: UpdateCheck = field(init=False)  # an optimizer step that moves no weight is an error
+    prompt_sampler: PromptSampler | None = None  # pairs_from policy: the order of the task's prompts
+    pair_rows: list[dict[str, Any]] = field(default_factory=list)  # pairs_from policy: this round's pairs
 
     def __post_init__(self) -> None:
         self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
@@ -106,7 +124,8 @@ class PreferenceSession:
         train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task, paired=preset.paired,
                                                 needs_scores=preset.needs_scores)
         test_rows = test_rows[:data.eval_size]
-        validate(config, preset, len(train_rows))
+        from_policy = config.preference.pairs_from == "policy"
+        validate(config, preset, None if from_policy else len(train_rows), task)
         fsdp.check(config)
         offload.check(config.model.offload_reference, preset.needs_reference, preset.name)
         distributed.init(config.model.device)
@@ -123,12 +142,14 @@ class PreferenceSession:
             checkpoint_layers(policy)
         pc = config.preference
         lengths = dict(max_length=pc.max_length, max_prompt_length=pc.max_prompt_length)
-        train = encode(train_rows, tokenizer, paired=preset.paired, with_scores=preset.needs_scores and preset.paired,
-                       source=data.dataset or f"task {data.task}", **lengths)
+        train = None if from_policy else encode(
+            train_rows, tokenizer, paired=preset.paired, with_scores=preset.needs_scores and preset.paired,
+            source=data.dataset or f"task {data.task}", **lengths)
         test = encode(test_rows, tokenizer, paired=True, with_scores=preset.needs_scores,
                       source=data.eval_dataset or f"task {data.task} (held-out)", **lengths) if test_rows else None
-        _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated "
-             f"(max_length {pc.max_length}, max_prompt_length {pc.max_prompt_length})")
+        if train is not None:
+            _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated "
+                 f"(max_length {pc.max_length}, max_prompt_length {pc.max_prompt_length})")
         ref = reference_model(policy, config.model.offload_reference) if preset.needs_reference else None
         chunk = config.optim.micro_batch_size  # sequences per no-grad forward pass
         pad = tokenizer.pad_token_id
@@ -146,12 +167,14 @@ class PreferenceSession:
         if task is not None:
             from posttrain.session import eos_token_ids
 
-            budget = config.rollout.max_new_tokens or task.source.max_new_tokens
-            generator = make_generator("hf", policy, tokenizer, SamplingParams(budget), eos_token_ids(policy, tokenizer))
+            r = config.rollout
+            sampling = SamplingParams(r.max_new_tokens or task.source.max_new_tokens, r.temperature, r.top_p, r.top_k)
+            generator = make_generator("hf", policy, tokenizer, sampling, eos_token_ids(policy, tokenizer))
         return cls(config, preset, policy, tokenizer, ref, optimizer, scheduler, train, test, task, generator,
-                   PromptSampler(len(train), config.run.seed), ref_logps, test_ref_logps,
+                   PromptSampler(0 if train is None else len(train), config.run.seed), ref_logps, test_ref_logps,
                    fingerprint={"model": absolute_path(model_name), "algorithm": preset.name,
-                                "parameters": sum(p.numel() for p in policy.parameters())})
+                                "parameters": sum(p.numel() for p in policy.parameters())},
+                   prompt_sampler=PromptSampler(len(task.source.train), config.run.seed) if from_policy else None)
 
     @property
     def pad_id(self) -> int:
@@ -160,19 +183,27 @@ class PreferenceSession:
     @property
     def examples_per_pass(self) -> int:
         """Examples per micro-batch: ``micro_batch_size`` sequences, K per example (decision 3)."""
-        return max(1, self.config.optim.micro_batch_size // len(self.train.completion_ids))
+        return max(1, self.config.optim.micro_batch_size // (2 if self.preset.paired else 1))
 
     # -- the runner's protocol -----------------------------------------------------------------
 
     def trainer_state(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+        state = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+        if self.prompt_sampler is not None:
+            state["prompt_sampler"] = self.prompt_sampler.state_dict()
+        return state
 
     def extra_state(self) -> dict[str, Any]:
-        return {}
+        """pairs_from policy: the round's pairs, which the resumed run trains on until its next round."""
+        return {"pair_rows": self.pair_rows} if self.pair_rows else {}
 
     def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        if extra.get("pair_rows"):
+            use_pairs(self, extra["pair_rows"])
         self.sampler.load_state_dict(state["sampler"])
         self.bad_steps = state["bad_steps"]
+        if self.prompt_sampler is not None:
+            self.prompt_sampler.load_state_dict(state["prompt_sampler"])
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first examples with their log-probs, for samples.jsonl."""
@@ -181,10 +212,18 @@ class PreferenceSession:
                 for j, i in enumerate(self.last_batch[:limit])]
 
 
-def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int) -> None:
-    """Reject impossible combinations before any model is loaded; say what to change."""
+def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | None,
+             task: PreferenceTask | None) -> None:
+    """Reject impossible combinations before any model is loaded; say what to change. ``num_examples`` is
+    None when the pairs are sampled from the policy."""
     per_step = config.preference.pairs_per_step
-    if per_step > num_examples:
+    if num_examples is None and (task is None or config.data.dataset is not None):
+        raise ConfigError("pairs_from: policy pairs are labelled by a built-in task's answer check; give --task "
+                          "(addition, gsm) without --dataset, or use pairs_from dataset")
+    if num_examples is None and distributed.world_size() > 1:
+        raise ConfigError("pairs_from: policy pairs are sampled in one process; run it without torchrun/accelerate "
+                          "or use pairs_from dataset")
+    if num_examples is not None and per_step > num_examples:
         raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training examples")
     world = distributed.world_size()
     if per_step % world:
@@ -276,7 +315,7 @@ def loss_inputs(preset: PreferenceAlgorithm, data: PreferenceExamples, idx: list
     if preset.paired:
         scores = None if data.scores is None else data.scores[:, idx].to(device)
         return pair_inputs(logps_Kn, lengths_Kn, ref_Kn, scores)
-    inputs = {"logps": logps_Kn[0], "desirable": data.desirable[idx].to(device)}
+    inputs = {"logps": logps_Kn[0], "lengths": lengths_Kn[0], "desirable": data.desirable[idx].to(device)}
     if ref_Kn is not None:
         inputs["ref_logps"] = ref_Kn[0]
     return inputs
@@ -308,6 +347,49 @@ def kl_inputs(s: PreferenceSession, idx: list[int]) -> dict[str, Tensor]:
 
 
 # ---------------------------------------------------------------------------------------
+# Pairs sampled from the policy (pairs_from policy)
+# ---------------------------------------------------------------------------------------
+
+
+def sample_policy_pairs(s: PreferenceSession) -> dict[str, float]:
+    """A new round of pairs from the current policy, and its metrics: ``group_size`` completions of each
+    of the task's next ``prompts_per_step x resample_every`` prompts, a correct one chosen over an
+    incorrect one of the same prompt (``preference_data.pairs_from_samples``)."""
+    r, source = s.config.rollout, s.task.source
+    rows = [source.train[i] for i in s.prompt_sampler.next(r.prompts_per_step * s.config.preference.resample_every)]
+    texts: list[str] = []
+    for start in range(0, len(rows), r.prompts_per_step):
+        part = rows[start:start + r.prompts_per_step]
+        completions = s.generator.generate([encode_prompt(s.tokenizer, row["prompt"]) for row in part],
+                                           num_samples=r.group_size)
+        texts += s.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+    prompts = [row["prompt"] for row in rows for _ in range(r.group_size)]
+    columns = {key: [row[key] for row in rows for _ in range(r.group_size)] for key in rows[0] if key != "prompt"}
+    correct = source.correct(prompts, texts, **columns)
+    accuracy = sum(correct) / len(correct)
+    pairs = pairs_from_samples(rows, texts, correct, r.group_size)
+    if not pairs:
+        raise NoLearningSignal(
+            f"pairs_from policy: none of {len(rows)} prompts had both a correct and an incorrect completion among "
+            f"its {r.group_size} samples (sample accuracy {accuracy:.3f}), so there is no pair to learn from; raise "
+            "group_size or temperature, or start from a policy that is sometimes right")
+    use_pairs(s, pairs)
+    return {"pairs/count": len(pairs), "pairs/sample_accuracy": accuracy,
+            "pairs/prompts_with_a_pair": len({pair["prompt"] for pair in pairs}) / len(rows)}
+
+
+def use_pairs(s: PreferenceSession, rows: list[dict[str, Any]]) -> None:
+    """Train on the pair ``rows`` from now on: tokenized (KTO: unpaired), in a shuffled order of their own
+    (seeded by the round, so a resumed run takes the same order)."""
+    pc = s.config.preference
+    s.pair_rows = rows
+    s.train = encode(rows if s.preset.paired else unpair(rows), s.tokenizer, paired=s.preset.paired,
+                     with_scores=s.preset.needs_scores and s.preset.paired, source="pairs sampled from the policy",
+                     max_length=pc.max_length, max_prompt_length=pc.max_prompt_length)
+    s.sampler = PromptSampler(len(s.train), s.config.run.seed + 1_000_003 * (s.step // pc.resample_every + 1))
+
+
+# ---------------------------------------------------------------------------------------
 # The step
 # ---------------------------------------------------------------------------------------
 
@@ -325,6 +407,9 @@ def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
 
 def train_step(s: PreferenceSession) -> dict[str, float]:
     """One optimizer step of the preset's preference loss over ``pairs_per_step`` examples."""
+    round_metrics = {}
+    if s.prompt_sampler is not None and s.step % s.config.preference.resample_every == 0:
+        round_metrics = sample_policy_pairs(s)  # pairs_from policy: a new round from the current policy
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
     lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
     mine, m = distributed.shard(idx), s.examples_per_pass
@@ -355,6 +440,7 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
         "skipped_steps": float(not math.isfinite(grad_norm)),
         "lr": lr,
         "data/truncated": float(s.train.truncated[idx].sum()),
+        **round_metrics,
     }
 
 
@@ -379,8 +465,9 @@ def implicit_rewards(preset: PreferenceAlgorithm, logps_2M: Tensor, lengths_2M: 
             inputs = pair_inputs(logps_2M[:, one], lengths_2M[:, one], None if ref_2M is None else ref_2M[:, one],
                                  None if scores_2M is None else scores_2M[:, one])
         else:
-            inputs = {"logps": logps_2M[:, m], "ref_logps": ref_2M[:, m], "desirable": torch.tensor([True, False]),
-                      "kl_logps": torch.zeros(1), "kl_ref_logps": torch.zeros(1)}
+            inputs = {"logps": logps_2M[:, m], "lengths": lengths_2M[:, m], "ref_logps": ref_2M[:, m],
+                      "desirable": torch.tensor([True, False]), "kl_logps": torch.zeros(1),
+                      "kl_ref_logps": torch.zeros(1)}
         _, metrics = preset.preference_loss(**inputs)
         rewards.append([float(metrics[name]) for name in names])
     return torch.tensor(rewards).T

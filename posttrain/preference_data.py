@@ -130,6 +130,23 @@ def _check_scores(row: dict[str, Any], where: str) -> None:
                         f"{row['score_rejected']}; swap chosen and rejected, or drop the row")
 
 
+def pairs_from_samples(rows: list[dict[str, Any]], texts: list[str], correct: list[bool],
+                       group_size: int) -> list[dict[str, Any]]:
+    """Preference pairs from ``group_size`` sampled completions of each row's prompt (row ``i``'s are
+    ``texts[i*G:(i+1)*G]``): its k-th correct completion is chosen over its k-th incorrect one, so a
+    prompt gives min(#correct, #incorrect) pairs and one the policy always (or never) solves gives
+    none. Scores are 1 and 0, as the answer check gives them (ODPO's offset ``alpha * log(1 - 0)`` is
+    then 0). The row's other columns are kept."""
+    pairs = []
+    for i, row in enumerate(rows):
+        group = range(i * group_size, (i + 1) * group_size)
+        right = [texts[j] for j in group if correct[j]]
+        wrong = [texts[j] for j in group if not correct[j]]
+        for chosen, rejected in zip(right, wrong):
+            pairs.append({**row, "chosen": chosen, "rejected": rejected, "score_chosen": 1.0, "score_rejected": 0.0})
+    return pairs
+
+
 def unpair(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Pairs -> KTO rows: ``(prompt, chosen, true)`` then ``(prompt, rejected, false)`` for each pair."""
     return [{"prompt": row["prompt"], "completion": row[name], "label": name == "chosen"}

@@ -248,8 +248,9 @@ class OnlineSession:
         return scores.total
 
     def best_of_n(self, groups):
-        """RAFT: each group's highest-reward sample (ties: the first), groups below min_reward dropped."""
-        index, keep = F.best_of_n(groups.rewards, min_reward=self.alg.min_reward)
+        """RAFT: each group's highest-reward sample (ties: the first); groups below min_reward, and (skip_ties)
+        groups whose samples all tie, dropped."""
+        index, keep = F.best_of_n(groups.rewards, min_reward=self.alg.min_reward, skip_ties=self.alg.skip_ties)
         return groups.pick(index).select(keep)
 
     def optimizer_step(self) -> float:

@@ -46,11 +46,12 @@ ONLINE_TABLE = {
 }
 ONLINE_DEFAULTS = dict(dual_clip=None, value_clip=None, gamma=None, lam=None, reward_clip=None, binary_reward=None,
                        dynamic_sampling=False, max_generation_rounds=3, overlong_buffer_ratio=None,
-                       overlong_filter=False, history_resampling=False, min_reward=None, eps=1e-6)
+                       overlong_filter=False, history_resampling=False, min_reward=None, skip_ties=False, eps=1e-6)
 ONLINE_EXTRAS = {
     "ppo": dict(value_clip=0.2, gamma=1.0, lam=0.95),
     "reinforce_pp": dict(reward_clip=10.0),
     "dapo": dict(dynamic_sampling=True, overlong_buffer_ratio=4096 / 20480, binary_reward=(-1.0, 1.0)),
+    "best_of_n": dict(skip_ties=True),  # not in ALGORITHMS.md: without it a group with no right answer trains on a wrong one
 }
 PREFERENCE_COLUMNS = ("loss", "beta", "label_smoothing", "alpha", "gamma", "lam", "desirable_weight",
                       "undesirable_weight")
@@ -213,6 +214,7 @@ def test_unknown_field_names_it_and_lists_the_fields_of_that_kind():
     ("grpo", dict(lam=0.95), "belong to advantage='gae'"),
     ("ppo", dict(value_clip=-0.2), "value_clip=-0.2 must be > 0"),
     ("grpo", dict(min_reward=0.5), "min_reward applies to advantage='best_of_n' only"),
+    ("grpo", dict(skip_ties=True), "skip_ties applies to advantage='best_of_n' only"),
     ("remax", dict(dynamic_sampling=True), "only for a group estimator"),
     ("dpo", dict(beta=0.0), "beta=0.0 must be > 0"),
     ("dpo", dict(label_smoothing=0.5), r"label_smoothing=0.5 must be in \[0, 0.5\)"),
@@ -345,9 +347,11 @@ def test_gae_shapes_the_reward_with_k1():
 
 
 def test_best_of_n_selects_the_best_completion_per_prompt():
-    rewards = torch.tensor([[0.1, 0.9, 0.5], [0.2, 0.2, 0.0]])
+    rewards = torch.tensor([[0.1, 0.9, 0.5], [0.2, 0.2, 0.0], [0.0, 0.0, 0.0]])
+    # ties: the first; the third prompt's samples all tie (no right answer on a 0/1 reward): skipped
     torch.testing.assert_close(ALGORITHMS["best_of_n"].advantages(rewards),
-                               torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0]]))  # ties: the first
+                               torch.tensor([[0.0, 1.0, 0.0], [1.0, 0.0, 0.0], [0.0, 0.0, 0.0]]))
+    rewards = rewards[:2]
     strict = algorithm("best_of_n", min_reward=0.3)  # the second prompt's best (0.2) is below: skipped
     torch.testing.assert_close(strict.advantages(rewards), torch.tensor([[0.0, 1.0, 0.0], [0.0, 0.0, 0.0]]))
 
@@ -498,3 +502,27 @@ def test_side_by_side_errors():
         format_side_by_side(["gpro"])
     with pytest.raises(ValueError, match="at least one preset"):
         format_side_by_side([])
+
+
+@pytest.mark.parametrize("name", ["dpo", "odpo", "simpo", "kto"])
+def test_rpo_alpha_adds_the_chosen_nll_by_hand(name):
+    """loss(rpo_alpha=0.5) = loss + 0.5 * mean(-pi_w / |y_w|); here -(-6)/3 = 2 and -(-2)/4 = 0.5 (KTO: the
+    desirable example's 2 and the undesirable one's 0, over both examples: 1)."""
+    base, with_nll = algorithm(name), algorithm(name, rpo_alpha=0.5)
+    if base.paired:
+        inputs = dict(chosen_logps=torch.tensor([-6.0, -2.0]), rejected_logps=torch.tensor([-7.0, -3.0]),
+                      ref_chosen_logps=torch.tensor([-6.5, -2.5]), ref_rejected_logps=torch.tensor([-6.5, -2.5]),
+                      chosen_scores=torch.tensor([1.0, 1.0]), rejected_scores=torch.tensor([-1.0, 0.0]),
+                      chosen_lengths=torch.tensor([3, 4]), rejected_lengths=torch.tensor([3, 4]))
+        nll = (2.0 + 0.5) / 2
+    else:
+        inputs = dict(logps=torch.tensor([-6.0, -2.0]), lengths=torch.tensor([3, 4]),
+                      ref_logps=torch.tensor([-6.5, -2.5]), desirable=torch.tensor([True, False]),
+                      kl_logps=torch.tensor([-5.0, -5.0]), kl_ref_logps=torch.tensor([-5.0, -5.0]))
+        nll = (2.0 + 0.0) / 2
+    loss, _ = base.preference_loss(**inputs)
+    total, metrics = with_nll.preference_loss(**inputs)
+    assert total.item() == pytest.approx(loss.item() + 0.5 * nll)
+    assert metrics["nll"].item() == pytest.approx(nll)
+    with pytest.raises(ValueError, match="rpo_alpha"):
+        algorithm("orpo", rpo_alpha=0.5)

@@ -279,3 +279,7 @@ def test_best_of_n_takes_the_first_best_and_filters_by_min_reward():
     assert keep.tolist() == [True, True, True]
     _, keep = F.best_of_n(rewards, min_reward=0.5)
     assert keep.tolist() == [True, False, True]
+    _, keep = F.best_of_n(rewards, skip_ties=True)  # the third group's samples all tie: no best among them
+    assert keep.tolist() == [True, True, False]
+    _, keep = F.best_of_n(rewards, min_reward=0.5, skip_ties=True)
+    assert keep.tolist() == [True, False, False]

@@ -159,3 +159,14 @@ def test_overlong_penalty_rejects_bad_budgets():
         F.overlong_penalty(torch.tensor([1]), max_tokens=20, buffer=30)
     with pytest.raises(ValueError, match="buffer=0 must be > 0"):
         F.overlong_penalty(torch.tensor([1]), max_tokens=20, buffer=0)
+
+
+def test_chosen_nll_by_hand():
+    """RPO's term: -pi_w / |y_w| per example, averaged. (-(-6)/3 + -(-2)/4) / 2 = (2 + 0.5) / 2 = 1.25."""
+    logps, lengths = torch.tensor([-6.0, -2.0]), torch.tensor([3, 4])
+    assert F.chosen_nll(logps, lengths).item() == pytest.approx(1.25)
+    # KTO: the desirable examples' term, still a mean over all examples: (0 + 0.5) / 2
+    assert F.chosen_nll(logps, lengths, keep=torch.tensor([False, True])).item() == pytest.approx(0.25)
+    assert F.chosen_nll(logps, lengths, keep=torch.tensor([False, False])).item() == 0.0
+    with pytest.raises(ValueError, match="chosen_lengths must be > 0"):
+        F.chosen_nll(logps, torch.tensor([3, 0]))

@@ -146,12 +146,17 @@ def test_remax_decodes_greedily_once_per_prompt(tiny_model_dir, reward_file):
 
 def test_best_of_n_trains_on_the_best_sample_of_each_group(tiny_model_dir, reward_file):
     s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "best_of_n", seed=3))
+    sampled = []
+    select = s.best_of_n
+    s.best_of_n = lambda groups: sampled.append(groups) or select(groups)
     torch.manual_seed(3)
     train_step(s)
-    g = s.last_groups
-    assert g.group_size == 1 and len(g.indices) == 4
+    g, rewards = s.last_groups, sampled[0].rewards  # [B, G] as sampled
+    tied = rewards.amax(1) == rewards.amin(1)  # no sample better than another: skipped (skip_ties)
+    assert 0 < tied.sum() < len(tied) and g.group_size == 1
+    assert g.indices == [i for i, t in zip(sampled[0].indices, tied) if not t]
     # Every kept sample's reward is the maximum the policy sampled for that prompt this step.
-    assert torch.all(g.rewards >= 0)
+    assert g.rewards.view(-1).tolist() == rewards.amax(1)[~tied].tolist()
 
 
 @pytest.mark.parametrize("name", ["grpo", "cispo", "dr_grpo"])  # the three aggregations

@@ -161,9 +161,10 @@ def test_precomputed_reference_equals_on_the_fly(name, tiny_model_dir, pair_file
     assert a["loss"] == pytest.approx(b["loss"], abs=1e-6)
 
 
-@pytest.mark.parametrize("name", PRESETS)
-def test_micro_batching_gives_the_same_gradient(name, tiny_model_dir, pair_files, monkeypatch):
-    """Micro-batches of 3 sequences (one pair; three KTO examples) accumulate the whole batch's gradient."""
+@pytest.mark.parametrize("name, extra", [*((n, {}) for n in PRESETS), *((n, {"rpo_alpha": 1.0}) for n in ("dpo", "kto"))])
+def test_micro_batching_gives_the_same_gradient(name, extra, tiny_model_dir, pair_files, monkeypatch):
+    """Micro-batches of 3 sequences (one pair; three KTO examples) accumulate the whole batch's gradient
+    (with RPO's NLL term too)."""
     grads = []
 
     def capture(optimizer, scheduler, optim, bad_steps):
@@ -174,7 +175,7 @@ def test_micro_batching_gives_the_same_gradient(name, tiny_model_dir, pair_files
     monkeypatch.setattr(preference, "apply_gradients", capture)
     for micro in (64, 3):
         s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, micro_batch_size=micro,
-                                                 pairs_per_step=5))
+                                                 pairs_per_step=5, **extra))
         s.update_check.done = True  # the captured step applies nothing, on purpose
         grads.append([])
         train_step(s)
@@ -437,3 +438,88 @@ def test_offloaded_reference_can_precompute(tiny_model_dir, pair_files):
     assert plain.ref is None and offloaded.ref is None  # freed once everything is scored
     assert torch.equal(plain.ref_logps, offloaded.ref_logps) and torch.equal(plain.test_ref_logps,
                                                                              offloaded.test_ref_logps)
+
+
+# --- pairs sampled from the policy (pairs_from policy) --------------------------------------------
+
+
+def test_pairs_from_samples_pair_the_kth_correct_with_the_kth_incorrect_completion():
+    from posttrain.preference_data import pairs_from_samples
+
+    rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
+    texts = ["2", "3", "2 ", "5", "4", "4", "4", "4", "1", "2", "3", "6"]  # G = 4 per prompt, in order
+    correct = [True, False, True, False, True, True, True, True, False, False, False, True]
+    pairs = pairs_from_samples(rows, texts, correct, group_size=4)
+    # prompt 1: two right, two wrong -> 2 pairs; prompt 2 always right -> none; prompt 3: one right -> 1
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [
+        ("1+1=", "2", "3"), ("1+1=", "2 ", "5"), ("3+3=", "6", "1")]
+    assert all(p["score_chosen"] == 1.0 and p["score_rejected"] == 0.0 and "answer" in p for p in pairs)
+
+
+@pytest.fixture
+def labelled_by_length(monkeypatch):
+    """The built-in addition task, small, with an answer check that a random model passes about half the
+    time: a completion is "correct" when its text has an even number of characters."""
+    from posttrain import preference_data
+    from posttrain.tasks import addition_pairs
+
+    def make(seed):
+        task = addition_pairs.make_task(seed, n_train=64, n_test=4)
+        source = dataclasses.replace(task.source, correct=lambda prompts, texts, **_: [len(t) % 2 == 0 for t in texts])
+        return dataclasses.replace(task, source=source)
+
+    monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition", make)
+
+
+def policy_config(model_dir, algorithm="dpo", **flat) -> Config:
+    return Config.from_flat(dict(
+        algorithm=algorithm, model=str(model_dir), task="addition", pairs_from="policy", resample_every=2,
+        prompts_per_step=4, group_size=4, max_new_tokens=6, pairs_per_step=2, learning_rate=1e-3, max_steps=4,
+        eval_size=4, progress=False, report_to="none", seed=0, **flat))
+
+
+@pytest.mark.parametrize("name", ["dpo", "kto"])
+def test_policy_pairs_are_the_policys_samples_labelled_by_the_task_and_resampled(name, tiny_model_dir,
+                                                                                 labelled_by_length):
+    s = PreferenceSession.create(policy_config(tiny_model_dir, name))
+    assert s.train is None  # nothing to train on until the first round is sampled
+    first = train_step(s)
+    rows = s.pair_rows
+    assert first["pairs/count"] == len(rows) > 0 and 0 < first["pairs/sample_accuracy"] < 1
+    assert all(len(p["chosen"]) % 2 == 0 and len(p["rejected"]) % 2 == 1 for p in rows)  # labelled by the check
+    assert len({p["prompt"] for p in rows}) <= 4 * 2  # prompts_per_step x resample_every prompts per round
+    assert len(s.train) == (len(rows) if name == "dpo" else 2 * len(rows))  # KTO: the pairs unpaired
+    s.step += 1
+    assert "pairs/count" not in train_step(s) and s.pair_rows is rows  # within the round: the same pairs
+    s.step += 1
+    assert "pairs/count" in train_step(s) and s.pair_rows is not rows  # a new round from the current policy
+
+
+def test_policy_pairs_resume_mid_round_as_if_never_stopped(tiny_model_dir, labelled_by_length, tmp_path):
+    common = dict(save_every=1, eval_every=2, log_samples_every=0, rpo_alpha=1.0)
+    whole = policy_config(tiny_model_dir, output=str(tmp_path / "whole"), **common)
+    run_training(PreferenceSession.create(whole), whole, train_step, evaluate)
+    first = policy_config(tiny_model_dir, output=str(tmp_path / "split"), **common)
+    run_interrupted(PreferenceSession.create(first), first, train_step, evaluate, after=3)  # mid-round 2
+    second = resumed(first, tmp_path / "split")
+    run_training(PreferenceSession.create(second), second, train_step, evaluate)
+    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+
+
+def test_policy_pairs_need_a_task_with_an_answer_check(tiny_model_dir, pair_files):
+    with pytest.raises(ConfigError, match="pairs_from"):
+        PreferenceSession.create(make_config(tiny_model_dir, pair_files, pairs_from="policy"))
+    with pytest.raises(ConfigError, match="precompute_reference"):
+        Config.from_flat(dict(algorithm="dpo", task="addition", pairs_from="policy", precompute_reference=True))
+
+
+def test_policy_pairs_never_right_or_never_wrong_is_a_loud_error(tiny_model_dir, monkeypatch):
+    from posttrain import preference_data
+    from posttrain.guards import NoLearningSignal
+    from posttrain.tasks import addition_pairs
+
+    monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition",
+                        lambda seed: addition_pairs.make_task(seed, n_train=64, n_test=4))
+    s = PreferenceSession.create(policy_config(tiny_model_dir))  # a random model never adds
+    with pytest.raises(NoLearningSignal, match="sample accuracy 0.000"):
+        train_step(s)

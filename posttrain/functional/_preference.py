@@ -13,6 +13,8 @@ loss is the mean over pairs (examples for KTO).
   `a = pi/|y|`, `logodds = a - log(1 - exp(a))`.
 - KTO (Ethayarajh et al. 2024, L_KTO): `w_d (1 - sigmoid(beta (r - z)))` for a
   desirable example, `w_u (1 - sigmoid(beta (z - r)))` otherwise.
+- RPO's NLL term (Pang et al. 2024, eq. (2)), added to any of them:
+  `-pi_w / |y_w|`, averaged over the chosen (KTO: desirable) completions.
 
 Departures:
 1. `offset` and label smoothing compose: the smoothed DPO loss is applied to
@@ -262,6 +264,32 @@ def kto_loss(
         "kl": z,
     }
     return loss, metrics
+
+
+def chosen_nll(chosen_logps: Tensor, chosen_lengths: Tensor, keep: Tensor | None = None) -> Tensor:
+    """Mean per-token negative log-likelihood of the chosen completions: the NLL term that RPO
+    (Pang et al. 2024, "Iterative Reasoning Preference Optimization", arXiv:2404.19733, eq. (2):
+    `L = L_DPO + alpha * -log M(y_w|x) / |y_w|`; TRL's `rpo_alpha`) adds to a preference loss,
+    so that the chosen completions' likelihood rises instead of falling with the rejected ones'.
+
+    Args:
+        chosen_logps: `[B]` summed completion log-probs.
+        chosen_lengths: `[B]` completion token counts, > 0.
+        keep: `[B]` bool, the examples the term covers (KTO: the desirable ones); None = all.
+
+    Returns:
+        Scalar: the mean over all B examples of `-chosen_logps / chosen_lengths` where `keep`,
+        0 elsewhere. A mean over examples like every preference loss here, so it adds up over
+        micro-batches and processes (a mean over the kept ones alone would not).
+    """
+    check_ndim("chosen_logps", chosen_logps, 1, "[B]")
+    check_same_shape(chosen_logps=chosen_logps, chosen_lengths=chosen_lengths, keep=keep)
+    _check_lengths("chosen_lengths", chosen_lengths)
+    dtype = compute_dtype(chosen_logps)
+    per_token_B = -chosen_logps.to(dtype) / chosen_lengths.to(dtype)
+    if keep is not None:
+        per_token_B = per_token_B.masked_fill(~keep, 0.0)
+    return per_token_B.mean()
 
 
 def _masked_mean(values_B: Tensor, keep_B: Tensor) -> Tensor:

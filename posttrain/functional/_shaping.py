@@ -40,12 +40,16 @@ def overlong_penalty(lengths: Tensor, *, max_tokens: int, buffer: int) -> Tensor
     return torch.where(lengths_N > max_tokens, -1.0, penalty_N)
 
 
-def best_of_n(rewards: Tensor, *, min_reward: float | None = None) -> tuple[Tensor, Tensor]:
+def best_of_n(rewards: Tensor, *, min_reward: float | None = None,
+              skip_ties: bool = False) -> tuple[Tensor, Tensor]:
     """The best completion of each group.
 
     Args:
         rewards: [B, G] rewards of G completions for each of B prompts.
         min_reward: groups whose best reward is below it are not kept; None keeps all.
+        skip_ties: groups whose completions all have the same reward are not kept: none is
+            better than another, so "the best" is only the first (with a 0/1 reward, a group
+            without a right answer would train on a wrong one).
 
     Returns:
         (index [B] long: the argmax over G, ties to the first; keep [B] bool).
@@ -54,6 +58,9 @@ def best_of_n(rewards: Tensor, *, min_reward: float | None = None) -> tuple[Tens
     if rewards.shape[1] < 1:
         raise ValueError(f"rewards has shape {list(rewards.shape)}; each prompt needs at least one completion")
     index_B = rewards.argmax(dim=1)  # torch documents: the first maximal index
-    if min_reward is None:
-        return index_B, torch.ones_like(index_B, dtype=torch.bool)
-    return index_B, rewards.amax(dim=1) >= min_reward
+    keep_B = torch.ones_like(index_B, dtype=torch.bool)
+    if min_reward is not None:
+        keep_B &= rewards.amax(dim=1) >= min_reward
+    if skip_ties:
+        keep_B &= rewards.amax(dim=1) > rewards.amin(dim=1)
+    return index_B, keep_B
