@@ -277,7 +277,8 @@ def _add_compare_parsers(commands: Any) -> None:
     _add_preset_flags(compare)
     own = compare.add_argument_group("comparison")
     own.add_argument("--algorithms", type=_names, required=True, help="comma-separated presets, e.g. grpo,dapo")
-    own.add_argument("--seeds", type=int, default=1, help="seeds 0..K-1 per preset [default: 1]")
+    own.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1 per preset (one seed cannot tell a "
+                     "difference from noise) [default: 3]")
     own.add_argument("--output", required=True, help="comparison directory: DIR/<algorithm>/seed<k>/, DIR/report.html")
     own.add_argument("--jobs", type=int, default=1, help="runs trained in parallel processes [default: 1]")
     own.add_argument("--target", type=float, default=None, help=TARGET_HELP)

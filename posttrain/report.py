@@ -87,8 +87,13 @@ FIGURES: tuple[FigureSpec, ...] = (
                "first); DAPO's clip-higher and CISPO's clipped IS weight should keep it up longer."),
     FigureSpec("clip_fraction", "Clip fraction (share of tokens clipped)", (("clip_fraction", "step"),),
                "Clip fraction: 0 while each rollout gets one update as soon as it is sampled (the ratio is "
-               "exactly 1); PPO's epochs, DAPO's carried-over groups or mini_batches > 1 show how far updates "
-               "push past the trust region."),
+               "exactly 1: GRPO, ReMax, RLOO); the presets whose papers take several mini-batches per rollout "
+               "show how far updates push past the trust region (GSPO's clip range is 3e-4 to 4e-4 wide)."),
+    FigureSpec("zero_gradient_fraction", "Tokens without a gradient (share of tokens)",
+               (("zero_gradient_fraction", "step"),),
+               "Tokens whose policy term sends no gradient although their advantage is not 0: PPO-style "
+               "clipping drops a clipped token's gradient, CISPO's clipped IS weight keeps it (its share stays 0 "
+               "while its clip fraction does not)."),
     FigureSpec("kl", "KL to the reference", (("kl", "step"),),
                "KL to the reference (k3), for the presets that keep one (KTO: its reference point z): a steep "
                "climb means the policy drifts faster than the KL penalty holds it."),

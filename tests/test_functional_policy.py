@@ -27,6 +27,7 @@ def test_ppo_clipped_surrogate_hand_computed():
     #   rho 1.5 A-1: min(-1.5, -1.2) -> 1.5 (unclipped branch)
     assert loss.item() == pytest.approx((-1.2 + 0.8 - 1.1 + 0.8 + 1.5) / 5)
     assert metrics["clip_fraction"].item() == pytest.approx(3 / 5)
+    assert metrics["zero_gradient_fraction"].item() == pytest.approx(3 / 5)  # PPO: a clipped token gets none
     assert metrics["ratio_mean"].item() == pytest.approx((1.5 + 0.5 + 1.1 + 0.7 + 1.5) / 5)
     assert metrics["empty_batch"].item() == 0
     loss.backward()
@@ -50,6 +51,7 @@ def test_dual_clip_bounds_negative_advantages_only():
     # rho 4 A-1: ppo term 4, dual clip max(-4, 3 * -1) -> 3;  rho 2 A-1: 2;  rho 4 A+1: -1.2
     assert loss.item() == pytest.approx((3.0 + 2.0 - 1.2) / 3)
     assert metrics["dual_clip_fraction"].item() == pytest.approx(1 / 3)
+    assert metrics["zero_gradient_fraction"].item() == pytest.approx(2 / 3)  # the dual-clipped and the clipped
     loss.backward()
     torch.testing.assert_close(logp.grad, torch.tensor([[0.0, 2.0 / 3, 0.0]], dtype=torch.float64))
 
@@ -66,9 +68,13 @@ def test_cispo_gradient_is_clipped_weight_times_advantage_and_survives_clipping(
     torch.testing.assert_close(logp.grad, -weights * adv / 4)
     # PPO drops token 0 (rho 1.5 > 1.2, A > 0); CISPO keeps its gradient
     ppo_logp = logp.detach().clone().requires_grad_()
-    F.policy_loss(ppo_logp, old, adv, mask, aggregation="token_mean")[0].backward()
+    ppo_loss, ppo_metrics = F.policy_loss(ppo_logp, old, adv, mask, aggregation="token_mean")
+    ppo_loss.backward()
     assert ppo_logp.grad[0, 0] == 0 and logp.grad[0, 0] != 0
     assert metrics["clip_fraction"].item() == pytest.approx(2 / 4)  # weights clipped: 1.5 and 6.0
+    # the share of tokens left without a gradient: PPO's rho 1.5 (A > 0) and rho 0.1 (A < 0); none of CISPO's
+    assert ppo_metrics["zero_gradient_fraction"].item() == pytest.approx(2 / 4)
+    assert metrics["zero_gradient_fraction"].item() == 0
 
 
 def test_gspo_hand_computed():
@@ -199,7 +205,8 @@ def test_empty_batch_gives_zero_loss_with_zero_gradient(ratio, aggregation):
 def test_metrics_are_detached_zero_dim_tensors():
     logp, old, ref, adv, mask = _random_batch(4)
     _, metrics = F.policy_loss(logp.requires_grad_(), old, adv, mask, ref_logprobs=ref, dual_clip=3.0)
-    assert set(metrics) == {"policy_loss", "clip_fraction", "ratio_mean", "empty_batch", "kl", "dual_clip_fraction"}
+    assert set(metrics) == {"policy_loss", "clip_fraction", "ratio_mean", "empty_batch", "kl", "dual_clip_fraction",
+                            "zero_gradient_fraction"}
     for value in metrics.values():
         assert isinstance(value, torch.Tensor) and value.dim() == 0 and not value.requires_grad
 

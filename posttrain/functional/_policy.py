@@ -187,7 +187,10 @@ def policy_loss(
         (loss 0-dim, metrics): `policy_loss` (the policy term alone), `clip_fraction`
         (share of valid tokens whose clipped branch is active), `ratio_mean`,
         `empty_batch` (1 if no token is valid), `kl` (token mean, when ref_logprobs is
-        given), `dual_clip_fraction` (with dual_clip). All 0-dim and detached.
+        given), `dual_clip_fraction` (with dual_clip), `zero_gradient_fraction` (share of
+        valid tokens with a nonzero advantage whose policy term sends no gradient to their
+        log-prob: PPO's clipped tokens, never CISPO's, whose clip bounds only a weight; only
+        when `logprobs` requires grad). All 0-dim and detached.
     """
     _check_policy_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, ratio, clip,
                        eps_low, eps_high, dual_clip, kl_coef, kl_estimator)
@@ -212,6 +215,10 @@ def policy_loss(
     def reduce(values_NT: Tensor) -> Tensor:
         return aggregate(values_NT, valid_NT, aggregation, max_tokens=max_tokens, normalizer=normalizer)
 
+    if logp_NT.requires_grad:  # a backward through the elementwise surrogate only, not the model
+        (grad_NT,) = torch.autograd.grad(loss_NT.sum(), logp_NT, retain_graph=True)
+        dropped_NT = (grad_NT == 0) & (adv_NT != 0) & valid_NT
+        metrics["zero_gradient_fraction"] = _token_mean(dropped_NT.to(dtype), valid_NT)
     policy_term = reduce(loss_NT)
     loss = policy_term
     if ref_logprobs is not None:
