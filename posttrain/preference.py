@@ -150,6 +150,10 @@ class PreferenceSession:
         if train is not None:
             _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated "
                  f"(max_length {pc.max_length}, max_prompt_length {pc.max_prompt_length})")
+        if task is not None and not from_policy and not data.dataset:
+            _say("the built-in pairs are synthetic (the right scratchpad against one with a slip): they teach "
+                 "ranking and can lower task accuracy; to improve the task itself, train on the policy's own "
+                 "samples: --pairs-from policy --rpo-alpha 1 (ORPO: no --rpo-alpha)")
         ref = reference_model(policy, config.model.offload_reference) if preset.needs_reference else None
         chunk = config.optim.micro_batch_size  # sequences per no-grad forward pass
         pad = tokenizer.pad_token_id
