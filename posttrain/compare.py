@@ -46,6 +46,7 @@ import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
+from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -77,17 +78,34 @@ class Job:
 # ---------------------------------------------------------------------------------------
 
 
-def plan(algorithms: list[str], seeds: int, flat: dict[str, Any], output: Path) -> list[Job]:
+def seed_list(seeds: int | Sequence[int]) -> list[int]:
+    """``K`` -> seeds 0..K-1; a sequence -> those seeds (to add seeds to a comparison run before)."""
+    if isinstance(seeds, int):
+        if seeds < 1:
+            raise ConfigError(f"seeds: got {seeds}; use 1 or more")
+        return list(range(seeds))
+    if not seeds or any(seed < 0 for seed in seeds) or len(set(seeds)) != len(seeds):
+        raise ConfigError(f"seeds: got {','.join(map(str, seeds))}; name distinct seeds >= 0, e.g. 1,2")
+    return list(seeds)
+
+
+def parse_seeds(text: str) -> int | list[int]:
+    """``--seeds``: a count (``3``: seeds 0, 1, 2) or a comma-separated list (``1,2``)."""
+    try:
+        return [int(part) for part in text.split(",")] if "," in text else int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither a count of seeds nor a list such as 1,2") from None
+
+
+def plan(algorithms: list[str], seeds: int | Sequence[int], flat: dict[str, Any], output: Path) -> list[Job]:
     """One job per (algorithm, seed), each config validated before anything runs."""
     if not algorithms:
         raise ConfigError("algorithms: name at least one preset, e.g. --algorithms grpo,dapo")
     if len(set(algorithms)) != len(algorithms):
         raise ConfigError(f"algorithms: {','.join(algorithms)} names a preset twice")
-    if seeds < 1:
-        raise ConfigError(f"seeds: got {seeds}; use 1 or more")
     jobs = []
     for name in algorithms:
-        for seed in range(seeds):
+        for seed in seed_list(seeds):
             run_dir = output / name / f"seed{seed}"
             try:
                 config = Config.from_flat({**flat, "algorithm": name, "seed": seed, "output": str(run_dir)})
@@ -188,7 +206,7 @@ def run_jobs(jobs: list[Job], parallel: int) -> list[Job]:
     return failed
 
 
-def compare(algorithms: list[str], *, seeds: int, output: str | Path, flat: dict[str, Any],
+def compare(algorithms: list[str], *, seeds: int | Sequence[int], output: str | Path, flat: dict[str, Any],
             jobs: int = 1, target: float | None = None) -> dict[str, Any]:
     """Run every (algorithm, seed) not finished yet and write the report; returns its path,
     the run directories and the failed ones."""
@@ -277,8 +295,9 @@ def _add_compare_parsers(commands: Any) -> None:
     _add_preset_flags(compare)
     own = compare.add_argument_group("comparison")
     own.add_argument("--algorithms", type=_names, required=True, help="comma-separated presets, e.g. grpo,dapo")
-    own.add_argument("--seeds", type=int, default=3, help="seeds 0..K-1 per preset (one seed cannot tell a "
-                     "difference from noise) [default: 3]")
+    own.add_argument("--seeds", type=parse_seeds, default=3, help="K: seeds 0..K-1 per preset (one seed cannot "
+                     "tell a difference from noise), or a list such as 1,2 to add seeds to an earlier comparison "
+                     "(the report then covers the runs named here; posttrain report DIR covers all) [default: 3]")
     own.add_argument("--output", required=True, help="comparison directory: DIR/<algorithm>/seed<k>/, DIR/report.html")
     own.add_argument("--jobs", type=int, default=1, help="runs trained in parallel processes [default: 1]")
     own.add_argument("--target", type=float, default=None, help=TARGET_HELP)

@@ -118,3 +118,19 @@ def test_run_state(tmp_path):
     assert run_state(job) == "done"
     longer = Job(job.algorithm, job.seed, job.run_dir, {**job.flat, "max_steps": 8})
     assert run_state(longer) == "new"  # asked for more steps, but no checkpoint to extend from
+
+
+def test_seeds_are_a_count_or_a_list_that_adds_seeds_to_a_comparison(tmp_path):
+    def seeds(*flags):
+        parsed = build_parser().parse_args(["compare", "--algorithms", "grpo", "--output", str(tmp_path), *flags])
+        return [job.seed for job in plan(parsed.algorithms, parsed.seeds, flat_from_args(parsed), tmp_path)]
+
+    assert seeds() == [0, 1, 2]  # three by default: one seed cannot tell a difference from noise
+    assert seeds("--seeds", "1") == [0]
+    assert seeds("--seeds", "1,2") == [1, 2]  # seed 0 ran before: same directories, the same settings
+    with pytest.raises(ConfigError, match="seeds: got 1,1"):
+        seeds("--seeds", "1,1")
+    with pytest.raises(ConfigError, match="seeds: got 0; use 1 or more"):
+        seeds("--seeds", "0")
+    with pytest.raises(SystemExit):
+        seeds("--seeds", "two")
