@@ -89,7 +89,10 @@ class ModelConfig:
 
 @dataclass(frozen=True)
 class DataConfig:
-    task: str | None = _help("Built-in task: addition or gsm; ignored when --dataset is given.", "addition")
+    task: str | None = _help(
+        "Built-in task: addition or gsm, or reasoning-gym:FAMILY[(NAME=VALUE,...)][=WEIGHT],... for "
+        "reasoning-gym's procedural families, mixed by weight (the reasoning-gym extra; online presets); "
+        "ignored when --dataset is given.", "addition")
     dataset: str | None = _help(
         "Prompt dataset: a JSONL/Parquet/CSV file or anything datasets.load_dataset reads, "
         "with a `prompt` column; other columns reach the reward functions."
