@@ -57,7 +57,7 @@ def _field(help: str, default: Any = None) -> Any:
     return field(default=default, metadata={"help": help})
 
 
-DESCRIPTIVE_FIELDS = ("name", "paper", "summary", "update_structure")
+DESCRIPTIVE_FIELDS = ("name", "paper", "summary", "update_structure", "default_learning_rate")
 """Fields that say what a preset is; they are not settings, and no config or flag overrides them."""
 
 
@@ -134,6 +134,10 @@ class OnlineAlgorithm:
     eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
     update_structure: str = _field("Where mini_batches x num_epochs come from: the paper's words, or why another "
                                    "paper's when it states none.", "")
+    default_learning_rate: float | None = _field(
+        "The learning rate of a run that gives none (--learning-rate wins); None = OptimConfig's. Set where the "
+        "papers' update structure needs a smaller one than the default on the built-in task, chosen by "
+        "benchmarks/lr_sweep.py (figures: benchmarks/RESULTS.md).")
 
     @property
     def needs_reference(self) -> bool:
@@ -494,7 +498,10 @@ _ONLINE = [
         "GRPO/DAPO clipping the detached IS weight instead of the update: no token loses its gradient.",
         **_GROUP_NO_KL, clip="is_weight", eps_low=None, eps_high=4.0, aggregation="token_mean", mini_batches=16,
         update_structure="MiniMax-M1 (arXiv:2506.13585) sec. 3.1: 16 rounds of off-policy updates per "
-        "generation batch"),
+        "generation batch",
+        # 16 updates per rollout with no lower bound on the weight keep pushing down the tokens of wrong
+        # answers: at 1e-4 the built-in task's sampled accuracy fell from 0.17 to 0.03 in four rollouts
+        default_learning_rate=3e-5),
     OnlineAlgorithm(
         "gspo", "Group Sequence Policy Optimization (Zheng et al., 2025) https://arxiv.org/abs/2507.18071",
         "GRPO with a length-normalised sequence-level ratio, clipped per sequence; no KL.",

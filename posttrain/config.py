@@ -164,7 +164,8 @@ LR_SCHEDULES = ("constant", "linear", "cosine")
 
 @dataclass(frozen=True)
 class OptimConfig:
-    learning_rate: float = _help("AdamW learning rate.", 1e-4)
+    learning_rate: float = _help("AdamW learning rate (a preset may default to its own: posttrain algorithms "
+                                 "lists default_learning_rate).", 1e-4)
     weight_decay: float = _help("AdamW weight decay.", 0.0)
     warmup_steps: int = _help("Linear learning-rate warm-up over this many optimizer steps.", 0)
     lr_schedule: str = _help(
@@ -342,6 +343,9 @@ class Config:
                 overrides[key] = value
             else:
                 raise _unknown_field(key, name, sorted(owner) + sorted(preset_fields))
+        preset_rate = getattr(algorithm(name), "default_learning_rate", None)
+        if preset_rate is not None and "learning_rate" not in sections["optim"]:
+            sections["optim"]["learning_rate"] = preset_rate  # the preset's, where none is given
         config = cls(
             algorithm=name,
             overrides=overrides,

@@ -526,3 +526,18 @@ def test_rpo_alpha_adds_the_chosen_nll_by_hand(name):
     assert metrics["nll"].item() == pytest.approx(nll)
     with pytest.raises(ValueError, match="rpo_alpha"):
         algorithm("orpo", rpo_alpha=0.5)
+
+
+def test_a_presets_default_learning_rate_applies_only_where_none_is_given(monkeypatch):
+    from posttrain import algorithms
+    from posttrain.config import Config
+
+    slower = dataclasses.replace(algorithms.ALGORITHMS["grpo"], default_learning_rate=3e-5)
+    monkeypatch.setitem(algorithms.ALGORITHMS, "grpo", slower)
+    assert Config.from_flat({"algorithm": "grpo"}).optim.learning_rate == 3e-5
+    assert Config.from_flat({"algorithm": "grpo", "learning_rate": 1e-3}).optim.learning_rate == 1e-3  # given: wins
+    assert Config.from_flat({"algorithm": "dapo"}).optim.learning_rate == 1e-4  # no default of its own
+    saved = Config.from_flat({"algorithm": "grpo"}).to_flat()
+    assert saved["learning_rate"] == 3e-5  # a saved run keeps the rate it trained with
+    with pytest.raises(ValueError, match="default_learning_rate"):
+        algorithm("grpo", default_learning_rate=1e-3)  # what the preset says, not a setting
