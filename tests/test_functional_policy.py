@@ -290,3 +290,5 @@ def test_best_of_n_takes_the_first_best_and_filters_by_min_reward():
     assert keep.tolist() == [True, True, False]
     _, keep = F.best_of_n(rewards, min_reward=0.5, skip_ties=True)
     assert keep.tolist() == [True, False, False]
+    _, keep = F.best_of_n(rewards[:, :1], skip_ties=True)  # groups of one (already selected): no tie to skip
+    assert keep.tolist() == [True, True, True]

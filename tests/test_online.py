@@ -150,13 +150,15 @@ def test_best_of_n_trains_on_the_best_sample_of_each_group(tiny_model_dir, rewar
     select = s.best_of_n
     s.best_of_n = lambda groups: sampled.append(groups) or select(groups)
     torch.manual_seed(3)
-    train_step(s)
+    metrics = train_step(s)
     g, rewards = s.last_groups, sampled[0].rewards  # [B, G] as sampled
     tied = rewards.amax(1) == rewards.amin(1)  # no sample better than another: skipped (skip_ties)
     assert 0 < tied.sum() < len(tied) and g.group_size == 1
     assert g.indices == [i for i, t in zip(sampled[0].indices, tied) if not t]
     # Every kept sample's reward is the maximum the policy sampled for that prompt this step.
     assert g.rewards.view(-1).tolist() == rewards.amax(1)[~tied].tolist()
+    # ... and the step trains on them (the selected groups of one are not skipped again as ties)
+    assert metrics["empty_batch"] == 0 and metrics["nll"] > 0 and metrics["grad_norm"] > 0
 
 
 @pytest.mark.parametrize("name", ["grpo", "cispo", "dr_grpo"])  # the three aggregations

@@ -47,9 +47,10 @@ def best_of_n(rewards: Tensor, *, min_reward: float | None = None,
     Args:
         rewards: [B, G] rewards of G completions for each of B prompts.
         min_reward: groups whose best reward is below it are not kept; None keeps all.
-        skip_ties: groups whose completions all have the same reward are not kept: none is
-            better than another, so "the best" is only the first (with a 0/1 reward, a group
-            without a right answer would train on a wrong one).
+        skip_ties: groups of two or more completions that all have the same reward are not
+            kept: none is better than another, so "the best" is only the first (with a 0/1
+            reward, a group without a right answer would train on a wrong one). A group of one
+            (already selected) is kept.
 
     Returns:
         (index [B] long: the argmax over G, ties to the first; keep [B] bool).
@@ -61,6 +62,6 @@ def best_of_n(rewards: Tensor, *, min_reward: float | None = None,
     keep_B = torch.ones_like(index_B, dtype=torch.bool)
     if min_reward is not None:
         keep_B &= rewards.amax(dim=1) >= min_reward
-    if skip_ties:
+    if skip_ties and rewards.shape[1] > 1:
         keep_B &= rewards.amax(dim=1) > rewards.amin(dim=1)
     return index_B, keep_B
