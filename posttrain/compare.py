@@ -90,9 +90,9 @@ def seed_list(seeds: int | Sequence[int]) -> list[int]:
 
 
 def parse_seeds(text: str) -> int | list[int]:
-    """``--seeds``: a count (``3``: seeds 0, 1, 2) or a comma-separated list (``1,2``)."""
+    """``--seeds``: a count (``3``: seeds 0, 1, 2) or a comma-separated list (``1,2``; one seed: ``1,``)."""
     try:
-        return [int(part) for part in text.split(",")] if "," in text else int(text)
+        return [int(part) for part in text.split(",") if part.strip()] if "," in text else int(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither a count of seeds nor a list such as 1,2") from None
 
@@ -296,7 +296,7 @@ def _add_compare_parsers(commands: Any) -> None:
     own = compare.add_argument_group("comparison")
     own.add_argument("--algorithms", type=_names, required=True, help="comma-separated presets, e.g. grpo,dapo")
     own.add_argument("--seeds", type=parse_seeds, default=3, help="K: seeds 0..K-1 per preset (one seed cannot "
-                     "tell a difference from noise), or a list such as 1,2 to add seeds to an earlier comparison "
+                     "tell a difference from noise), or a list such as 1,2 (one seed: 2,) to add seeds to an earlier comparison "
                      "(the report then covers the runs named here; posttrain report DIR covers all) [default: 3]")
     own.add_argument("--output", required=True, help="comparison directory: DIR/<algorithm>/seed<k>/, DIR/report.html")
     own.add_argument("--jobs", type=int, default=1, help="runs trained in parallel processes [default: 1]")

@@ -7,10 +7,15 @@ PNGs as base64 data URIs, with inline CSS and no script: it opens offline and tr
 The page holds:
 
 1. a summary table, one row per algorithm: final held-out accuracy and reward (mean ± sample std
-   over seeds), steps and training time to reach a target accuracy, total training time,
-   process wall time and peak memory (``resources.json``, written by ``posttrain compare``); the
-   best value of each column is bold. The target defaults to halfway between the start (the
-   runs' mean first evaluation) and the best algorithm's mean final value, and the page says so;
+   over seeds) and the headline's gain over its first evaluation, steps and training time to
+   reach a target accuracy, total training time, process wall time and peak memory
+   (``resources.json``, written by ``posttrain compare``); the best value of each column is bold.
+   The target defaults to halfway between the start (the runs' mean first evaluation) and the
+   best algorithm's mean final value, and the page says so. The same table is written as
+   Markdown to ``output/summary.md``, for a README or an issue;
+   a second table, what the presets do differently (``BEHAVIOUR``): clip fraction and the share
+   of tokens left without a gradient over the whole run, entropy, the length of incorrect
+   answers and the KL to the reference over the last ``TAIL_STEPS`` steps;
 2. the figures of ``FIGURES``, each with a caption saying what to look for: every curve is the
    mean across seeds with a shaded min-max band, one colour per algorithm in every figure. A
    panel whose metric no run logged is left out; a figure left without panels is not drawn;
@@ -54,6 +59,8 @@ from posttrain.logging import read_metrics
 from posttrain.plots import _series, line_through
 
 REPORT_FILE = "report.html"
+SUMMARY_FILE = "summary.md"
+TAIL_STEPS = 50  # "at the end of training" for the behaviour table: the last 50 logged steps
 FIGURES_DIR = "figures"
 RESOURCES_FILE = "resources.json"  # written by posttrain.compare
 HEADLINE_KEYS = {"eval/accuracy": "held-out accuracy", "eval/pairwise_accuracy": "held-out pairwise accuracy",
@@ -275,6 +282,35 @@ def training_seconds(run: Run) -> float | None:
     return elapsed[max(elapsed)] if elapsed else None
 
 
+def gain(run: Run, key: str) -> float | None:
+    """The last evaluation minus the first: what training added."""
+    values = run.values(key)
+    return values[max(values)] - values[min(values)] if len(values) > 1 else None
+
+
+def run_mean(run: Run, key: str, last: int | None = None) -> float | None:
+    """Mean of ``key`` over the run's logged steps (``last``: over its last ``last`` of them)."""
+    values = list(run.values(key).values())[-last:] if last else list(run.values(key).values())
+    return statistics.fmean(values) if values else None
+
+
+# The behaviour table: what distinguishes the presets (the seed's claims), each over the steps named.
+BEHAVIOUR: tuple[tuple[str, str, int | None, int], ...] = (
+    # (column title, metric key, last N steps or None for the whole run, digits)
+    ("clip fraction", "clip_fraction", None, 4),
+    ("tokens without gradient", "zero_gradient_fraction", None, 4),
+    (f"entropy (last {TAIL_STEPS} steps)", "entropy", TAIL_STEPS, 3),
+    (f"incorrect length (last {TAIL_STEPS} steps)", "completion_length/incorrect", TAIL_STEPS, 1),
+    (f"KL to reference (last {TAIL_STEPS} steps)", "kl", TAIL_STEPS, 3),
+)
+
+
+def behaviour_columns(runs: Sequence[Run]) -> list[Column]:
+    """The ``BEHAVIOUR`` columns some run logged; no best is marked (higher is not better)."""
+    return [Column(title, lambda r, k=key, n=last: run_mean(r, k, n), "none", digits, spread=True)
+            for title, key, last, digits in BEHAVIOUR if any(run.values(key) for run in runs)]
+
+
 def _resource(name: str) -> Callable[[Run], float | None]:
     return lambda run: None if run.resources is None else run.resources.get(name)
 
@@ -283,7 +319,7 @@ def _resource(name: str) -> Callable[[Run], float | None]:
 class Column:
     title: str
     per_run: Callable[[Run], float | None]
-    better: str  # "max" or "min"
+    better: str  # "max", "min" or "none" (no best marked)
     digits: int
     spread: bool = False  # show ± the sample std over seeds
     reduce: str = "mean"  # or "max" (peak memory: the largest seed's)
@@ -332,6 +368,8 @@ def summary_columns(runs: Sequence[Run], key: str | None, target: float | None) 
     logged = [k for k in HEADLINE_KEYS if any(run.values(k) for run in runs)]  # the headline first
     columns = [Column(f"final {HEADLINE_KEYS[k]}", lambda r, k=k: final_value(r, k), "max", 3, spread=True)
                for k in logged]
+    if key is not None:
+        columns.insert(1, Column("gain", lambda r: gain(r, key), "max", 3, spread=True))
     if key is not None and target is not None:
         columns += [Column("steps to target", lambda r: first_step_reaching(r, key, target), "min", 1),
                     Column("training time to target (s)", lambda r: time_to_target(r, key, target), "min", 1)]
@@ -346,16 +384,31 @@ def summary_columns(runs: Sequence[Run], key: str | None, target: float | None) 
 def best_rows(column: Column, cells: Mapping[str, Cell]) -> set[str]:
     """Algorithms holding the column's best value, among those with a value for every seed (decision 4)."""
     complete = {name: c.value for name, c in cells.items() if c.value is not None and c.seeds == c.of}
-    if not complete:
+    if not complete or column.better == "none":
         return set()
     best = (max if column.better == "max" else min)(complete.values())
     return {name for name, value in complete.items() if value == best}
 
 
+def summary_markdown(groups: Mapping[str, Sequence[Run]], columns: Sequence[Column]) -> str:
+    """The summary table as GitHub Markdown, best values bold, as the page shows it."""
+    cells = {c.title: {name: cell(c, runs) for name, runs in groups.items()} for c in columns}
+    best = {c.title: best_rows(c, cells[c.title]) for c in columns}
+    lines = ["| algorithm | seeds | " + " | ".join(c.title for c in columns) + " |",
+             "|---|---|" + "---|" * len(columns)]
+    for name, runs in groups.items():
+        texts = [cells[c.title][name].text(c) for c in columns]
+        texts = [f"**{t}**" if name in best[c.title] else t for c, t in zip(columns, texts)]
+        lines.append(f"| {name} | {', '.join(str(r.seed) for r in runs)} | " + " | ".join(texts) + " |")
+    return "\n".join(lines) + "\n"
+
+
 def build_report(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLike, *, target: float | None = None,
                  order: Sequence[str] | None = None) -> Path:
-    """Write ``output/figures/*.png`` and ``output/report.html`` for ``run_dirs``; return the page's path."""
-    from posttrain.report_html import CSS, _e, presets_html, runs_html, settings_html, table_html, target_html
+    """Write ``output/figures/*.png``, ``output/report.html`` and ``output/summary.md`` for ``run_dirs``;
+    return the page's path."""
+    from posttrain.report_html import (CSS, _e, behaviour_html, presets_html, runs_html, settings_html, table_html,
+                                       target_html)
 
     runs = [load_run(d) for d in run_dirs]
     if not runs:
@@ -376,6 +429,11 @@ def build_report(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLik
                            f'{data}"><figcaption>{_e(spec.caption)}</figcaption></figure>')
     names = ", ".join(groups)
     seeds = sorted({len(g) for g in groups.values()})
+    summary, behaviour = summary_columns(runs, key, target), behaviour_columns(runs)
+    markdown = summary_markdown(groups, summary)
+    if behaviour:
+        markdown += "\n" + summary_markdown(groups, behaviour)
+    (output / SUMMARY_FILE).write_text(markdown, encoding="utf-8")
     page = f"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8"><title>posttrain comparison: {_e(names)}</title>
 <style>{CSS}</style></head><body>
@@ -384,11 +442,12 @@ def build_report(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLik
 {_e(time.strftime('%Y-%m-%d %H:%M'))} by <code>posttrain report</code>.</p>
 <h2>Summary</h2>
 {target_text}
-{table_html(groups, summary_columns(runs, key, target))}
+{table_html(groups, summary)}
 <p class=note>Mean over seeds (± sample std for the final values; "k/n seeds" when only k seeds have a value, e.g.
 reached the target). Training time sums the logged <code>time/step</code>: sampling, generation, scoring and updates,
 without evaluations and checkpoints. Wall time is the training process's whole <code>train()</code> call; peak
 RSS is the largest seed's peak resident memory. Bold: the best value among algorithms with a value for every seed.</p>
+{behaviour_html(groups, behaviour)}
 <h2>Settings shared by every run</h2>
 {settings_html(runs)}
 <h2>Curves</h2>

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.report import HEADLINE_KEYS, Column, Run, best_rows, cell, colours, default_target
+from posttrain.report import TAIL_STEPS, HEADLINE_KEYS, Column, Run, best_rows, cell, colours, default_target
 
 
 CSS = """
@@ -43,12 +43,22 @@ def _format(value: Any) -> str:
     return str(value)
 
 
-def table_html(groups: Mapping[str, Sequence[Run]], columns: Sequence[Column]) -> str:
+def behaviour_html(groups: Mapping[str, Sequence[Run]], columns: Sequence[Column]) -> str:
+    """The behaviour table (what the presets do differently), when any run logged its metrics."""
+    if not columns:
+        return ""
+    return ("<h2>What the presets do differently</h2>\n" + table_html(groups, columns, table_id="behaviour")
+            + "\n<p class=note>Mean over seeds (± sample std): clip fraction and tokens without gradient (a "
+              "nonzero advantage, no gradient: PPO-style clipping) over every step; entropy, incorrect-answer "
+              f"length and KL over the last {TAIL_STEPS} steps.</p>")
+
+
+def table_html(groups: Mapping[str, Sequence[Run]], columns: Sequence[Column], table_id: str = "summary") -> str:
     cells = {c.title: {name: cell(c, runs) for name, runs in groups.items()} for c in columns}
     best = {c.title: best_rows(c, cells[c.title]) for c in columns}
     style = colours(list(groups))
     head = "".join(f"<th>{_e(c.title)}</th>" for c in columns)
-    lines = [f'<table id="summary"><tr><th>algorithm</th><th>seeds</th>{head}</tr>']
+    lines = [f'<table id="{table_id}"><tr><th>algorithm</th><th>seeds</th>{head}</tr>']
     for name, runs in groups.items():
         colour = style[name][0]
         swatch = f'<span class="swatch" style="background:{_swatch(colour)}"></span>'

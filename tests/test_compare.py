@@ -128,6 +128,7 @@ def test_seeds_are_a_count_or_a_list_that_adds_seeds_to_a_comparison(tmp_path):
     assert seeds() == [0, 1, 2]  # three by default: one seed cannot tell a difference from noise
     assert seeds("--seeds", "1") == [0]
     assert seeds("--seeds", "1,2") == [1, 2]  # seed 0 ran before: same directories, the same settings
+    assert seeds("--seeds", "2,") == [2]  # a list of one
     with pytest.raises(ConfigError, match="seeds: got 1,1"):
         seeds("--seeds", "1,1")
     with pytest.raises(ConfigError, match="seeds: got 0; use 1 or more"):

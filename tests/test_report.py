@@ -23,13 +23,13 @@ PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 class _SummaryTable(HTMLParser):
     """The rows of ``<table id="summary">``: {column title: {"text", "value", "std", "best"}}."""
 
-    def __init__(self) -> None:
+    def __init__(self, table_id: str) -> None:
         super().__init__()
-        self.inside, self.header, self.rows, self.cell = False, [], [], None
+        self.table_id, self.inside, self.header, self.rows, self.cell = table_id, False, [], [], None
 
     def handle_starttag(self, tag, attrs):
         attrs = dict(attrs)
-        if tag == "table" and attrs.get("id") == "summary":
+        if tag == "table" and attrs.get("id") == self.table_id:
             self.inside = True
         elif self.inside and tag == "tr":
             self.rows.append([])
@@ -49,9 +49,9 @@ class _SummaryTable(HTMLParser):
             self.cell = None
 
 
-def summary_table(page: str) -> dict[str, dict[str, dict]]:
+def summary_table(page: str, table_id: str = "summary") -> dict[str, dict[str, dict]]:
     """algorithm -> column title -> cell, parsed from the report's HTML."""
-    parser = _SummaryTable()
+    parser = _SummaryTable(table_id)
     parser.feed(page)
     titles = [c["text"] for c in parser.rows[0]]
     return {row[0]["text"]: dict(zip(titles, row)) for row in parser.rows[1:]}
@@ -120,6 +120,24 @@ def test_summary_table_holds_the_hand_computed_numbers(four_runs, tmp_path):
     assert float(grpo["wall time (s)"]["value"]) == 12.0
     assert float(grpo["peak RSS (MiB)"]["value"]) == 700.0 and float(dapo["peak RSS (MiB)"]["value"]) == 400.0
     assert dapo["peak RSS (MiB)"]["best"] and not grpo["peak RSS (MiB)"]["best"]
+
+
+def test_gain_and_what_the_presets_do_differently_with_a_markdown_copy(four_runs, tmp_path):
+    page = build_report(four_runs, tmp_path / "report").read_text()
+    table = summary_table(page)
+    # gain = last evaluation - first: grpo 0.4 and 0.6, dapo 0.2 and 0.3
+    assert float(table["grpo"]["gain"]["value"]) == pytest.approx(0.5) and table["grpo"]["gain"]["best"]
+    assert float(table["dapo"]["gain"]["value"]) == pytest.approx(0.25)
+    behaviour = summary_table(page, "behaviour")
+    # grpo logs entropy 2.0 - 0.1 * step at steps 1-4: mean 1.75 (fewer than 50 steps: all of them); no best
+    entropy = behaviour["grpo"]["entropy (last 50 steps)"]
+    assert float(entropy["value"]) == pytest.approx(1.75) and not entropy["best"]
+    assert behaviour["dapo"]["entropy (last 50 steps)"]["text"] == "—"  # dapo logged none
+    assert "KL to reference (last 50 steps)" not in behaviour["grpo"]  # no run logged kl: no column
+    markdown = (tmp_path / "report" / "summary.md").read_text()
+    assert "| algorithm | seeds | final held-out accuracy | gain |" in markdown
+    assert "| grpo | 0, 1 | **0.700 ± 0.141** | **0.500 ± 0.141** |" in markdown
+    assert "| grpo | 0, 1 | 0.0000 ± 0.0000 | 1.750 ± 0.000 |" in markdown  # clip fraction, entropy
 
 
 def test_given_target_replaces_the_default(four_runs, tmp_path):
