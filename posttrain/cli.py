@@ -116,11 +116,31 @@ def build_parser() -> argparse.ArgumentParser:
     _add_config_flags(train)
     _add_preset_flags(train)
 
-    evaluate = commands.add_parser("eval", help="greedy held-out accuracy of a model on a task")
-    evaluate.add_argument("--model", required=False, help="model directory or built-in name (default: the task's)")
-    evaluate.add_argument("--task", default="addition")
-    evaluate.add_argument("--eval-size", type=int, default=500)
+    evaluate = commands.add_parser("eval", help="accuracy of a model on tasks or a dataset, with 95%% intervals; "
+                                   "pass@1, pass@K and maj@K with --samples K")
+    evaluate.add_argument("--model", required=False, help="model directory or built-in name (default: the first "
+                          "task's)")
+    evaluate.add_argument("--task", action="append", default=[], help="a built-in task or reasoning-gym:SPEC, scored "
+                          "on its held-out split; repeat the flag for several tasks [default: addition, when no "
+                          "--dataset is given]")
+    evaluate.add_argument("--dataset", help="prompts file (as for train) scored by --reward, every row up to "
+                          "--eval-size")
+    evaluate.add_argument("--reward", action="append", default=[], help="FILE.py:FUNCTION for --dataset; repeat for "
+                          "several")
+    evaluate.add_argument("--reward-weights", type=lambda t: [float(x) for x in t.split(",")], default=[],
+                          help="comma-separated weights, one per --reward [default: 1 each]")
+    evaluate.add_argument("--success-threshold", type=float, default=1.0, help="on --dataset: a completion is "
+                          "correct when its total reward is at least this [default: 1.0]")
+    evaluate.add_argument("--eval-size", type=int, default=500, help="problems per task [default: 500]")
+    evaluate.add_argument("--samples", type=int, default=1, help="K completions sampled per problem for pass@1, "
+                          "pass@K and maj@K (1: greedy accuracy only) [default: 1]")
+    evaluate.add_argument("--temperature", type=float, default=1.0, help="for --samples [default: 1.0]")
+    evaluate.add_argument("--top-p", type=float, default=1.0, help="for --samples [default: 1.0]")
+    evaluate.add_argument("--max-new-tokens", type=int, help="token budget per completion [default: the task's]")
+    evaluate.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
     evaluate.add_argument("--device", default="auto")
+    evaluate.add_argument("--dtype", default="float32")
+    evaluate.add_argument("--output", help="also write the results as JSON to this file")
 
     algorithms = commands.add_parser("algorithms", help="list presets, or compare the named ones side by side")
     algorithms.add_argument("names", nargs="*")
@@ -191,6 +211,20 @@ def _unrecognized(tokens: Sequence[str]) -> str:
     return f"unrecognized arguments: {' '.join(tokens)}" + "".join(f"; {h}" for h in hints)
 
 
+def eval_command(args: argparse.Namespace) -> int:
+    from posttrain.evaluation import EvalSpec, evaluate_model, format_results, write_results
+
+    tasks = args.task or ([] if args.dataset else ["addition"])
+    spec = EvalSpec(tasks=tasks, dataset=args.dataset, reward=args.reward, reward_weights=args.reward_weights,
+                    eval_size=args.eval_size, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
+                    max_new_tokens=args.max_new_tokens, success_threshold=args.success_threshold, seed=args.seed)
+    name, results = evaluate_model(args.model, spec, device=args.device, dtype=args.dtype)
+    print(format_results(name, results, spec))
+    if args.output:
+        write_results(args.output, name, results, spec)
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args, unknown = parser.parse_known_args(_hyphenated(sys.argv[1:] if argv is None else argv))
@@ -206,10 +240,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             print(format_side_by_side(args.names) if args.names else format_presets_table())
             return 0
         if args.command == "eval":
-            from posttrain.evaluation import evaluate_model
-
-            print(evaluate_model(args.model, task=args.task, eval_size=args.eval_size, device=args.device))
-            return 0
+            return eval_command(args)
         if args.command == "compare":
             return compare_command(args)
         if args.command == "report":

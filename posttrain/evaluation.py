@@ -1,23 +1,254 @@
-"""``posttrain eval``: greedy held-out accuracy of a model on a built-in task."""
+"""Evaluation users can trust: the estimators, and ``posttrain eval`` on tasks and datasets.
+
+The estimators are small pure functions:
+
+- :func:`wilson_interval`: the 95% interval of a proportion (greedy accuracy, maj@K). Wilson's
+  score interval rather than the normal one, because accuracies near 0 or 1 on a few hundred
+  problems are common and the normal interval then leaves [0, 1] or collapses to a point.
+- :func:`pass_at_k`: the unbiased estimator of Chen et al. (2021, "Evaluating Large Language
+  Models Trained on Code"): with ``n`` samples of a problem of which ``c`` are correct, the
+  probability that ``k`` samples drawn without replacement hold at least one correct one,
+  ``1 - C(n - c, k) / C(n, k)``. With ``k == n`` it is whether any sample is correct.
+- :func:`mean_interval`: the mean of per-problem values in [0, 1] (pass@1, pass@K) with a 95%
+  normal interval over problems (the problems are the sample; the K draws per problem only make
+  each value less noisy), clipped to [0, 1].
+- :func:`majority_index`: maj@K's vote: the completion whose extracted answer is the most common
+  among the K (ties: the answer given first); a problem is solved when that completion is correct.
+
+:func:`evaluate_model` runs them for ``posttrain eval``: one model, loaded once, on one or more
+built-in tasks (their held-out split) and/or a dataset scored by reward functions, greedy decoding
+for accuracy and, with ``samples`` > 1, K sampled completions per problem for pass@1, pass@K and
+maj@K. Correct means the task's own check; on a dataset, a total reward of at least
+``success_threshold``. maj@K votes with the task's final-answer parser (``Task.final_answer``), on a
+dataset with :func:`posttrain.rewards.extract_answer` (boxed, "answer is", the last number).
+"""
 
 from __future__ import annotations
 
-from posttrain.config import Config, DataConfig, ModelConfig, RolloutConfig
+import json
+import math
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
 
 
-def evaluate_model(model: str | None, *, task: str = "addition", eval_size: int = 500, device: str = "auto") -> str:
-    from posttrain.session import OnlineSession, evaluate
+# ---------------------------------------------------------------------------------------
+# Estimators
+# ---------------------------------------------------------------------------------------
 
-    config = Config(
-        algorithm="grpo",
-        overrides={"beta": 0.0},
-        model=ModelConfig(model=model, device=device),
-        data=DataConfig(task=task, eval_size=eval_size),
-        rollout=RolloutConfig(prompts_per_step=1),
-    )
-    session = OnlineSession.create(config)
-    metrics = evaluate(session)
-    name = model or session.fingerprint["model"]
-    return f"{name} on {task} ({len(session.work.test_rows)} held-out prompts): " + ", ".join(
-        f"{k.removeprefix('eval/')} {v:.4f}" for k, v in sorted(metrics.items())
-    )
+
+def wilson_interval(successes: float, n: int, z: float = Z_95) -> tuple[float, float]:
+    """Wilson's score interval for a proportion ``successes / n``; (0, 1) when ``n`` is 0."""
+    if n <= 0:
+        return 0.0, 1.0
+    p = successes / n
+    denominator = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / denominator
+    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def mean_interval(values: Sequence[float], z: float = Z_95) -> tuple[float, float, float]:
+    """(mean, low, high) of per-problem values in [0, 1]: the normal interval over problems, clipped."""
+    n = len(values)
+    if n == 0:
+        raise ValueError("mean_interval: no values")
+    mean = math.fsum(values) / n
+    if n == 1:
+        return mean, 0.0, 1.0
+    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
+    half = z * std / math.sqrt(n)
+    return mean, max(0.0, mean - half), min(1.0, mean + half)
+
+
+def pass_at_k(n: int, c: int, k: int) -> float:
+    """Unbiased pass@k of a problem with ``c`` correct among ``n`` samples: ``1 - C(n-c, k) / C(n, k)``."""
+    if not 0 <= c <= n or not 1 <= k <= n:
+        raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
+    if n - c < k:  # every draw of k holds a correct sample
+        return 1.0
+    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def majority_index(answers: Sequence[str | None]) -> int | None:
+    """Index of the first completion giving the most common answer (None answers do not vote);
+    ties go to the answer given first; None when no completion gave an answer."""
+    votes = Counter(a for a in answers if a is not None)
+    if not votes:
+        return None
+    top = max(votes.values())
+    winner = next(a for a in answers if a is not None and votes[a] == top)
+    return answers.index(winner)
+
+
+# ---------------------------------------------------------------------------------------
+# posttrain eval
+# ---------------------------------------------------------------------------------------
+
+
+@dataclass
+class EvalSpec:
+    """What ``posttrain eval`` evaluates on besides the model; the defaults are the CLI's."""
+
+    tasks: list[str] = field(default_factory=list)  # built-in task names or reasoning-gym:SPEC
+    dataset: str | None = None  # JSONL/JSON/CSV/Parquet prompts scored by ``reward``
+    reward: list[str] = field(default_factory=list)  # FILE.py:FUNCTION, for the dataset
+    reward_weights: list[float] = field(default_factory=list)
+    eval_size: int = 500  # problems per task (at most the task's held-out split)
+    samples: int = 1  # K sampled completions per problem (1: greedy only)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None  # default: the task's
+    success_threshold: float = 1.0  # on a dataset: a completion is correct when its total reward >= this
+    seed: int = 0
+
+
+@dataclass
+class TaskResult:
+    name: str
+    problems: int
+    metrics: dict[str, float]  # e.g. accuracy, accuracy_low, accuracy_high, pass@1, ...
+
+
+def summarise(correct_greedy: Sequence[bool], rewards: Sequence[float], lengths: Sequence[float],
+              sampled: Sequence[Sequence[bool]] | None = None,
+              sampled_answers: Sequence[Sequence[str | None]] | None = None) -> dict[str, float]:
+    """The metrics of one task from per-problem outcomes.
+
+    ``correct_greedy``, ``rewards``, ``lengths``: one per problem, of its greedy completion;
+    ``sampled[i]``: whether each of problem i's K samples is correct; ``sampled_answers[i]`` their
+    extracted answers (for maj@K).
+    """
+    n = len(correct_greedy)
+    right = sum(map(bool, correct_greedy))
+    low, high = wilson_interval(right, n)
+    out = {"accuracy": right / n, "accuracy_low": low, "accuracy_high": high,
+           "reward": math.fsum(rewards) / n, "completion_length": math.fsum(lengths) / n}
+    if sampled is not None:
+        k = len(sampled[0])
+        for name, per_problem in (("pass@1", [pass_at_k(k, sum(s), 1) for s in sampled]),
+                                  (f"pass@{k}", [pass_at_k(k, sum(s), k) for s in sampled])):
+            out[name], out[f"{name}_low"], out[f"{name}_high"] = mean_interval(per_problem)
+        if sampled_answers is not None:
+            wins = 0
+            for outcomes, answers in zip(sampled, sampled_answers):
+                index = majority_index(answers)
+                wins += index is not None and bool(outcomes[index])
+            out[f"maj@{k}"] = wins / n
+            out[f"maj@{k}_low"], out[f"maj@{k}_high"] = wilson_interval(wins, n)
+    return out
+
+
+def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
+                   dtype: str = "float32") -> tuple[str, list[TaskResult]]:
+    """Evaluate ``model`` (default: the first task's built-in model) on every task of ``spec``; returns
+    the model's name and one result per task."""
+    import torch
+
+    from posttrain.config import ConfigError, Config, DataConfig, ModelConfig, RolloutConfig
+    from posttrain.data import as_completion, encode_prompt
+    from posttrain.rollout import SamplingParams, make_generator
+    from posttrain.scoring import RewardPolicy, score
+    from posttrain.session import eos_token_ids, load_workload
+    from posttrain.modeling import load_model_and_tokenizer
+    from posttrain.rewards import extract_answer
+
+    if spec.samples < 1:
+        raise ConfigError(f"samples: got {spec.samples}; use 1 (greedy only) or more")
+    targets: list[tuple[str, Config]] = []
+    for task in spec.tasks:
+        targets.append((task, Config(algorithm="grpo", model=ModelConfig(model=model, device=device, dtype=dtype),
+                                     data=DataConfig(task=task, eval_size=spec.eval_size),
+                                     rollout=RolloutConfig(max_new_tokens=spec.max_new_tokens,
+                                                           temperature=spec.temperature, top_p=spec.top_p))))
+    if spec.dataset is not None:
+        targets.append((spec.dataset, Config(
+            algorithm="grpo", model=ModelConfig(model=model, device=device, dtype=dtype),
+            data=DataConfig(dataset=spec.dataset, eval_dataset=spec.dataset, reward=list(spec.reward),
+                            reward_weights=list(spec.reward_weights), eval_size=spec.eval_size),
+            rollout=RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                                  top_p=spec.top_p))))
+    if not targets:
+        raise ConfigError("eval: name a --task or a --dataset (with --reward) to evaluate on")
+    workloads = [(name, config, load_workload(config)) for name, config in targets]  # bad input fails before loading
+    model_name = model or next((w.default_model for _, _, w in workloads if w.default_model), None)
+    if model_name is None:
+        raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
+    policy, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype, device=device)
+    policy.eval()
+    eos_ids = eos_token_ids(policy, tokenizer)
+    results = []
+    for name, config, work in workloads:
+        rows = work.test_rows
+        if not rows:
+            raise ConfigError(f"eval: {name} has no problems to evaluate on")
+        torch.manual_seed(spec.seed)
+        generator = make_generator("hf", policy, tokenizer, SamplingParams(work.max_new_tokens, spec.temperature,
+                                                                           spec.top_p, 0), eos_ids)
+        extract = work.final_answer or extract_answer
+
+        def outcomes(texts: list[str], g: int) -> tuple[list[bool], list[float]]:
+            prompts = [row["prompt"] for row in rows for _ in range(g)]
+            completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
+            columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+            scores = score(work.reward_fns, work.reward_weights, prompts, completions, columns,
+                           RewardPolicy(config.data.reward_timeout, config.data.reward_errors))
+            total = scores.total.tolist()
+            if work.correct is not None:
+                return [bool(c) for c in work.correct(prompts=prompts, completions=completions, **columns)], total
+            return [t >= spec.success_threshold for t in total], total
+
+        prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}") for i, row in enumerate(rows, 1)]
+        with torch.no_grad():
+            greedy_texts, lengths = _generate(generator, tokenizer, prompt_ids, 1, greedy=True)
+            correct, rewards = outcomes(greedy_texts, 1)
+            per_sample = answers = None
+            if spec.samples > 1:
+                k = spec.samples
+                texts, _ = _generate(generator, tokenizer, prompt_ids, k, greedy=False)
+                flat, _ = outcomes(texts, k)
+                per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
+                answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
+        metrics = summarise(correct, rewards, lengths, per_sample, answers)
+        results.append(TaskResult(name, len(rows), metrics))
+    return model_name, results
+
+
+def _generate(generator: Any, tokenizer: Any, prompt_ids: list, num_samples: int, *, greedy: bool,
+              chunk: int = 256) -> tuple[list[str], list[float]]:
+    """Completions' texts and token counts, problem i's samples at i*K .. i*K + K - 1, generated in
+    chunks of prompts (memory)."""
+    texts: list[str] = []
+    lengths: list[float] = []
+    for start in range(0, len(prompt_ids), chunk):
+        completions = generator.generate(prompt_ids[start:start + chunk], num_samples=num_samples, greedy=greedy)
+        texts += tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+        lengths += completions.lengths.float().tolist()
+    return texts, lengths
+
+
+def format_results(model: str, results: Sequence[TaskResult], spec: EvalSpec) -> str:
+    """One block per task: greedy accuracy, reward, length; pass@1, pass@K, maj@K with K samples."""
+    lines = []
+    for result in results:
+        m = result.metrics
+        lines.append(f"{model} on {result.name} ({result.problems} problems)")
+        lines.append(f"  greedy accuracy {m['accuracy']:.3f}  95% CI [{m['accuracy_low']:.3f}, "
+                     f"{m['accuracy_high']:.3f}]   reward {m['reward']:.3f}   length {m['completion_length']:.1f}")
+        if spec.samples > 1:
+            k = spec.samples
+            parts = [f"{name} {m[name]:.3f} [{m[name + '_low']:.3f}, {m[name + '_high']:.3f}]"
+                     for name in ("pass@1", f"pass@{k}", f"maj@{k}") if name in m]
+            lines.append(f"  {k} samples at temperature {spec.temperature:g}: " + "   ".join(parts))
+    return "\n".join(lines)
+
+
+def write_results(path: str | Path, model: str, results: Sequence[TaskResult], spec: EvalSpec) -> None:
+    """The results as JSON: the model, the settings, and each task's metrics."""
+    payload = {"model": model, "settings": {k: v for k, v in vars(spec).items()},
+               "tasks": {r.name: {"problems": r.problems, **r.metrics} for r in results}}
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")

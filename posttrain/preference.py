@@ -73,6 +73,7 @@ from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError, absolute_path
 from posttrain.guards import NoLearningSignal, UpdateCheck
 from posttrain.data import PromptSampler, encode_prompt
+from posttrain.evaluation import wilson_interval
 from posttrain.modeling import checkpoint_layers, collate, forward, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.optim import apply_gradients, build_optimizer
@@ -492,7 +493,10 @@ def evaluate(s: PreferenceSession) -> dict[str, float]:
             "eval/logps_rejected": logps[1].mean().item(),
         })
     if s.task is not None and s.config.data.eval_size:
-        out["eval/accuracy"] = generation_accuracy(s, s.task.source.test[:s.config.data.eval_size])
+        rows = s.task.source.test[:s.config.data.eval_size]
+        out["eval/accuracy"] = generation_accuracy(s, rows)
+        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(out["eval/accuracy"] * len(rows),
+                                                                              len(rows))
     return out
 
 

@@ -143,6 +143,17 @@ def runs_html(groups: Mapping[str, Sequence[Run]], output: Path) -> str:
             status = "finished" if last == total else ("stopped early" if run.resources else "incomplete")
             where = os.path.relpath(run.run_dir, output)
             rows.append(f"<tr><td>{_e(name)}</td><td>{run.seed}</td><td>{last} / {_e(total)}</td>"
-                        f"<td>{status}</td><td>{_e(where)}</td></tr>")
-    return ("<table><tr><th>algorithm</th><th>seed</th><th>steps</th><th>status</th><th>run directory</th></tr>"
-            + "".join(rows) + "</table>")
+                        f"<td>{status}</td><td>{_e(final_with_interval(run))}</td><td>{_e(where)}</td></tr>")
+    return ("<table><tr><th>algorithm</th><th>seed</th><th>steps</th><th>status</th>"
+            "<th>final held-out accuracy (95% CI)</th><th>run directory</th></tr>" + "".join(rows) + "</table>")
+
+
+def final_with_interval(run: Run, key: str = "eval/accuracy") -> str:
+    """The run's last evaluation of ``key`` with the Wilson interval logged next to it."""
+    values = run.values(key)
+    if not values:
+        return "—"
+    step = max(values)
+    low, high = run.values(f"{key}_low").get(step), run.values(f"{key}_high").get(step)
+    interval = "" if low is None or high is None else f" ({low:.3f}-{high:.3f})"
+    return f"{values[step]:.3f}{interval}"

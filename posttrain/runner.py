@@ -188,6 +188,16 @@ def _postfix(metrics: dict[str, float]) -> dict[str, str]:
 
 
 def _summary(metrics: dict[str, float]) -> str:
+    """``accuracy 0.510 (95% CI 0.412-0.607), completion_length 37.000, ...``: a metric's interval
+    (``NAME_low``/``NAME_high``) next to it."""
     if not metrics:
         return "(no held-out set)"
-    return ", ".join(f"{k.removeprefix('eval/')} {v:.3f}" for k, v in sorted(metrics.items()))
+    parts = []
+    for key, value in sorted(metrics.items()):
+        if key.endswith(("_low", "_high")):
+            continue
+        text = f"{key.removeprefix('eval/')} {value:.3f}"
+        if f"{key}_low" in metrics and f"{key}_high" in metrics:
+            text += f" (95% CI {metrics[key + '_low']:.3f}-{metrics[key + '_high']:.3f})"
+        parts.append(text)
+    return ", ".join(parts)

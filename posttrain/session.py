@@ -22,6 +22,7 @@ from posttrain import distributed, fsdp, offload
 from posttrain.algorithms import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, absolute_path
 from posttrain.guards import RewardWatch, SignalWatch, UpdateCheck
+from posttrain.evaluation import wilson_interval
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
 from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.modeling import ValueHead, batched_logprobs, checkpoint_layers, load_model_and_tokenizer
@@ -41,6 +42,7 @@ class Workload:
     correct: Callable | None  # (prompts, completions, **columns) -> list[bool]
     max_new_tokens: int
     default_model: str | None
+    final_answer: Callable[[str], str | None] | None = None  # the task's answer parser (posttrain eval's maj@K)
 
 
 def load_workload(config: Config) -> Workload:
@@ -70,7 +72,8 @@ def load_workload(config: Config) -> Workload:
     if budget is None:
         raise ConfigError("max_new_tokens: set the completion token budget for a --dataset run")
     return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
-                    task.correct if task else None, budget, task.default_model if task else None)
+                    task.correct if task else None, budget, task.default_model if task else None,
+                    task.final_answer if task else None)
 
 
 def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
@@ -337,4 +340,5 @@ def evaluate(s: OnlineSession, rows: list[dict[str, Any]] | None = None, chunk: 
     out = {"eval/reward": scores.total.mean().item(), "eval/completion_length": torch.cat(lengths).mean().item()}
     if correct is not None:
         out["eval/accuracy"] = correct.float().mean().item()
+        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(int(correct.sum()), len(correct))
     return out

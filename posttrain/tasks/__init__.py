@@ -41,6 +41,9 @@ class Task:
     """Completion budget that fits every reference solution plus EOS."""
     default_model: str
     """Built-in starting model (see ``posttrain.models.tiny.BUILTIN_MODELS``)."""
+    final_answer: Callable[[str], str | None] | None = None
+    """The final answer a completion's text gives (None: none), for maj@K's vote in ``posttrain eval``;
+    None: :func:`posttrain.rewards.extract_answer`."""
 
 
 def _addition(seed: int) -> Task:

@@ -91,6 +91,7 @@ def make_task(seed: int = 0, n_train: int = 20_000, n_test: int = 500) -> Task:
         reward_weights=(1.0,),
         correct=correct,
         max_new_tokens=32,
+        final_answer=final_answer,
         default_model="tiny-addition",
     )
 

@@ -60,6 +60,7 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import reasoning_gym
@@ -349,4 +350,5 @@ def make_task(spec: str, seed: int = 0, n_train: int = 2000, n_test: int = 200) 
         correct=scores_one(reward),
         max_new_tokens=256,
         default_model="smollm2-135m",
+        final_answer=partial(extract_answer, delimiter=DELIMITER),
     )
