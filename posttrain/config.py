@@ -110,11 +110,17 @@ class DataConfig:
         "(drop that sample's group from the update, counted in reward/failures).", "error",
     )
     eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation (at most the task's held-out split).", 500)
+    eval_subset: int = _help(
+        "Held-out prompts scored at the evaluations during training: the first N of the eval_size set, to keep "
+        "evaluation a small share of a slow model's run; the evaluations before and after training score all "
+        "eval_size. 0: all.", 0,
+    )
 
     def __post_init__(self) -> None:
         _require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
         _require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
         _require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
+        _require(self.eval_subset >= 0, "eval_subset", f"got {self.eval_subset}; use 0 (all of eval_size) or more")
         _require(
             not self.reward_weights or len(self.reward_weights) == len(self.reward),
             "reward_weights",

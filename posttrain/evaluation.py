@@ -49,7 +49,7 @@ def wilson_interval(successes: float, n: int, z: float = Z_95) -> tuple[float, f
     denominator = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / denominator
     half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, centre - half), min(1.0, centre + half)
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))  # rounding never excludes p
 
 
 def mean_interval(values: Sequence[float], z: float = Z_95) -> tuple[float, float, float]:

@@ -479,8 +479,9 @@ def implicit_rewards(preset: PreferenceAlgorithm, logps_2M: Tensor, lengths_2M: 
 
 
 @torch.no_grad()
-def evaluate(s: PreferenceSession) -> dict[str, float]:
-    """Held-out pairwise accuracy (ties count half), reward margin and log-probs; generation accuracy."""
+def evaluate(s: PreferenceSession, limit: int | None = None) -> dict[str, float]:
+    """Held-out pairwise accuracy (ties count half), reward margin and log-probs; generation accuracy on
+    the first ``limit`` (None: all) of the ``eval_size`` held-out prompts."""
     out: dict[str, float] = {}
     if s.test is not None:
         logps, lengths = dataset_logps(s.policy, s.test, s.pad_id, s.config.optim.micro_batch_size)
@@ -493,7 +494,7 @@ def evaluate(s: PreferenceSession) -> dict[str, float]:
             "eval/logps_rejected": logps[1].mean().item(),
         })
     if s.task is not None and s.config.data.eval_size:
-        rows = s.task.source.test[:s.config.data.eval_size]
+        rows = s.task.source.test[:s.config.data.eval_size][:limit]
         out["eval/accuracy"] = generation_accuracy(s, rows)
         out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(out["eval/accuracy"] * len(rows),
                                                                               len(rows))

@@ -96,11 +96,11 @@ def save(session: Any, run_dir: Path) -> Path:
         )
 
 
-def evaluate_on_main(evaluate, session: Any) -> dict[str, float]:
-    """Rank 0 evaluates (under FSDP with the full parameters, gathered by every process); every
-    process gets its metrics."""
+def evaluate_on_main(evaluate, session: Any, limit: int | None = None) -> dict[str, float]:
+    """Rank 0 evaluates (under FSDP with the full parameters, gathered by every process) the first
+    ``limit`` held-out prompts (None: all); every process gets its metrics."""
     with fsdp.full_parameters(session.policy):
-        return distributed.on_main(evaluate, session)
+        return distributed.on_main(evaluate, session, limit)
 
 
 def restore(session: Any, run_dir: Path) -> int:
@@ -149,7 +149,8 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
             step = session.step
             metrics["time/step"] = time.perf_counter() - t0
             if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
-                last_eval, evaluated_at = evaluate(session), step
+                subset = config.data.eval_subset if step < run.max_steps else None  # the last one: every prompt
+                last_eval, evaluated_at = evaluate(session, limit=subset or None), step
                 metrics.update(last_eval)
             logger.log(step, metrics)
             if run.log_samples_every and step % run.log_samples_every == 0:

@@ -137,3 +137,21 @@ def test_a_run_saved_before_report_to_resumes_with_its_trackers(saved, report_to
     (tmp_path / "config.yaml").write_text(yaml.safe_dump({"algorithm": "grpo", "max_steps": 4, **saved}))
     config = resolve_config(build_parser().parse_args(["train", "--resume", str(tmp_path), "--max-steps", "6"]))
     assert (config.run.report_to, config.run.project, config.run.max_steps) == (report_to, project, 6)
+
+
+def test_evaluations_during_training_score_the_subset_and_the_last_one_every_prompt(tiny_model_dir, reward_file,
+                                                                                     tmp_path):
+    """eval_subset 3 of eval_size 8: steps 0 and 3 (the last) score 8 prompts, steps 1 and 2 score 3."""
+    scored = []
+
+    def counting_evaluate(session, limit=None):
+        metrics = evaluate(session, limit)
+        scored.append(len(session.work.test_rows[:limit]))
+        return metrics
+
+    config = make_config(tiny_model_dir, reward_file, max_steps=3, eval_every=1, eval_size=8, eval_subset=3,
+                         save_every=0, log_samples_every=0, output=str(tmp_path / "run"))
+    run_training(OnlineSession.create(config), config, train_step, counting_evaluate)
+    assert scored == [8, 3, 3, 8]
+    rows = [row for row in read_metrics(tmp_path / "run") if "eval/accuracy" in row]
+    assert all(row["eval/accuracy_low"] <= row["eval/accuracy"] <= row["eval/accuracy_high"] for row in rows)
