@@ -3,8 +3,9 @@
 Users of other libraries report runs that trained for hours with nothing to learn from. Each
 guard here watches one such failure and makes it loud:
 
-- ``SignalWatch``: every group's rewards are all equal, step after step. Group-relative
-  advantages are then zero and so is the policy gradient. It warns after
+- ``SignalWatch``: every group's rewards are all equal, step after step, or the batch the step
+  trains on holds no token with a nonzero advantage (best-of-N's selection kept nothing, or only
+  groups without variance). The policy gradient is then zero. It warns after
   ``WARN_AFTER`` such steps in a row and stops the run after ``limit`` of them
   (``max_no_signal_steps``), with advice.
 - ``UpdateCheck``: an optimizer step that should have moved the weights (the policy's trainable
@@ -78,13 +79,14 @@ class SignalWatch:
         seen = f" (training accuracy {accuracy:.3f})" if accuracy is not None else ""
         if self.limit and self.streak >= self.limit:
             raise NoLearningSignal(
-                f"every group's rewards were all equal for {self.streak} steps in a row{seen}: the advantages "
-                "are zero and nothing is learned. Start from a policy that is sometimes right (a warm start "
+                f"every group's rewards were all equal, or the trained batch had no nonzero advantage, for "
+                f"{self.streak} steps in a row{seen}: the advantages are zero and nothing is learned. Start from a policy that is sometimes right (a warm start "
                 "or easier prompts), raise group_size or temperature, give a denser reward (partial credit, "
                 "a format reward), or set max_no_signal_steps 0 to go on regardless"
             )
         if self.streak == WARN_AFTER:
-            distributed.say(f"warning: every group's rewards were all equal for {self.streak} steps in a row"
+            distributed.say(f"warning: every group's rewards were all equal, or the trained batch had no nonzero "
+                            f"advantage, for {self.streak} steps in a row"
                             f"{seen}; nothing is learned from such steps (the run stops after "
                             f"{self.limit or 'no limit of'} of them: max_no_signal_steps)")
         return self.streak

@@ -228,8 +228,7 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
         "surplus_groups": total["surplus_groups"],
     }
     generated_metrics = rollout_metrics(Groups.cat(distributed.concat(fresh)))
-    signal = distributed.any_true(any(step_has_signal(p.rewards) for p in fresh))
-    stats["no_signal_steps"] = s.signal_watch.update(signal, generated_metrics.get("accuracy"))
+    stats["reward_signal"] = float(distributed.any_true(any(step_has_signal(p.rewards) for p in fresh)))
     return batch, {**stats, **generated_metrics}
 
 
@@ -336,7 +335,8 @@ def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
                     baseline: Tensor | None) -> tuple[Tensor, Tensor | None, dict[str, float]]:
     """The preset's advantages (and returns) of this process's rows, computed on the whole step's batch:
     every process's estimator inputs are gathered, so batch statistics (REINFORCE++'s and GAE's
-    whitening) are the whole batch's, as in one process. Also their mean and std over valid tokens."""
+    whitening) are the whole batch's, as in one process. Also their mean and std over valid tokens,
+    and the share of valid tokens with a nonzero advantage (0: the step has nothing to learn from)."""
     inputs = {"rewards": groups.rewards, "mask": groups.completions.mask, "logprobs": groups.old_logprobs,
               "ref_logprobs": ref, "values": groups.old_values, "baseline": baseline}
     parts = distributed.gather(inputs)
@@ -344,7 +344,8 @@ def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
     advantages, returns = s.alg.advantages_and_returns(batch.pop("rewards"), **batch)
     valid = batch["mask"].bool()
     stats = {"advantage/mean": advantages[valid].mean().item() if valid.any() else 0.0,
-             "advantage/std": advantages[valid].std().item() if valid.sum() > 1 else 0.0}
+             "advantage/std": advantages[valid].std().item() if valid.sum() > 1 else 0.0,
+             "advantage/nonzero": (advantages[valid] != 0).float().mean().item() if valid.any() else 0.0}
     if returns is not None and batch["values"] is not None:
         # of the rollout-time values, over the whole batch (a per-micro-batch figure would depend on
         # how the rows are split over micro-batches and processes)
@@ -405,6 +406,10 @@ def train_step(s: OnlineSession) -> dict[str, float]:
     t1 = time.perf_counter()
     advantages, returns, stats = step_advantages(s, groups, ref, baseline)
     metrics.update(stats)
+    # Nothing to learn: no reward variance, or none left in what the step trains on (best-of-N's
+    # selection, dropped groups). Counted before the update, which would only move the KL term.
+    signal = bool(metrics.pop("reward_signal")) and stats["advantage/nonzero"] > 0
+    metrics["no_signal_steps"] = s.signal_watch.update(signal, metrics.get("accuracy"))
     metrics.update(update(s, groups, advantages, returns, ref))
     t2 = time.perf_counter()  # training = the reference/greedy passes + the update (forward, backward, steps)
     metrics.update(distributed.reduce_values({"time/training": t2 - t0, "time/update": t2 - t1}, max))

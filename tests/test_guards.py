@@ -36,7 +36,8 @@ def test_signal_watch_counts_the_streak_warns_once_and_stops_at_the_limit(capsys
     monkeypatch.setattr(guards, "WARN_AFTER", 2)
     watch = SignalWatch(limit=4)
     assert [watch.update(s) for s in (False, True, False, False, False)] == [1, 0, 1, 2, 3]
-    assert capsys.readouterr().err.count("warning: every group's rewards were all equal for 2 steps") == 1
+    assert capsys.readouterr().err.count("warning: every group's rewards were all equal, or the trained batch had no nonzero advantage, "
+                                        "for 2 steps") == 1
     with pytest.raises(NoLearningSignal, match="for 4 steps in a row \\(training accuracy 0.000\\).*group_size"):
         watch.update(False, accuracy=0.0)
     assert SignalWatch(limit=0).update(False) == 1  # 0: never stops
@@ -46,9 +47,21 @@ def test_a_run_whose_rewards_never_vary_stops_with_advice(tiny_model_dir, reward
     """A constant reward ('ones'): every group has zero variance, so no step can learn anything."""
     config = make_config(tiny_model_dir, reward_file, reward="ones", max_steps=10, max_no_signal_steps=3,
                          eval_every=0, output=str(tmp_path / "run"))
-    with pytest.raises(NoLearningSignal, match="all equal for 3 steps in a row"):
+    with pytest.raises(NoLearningSignal, match="all equal, or .* for 3 steps in a row"):
         run_training(OnlineSession.create(config), config, train_step, evaluate)
     assert [row["no_signal_steps"] for row in read_metrics(tmp_path / "run") if "no_signal_steps" in row] == [1, 2]
+
+
+def test_a_run_whose_selection_leaves_nothing_to_train_on_stops(tiny_model_dir, reward_file, tmp_path):
+    """Best-of-N with a min_reward no sample reaches: the rewards vary, but every group is dropped, so
+    the step trains on nothing (as a selection bug once did for 250 silent steps)."""
+    config = make_config(tiny_model_dir, reward_file, algorithm="best_of_n", min_reward=10.0, max_steps=10,
+                         max_no_signal_steps=3, eval_every=0, output=str(tmp_path / "run"))
+    with pytest.raises(NoLearningSignal, match="for 3 steps in a row"):
+        run_training(OnlineSession.create(config), config, train_step, evaluate)
+    rows = [row for row in read_metrics(tmp_path / "run") if "no_signal_steps" in row]
+    assert [row["no_signal_steps"] for row in rows] == [1, 2]
+    assert all(row["advantage/nonzero"] == 0.0 and row["zero_variance_groups"] < 1 for row in rows)
 
 
 def test_a_run_with_signal_logs_no_streak(tiny_model_dir, reward_file, tmp_path):
