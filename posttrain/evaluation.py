@@ -151,6 +151,7 @@ def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
 
     from posttrain.config import ConfigError, Config, DataConfig, ModelConfig, RolloutConfig
     from posttrain.data import as_completion, encode_prompt
+    from posttrain.distributed import say
     from posttrain.rollout import SamplingParams, make_generator
     from posttrain.scoring import RewardPolicy, score
     from posttrain.session import eos_token_ids, load_workload
@@ -203,6 +204,7 @@ def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
             return [t >= spec.success_threshold for t in total], total
 
         prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}") for i, row in enumerate(rows, 1)]
+        say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
         with torch.no_grad():
             greedy_texts, lengths = _generate(generator, tokenizer, prompt_ids, 1, greedy=True)
             correct, rewards = outcomes(greedy_texts, 1)
