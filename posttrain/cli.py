@@ -141,6 +141,8 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--device", default="auto")
     evaluate.add_argument("--dtype", default="float32")
     evaluate.add_argument("--output", help="also write the results as JSON to this file")
+    evaluate.add_argument("--completions", help="also write every problem's greedy completion, parsed answer and "
+                          "verdict as JSONL to this file")
 
     algorithms = commands.add_parser("algorithms", help="list presets, or compare the named ones side by side")
     algorithms.add_argument("names", nargs="*")
@@ -212,7 +214,7 @@ def _unrecognized(tokens: Sequence[str]) -> str:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from posttrain.evaluation import EvalSpec, evaluate_model, format_results, write_results
+    from posttrain.evaluation import EvalSpec, evaluate_model, format_results, write_completions, write_results
 
     tasks = args.task or ([] if args.dataset else ["addition"])
     spec = EvalSpec(tasks=tasks, dataset=args.dataset, reward=args.reward, reward_weights=args.reward_weights,
@@ -222,6 +224,8 @@ def eval_command(args: argparse.Namespace) -> int:
     print(format_results(name, results, spec))
     if args.output:
         write_results(args.output, name, results, spec)
+    if args.completions:
+        write_completions(args.completions, results)
     return 0
 
 

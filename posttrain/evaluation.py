@@ -112,6 +112,7 @@ class TaskResult:
     name: str
     problems: int
     metrics: dict[str, float]  # e.g. accuracy, accuracy_low, accuracy_high, pass@1, ...
+    greedy: list[dict[str, Any]] = field(default_factory=list)  # per problem: prompt, completion, correct, ...
 
 
 def summarise(correct_greedy: Sequence[bool], rewards: Sequence[float], lengths: Sequence[float],
@@ -216,7 +217,10 @@ def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
                 per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
                 answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
         metrics = summarise(correct, rewards, lengths, per_sample, answers)
-        results.append(TaskResult(name, len(rows), metrics))
+        greedy = [{"task": name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
+                   "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
+                  for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
+        results.append(TaskResult(name, len(rows), metrics, greedy))
     return model_name, results
 
 
@@ -254,3 +258,12 @@ def write_results(path: str | Path, model: str, results: Sequence[TaskResult], s
     payload = {"model": model, "settings": {k: v for k, v in vars(spec).items()},
                "tasks": {r.name: {"problems": r.problems, **r.metrics} for r in results}}
     Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def write_completions(path: str | Path, results: Sequence[TaskResult]) -> None:
+    """Every problem's greedy completion as JSONL: task, prompt, reference answer, completion, the
+    final answer parsed from it, correct, reward, length: what the model does, before and after."""
+    with open(path, "w", encoding="utf-8") as out:
+        for result in results:
+            for record in result.greedy:
+                out.write(json.dumps(record, default=str) + "\n")

@@ -80,7 +80,7 @@ def test_eval_scores_a_custom_dataset_and_a_task_in_one_call(tiny_model_dir, rew
     output = tmp_path / "eval.json"
     code = main(["eval", "--model", str(tiny_model_dir), "--task", "addition", "--dataset", str(dataset),
                  "--reward", f"{reward_file}:ones", "--eval-size", "5", "--samples", "3", "--max-new-tokens", "4",
-                 "--output", str(output)])
+                 "--output", str(output), "--completions", str(tmp_path / "completions.jsonl")])
     assert code == 0
     results = json.loads(output.read_text())["tasks"]
     assert list(results) == ["addition", str(dataset)]
@@ -92,6 +92,10 @@ def test_eval_scores_a_custom_dataset_and_a_task_in_one_call(tiny_model_dir, rew
     addition = results["addition"]  # a random model: the interval still brackets the estimate
     assert addition["problems"] == 5 and addition["accuracy_low"] <= addition["accuracy"] <= addition["accuracy_high"]
     assert addition["pass@1"] <= addition["pass@3"]
+    records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
+    assert [r["task"] for r in records] == ["addition"] * 5 + [str(dataset)] * 5
+    assert records[5]["prompt"] == "0+0=" and records[5]["correct"] and records[5]["reward"] == 1.0
+    assert sum(r["correct"] for r in records[:5]) / 5 == addition["accuracy"]
     printed = capsys.readouterr().out
     assert "on addition (5 problems)" in printed and "pass@3" in printed and "95% CI" in printed
 
