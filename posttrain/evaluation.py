@@ -147,81 +147,86 @@ def summarise(correct_greedy: Sequence[bool], rewards: Sequence[float], lengths:
 def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
                    dtype: str = "float32") -> tuple[str, list[TaskResult]]:
     """Evaluate ``model`` (default: the first task's built-in model) on every task of ``spec``; returns
-    the model's name and one result per task."""
-    import torch
-
-    from posttrain.config import ConfigError, Config, DataConfig, ModelConfig, RolloutConfig
-    from posttrain.data import as_completion, encode_prompt
-    from posttrain.distributed import say
-    from posttrain.rollout import SamplingParams, make_generator
-    from posttrain.scoring import RewardPolicy, score
-    from posttrain.session import eos_token_ids, load_workload
+    the model's name and one result per task. Every task and dataset is loaded and checked before
+    the model is."""
+    from posttrain.config import ConfigError
     from posttrain.modeling import load_model_and_tokenizer
-    from posttrain.rewards import extract_answer
+    from posttrain.session import eos_token_ids, load_workload
 
     if spec.samples < 1:
         raise ConfigError(f"samples: got {spec.samples}; use 1 (greedy only) or more")
-    targets: list[tuple[str, Config]] = []
-    for task in spec.tasks:
-        targets.append((task, Config(algorithm="grpo", model=ModelConfig(model=model, device=device, dtype=dtype),
-                                     data=DataConfig(task=task, eval_size=spec.eval_size),
-                                     rollout=RolloutConfig(max_new_tokens=spec.max_new_tokens,
-                                                           temperature=spec.temperature, top_p=spec.top_p))))
-    if spec.dataset is not None:
-        targets.append((spec.dataset, Config(
-            algorithm="grpo", model=ModelConfig(model=model, device=device, dtype=dtype),
-            data=DataConfig(dataset=spec.dataset, eval_dataset=spec.dataset, reward=list(spec.reward),
-                            reward_weights=list(spec.reward_weights), eval_size=spec.eval_size),
-            rollout=RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
-                                  top_p=spec.top_p))))
-    if not targets:
-        raise ConfigError("eval: name a --task or a --dataset (with --reward) to evaluate on")
-    workloads = [(name, config, load_workload(config)) for name, config in targets]  # bad input fails before loading
-    model_name = model or next((w.default_model for _, _, w in workloads if w.default_model), None)
+    targets = [(name, config, load_workload(config)) for name, config in _targets(model, spec, device, dtype)]
+    model_name = model or next((work.default_model for _, _, work in targets if work.default_model), None)
     if model_name is None:
         raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
     policy, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype, device=device)
     policy.eval()
     eos_ids = eos_token_ids(policy, tokenizer)
-    results = []
-    for name, config, work in workloads:
-        rows = work.test_rows
-        if not rows:
-            raise ConfigError(f"eval: {name} has no problems to evaluate on")
-        torch.manual_seed(spec.seed)
-        generator = make_generator("hf", policy, tokenizer, SamplingParams(work.max_new_tokens, spec.temperature,
-                                                                           spec.top_p, 0), eos_ids)
-        extract = work.final_answer or extract_answer
+    return model_name, [_evaluate_task(name, config, work, policy, tokenizer, eos_ids, spec)
+                        for name, config, work in targets]
 
-        def outcomes(texts: list[str], g: int) -> tuple[list[bool], list[float]]:
-            prompts = [row["prompt"] for row in rows for _ in range(g)]
-            completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
-            columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-            scores = score(work.reward_fns, work.reward_weights, prompts, completions, columns,
-                           RewardPolicy(config.data.reward_timeout, config.data.reward_errors))
-            total = scores.total.tolist()
-            if work.correct is not None:
-                return [bool(c) for c in work.correct(prompts=prompts, completions=completions, **columns)], total
-            return [t >= spec.success_threshold for t in total], total
 
-        prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}") for i, row in enumerate(rows, 1)]
-        say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
-        with torch.no_grad():
-            greedy_texts, lengths = _generate(generator, tokenizer, prompt_ids, 1, greedy=True)
-            correct, rewards = outcomes(greedy_texts, 1)
-            per_sample = answers = None
-            if spec.samples > 1:
-                k = spec.samples
-                texts, _ = _generate(generator, tokenizer, prompt_ids, k, greedy=False)
-                flat, _ = outcomes(texts, k)
-                per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
-                answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
-        metrics = summarise(correct, rewards, lengths, per_sample, answers)
-        greedy = [{"task": name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
-                   "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
-                  for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
-        results.append(TaskResult(name, len(rows), metrics, greedy))
-    return model_name, results
+def _targets(model: str | None, spec: EvalSpec, device: str, dtype: str) -> list[tuple[str, Any]]:
+    """(name, Config) per task of ``spec``, then the dataset's: the training config's data checks apply."""
+    from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
+
+    def config(data: DataConfig) -> Config:
+        return Config(algorithm="grpo", model=ModelConfig(model=model, device=device, dtype=dtype), data=data,
+                      rollout=RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                                            top_p=spec.top_p))
+
+    targets = [(task, config(DataConfig(task=task, eval_size=spec.eval_size))) for task in spec.tasks]
+    if spec.dataset is not None:  # every row is a problem: the dataset is its own held-out set
+        targets.append((spec.dataset, config(DataConfig(
+            dataset=spec.dataset, eval_dataset=spec.dataset, reward=tuple(spec.reward),
+            reward_weights=tuple(spec.reward_weights), eval_size=spec.eval_size))))
+    if not targets:
+        raise ConfigError("eval: name a --task or a --dataset (with --reward) to evaluate on")
+    return targets
+
+
+def _evaluate_task(name: str, config: Any, work: Any, policy: Any, tokenizer: Any, eos_ids: list[int],
+                   spec: EvalSpec) -> TaskResult:
+    """Greedy completions of every held-out problem, then (``spec.samples`` > 1) K samples each."""
+    import torch
+
+    from posttrain.config import ConfigError
+    from posttrain.data import encode_prompt
+    from posttrain.distributed import say
+    from posttrain.rewards import extract_answer
+    from posttrain.rollout import SamplingParams, make_generator
+    from posttrain.session import score_texts
+
+    rows = work.test_rows
+    if not rows:
+        raise ConfigError(f"eval: {name} has no problems to evaluate on")
+    extract = work.final_answer or extract_answer
+
+    def outcomes(texts: list[str], g: int) -> tuple[list[bool], list[float]]:
+        scores, correct = score_texts(work, config.data, rows, texts, g)
+        total = scores.total.tolist()
+        verdicts = correct.tolist() if correct is not None else [t >= spec.success_threshold for t in total]
+        return verdicts, total
+
+    torch.manual_seed(spec.seed)
+    generator = make_generator("hf", policy, tokenizer,
+                               SamplingParams(work.max_new_tokens, spec.temperature, spec.top_p, 0), eos_ids)
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}") for i, row in enumerate(rows, 1)]
+    say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
+    k, per_sample, answers = spec.samples, None, None
+    with torch.no_grad():
+        greedy_texts, lengths = _generate(generator, tokenizer, prompt_ids, 1, greedy=True)
+        if k > 1:
+            texts, _ = _generate(generator, tokenizer, prompt_ids, k, greedy=False)
+    correct, rewards = outcomes(greedy_texts, 1)
+    if k > 1:
+        flat, _ = outcomes(texts, k)
+        per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
+        answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
+    greedy = [{"task": name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
+               "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
+              for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
+    return TaskResult(name, len(rows), summarise(correct, rewards, lengths, per_sample, answers), greedy)
 
 
 def _generate(generator: Any, tokenizer: Any, prompt_ids: list, num_samples: int, *, greedy: bool,

@@ -20,7 +20,7 @@ from torch import Tensor
 import posttrain.functional as F
 from posttrain import distributed, fsdp, offload
 from posttrain.algorithms import OnlineAlgorithm
-from posttrain.config import Config, ConfigError, absolute_path
+from posttrain.config import Config, ConfigError, DataConfig, absolute_path
 from posttrain.guards import RewardWatch, SignalWatch, UpdateCheck
 from posttrain.evaluation import wilson_interval
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
@@ -74,6 +74,21 @@ def load_workload(config: Config) -> Workload:
     return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
                     task.correct if task else None, budget, task.default_model if task else None,
                     task.final_answer if task else None)
+
+
+def score_texts(work: Workload, data: DataConfig, rows: list[dict], texts: list[str],
+                g: int) -> tuple[Scores, Tensor | None]:
+    """The workload's rewards of ``len(rows) * g`` completion texts (row i's at i*g .. i*g + g - 1), and
+    the task's verdicts ([N] bool; None when the workload has no correctness check)."""
+    prompts = [row["prompt"] for row in rows for _ in range(g)]
+    completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
+    columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    scores = score(work.reward_fns, work.reward_weights, prompts, completions, columns,
+                   RewardPolicy(data.reward_timeout, data.reward_errors))
+    correct = None
+    if work.correct is not None:
+        correct = torch.tensor(work.correct(prompts=prompts, completions=completions, **columns), dtype=torch.bool)
+    return scores, correct
 
 
 def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
@@ -217,15 +232,7 @@ class OnlineSession:
 
     def score_rows(self, rows: list[dict], texts: list[str], g: int) -> tuple[Scores, Tensor | None]:
         """Score ``len(rows) * g`` completions (row i's samples at i*g .. i*g + g - 1)."""
-        prompts = [row["prompt"] for row in rows for _ in range(g)]
-        completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
-        columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-        policy = RewardPolicy(self.config.data.reward_timeout, self.config.data.reward_errors)
-        scores = score(self.work.reward_fns, self.work.reward_weights, prompts, completions, columns, policy)
-        correct = None
-        if self.work.correct is not None:
-            correct = torch.tensor(self.work.correct(prompts=prompts, completions=completions, **columns), dtype=torch.bool)
-        return scores, correct
+        return score_texts(self.work, self.config.data, rows, texts, g)
 
     def rollout_logprobs(self, groups) -> tuple[Tensor, Tensor | None]:
         comp = groups.completions
