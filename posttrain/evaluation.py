@@ -1,94 +1,32 @@
-"""Evaluation users can trust: the estimators, and ``posttrain eval`` on tasks and datasets.
+"""``posttrain eval``: one model on built-in tasks and datasets, with intervals users can trust.
 
-The estimators are small pure functions:
-
-- :func:`wilson_interval`: the 95% interval of a proportion (greedy accuracy, maj@K). Wilson's
-  score interval rather than the normal one, because accuracies near 0 or 1 on a few hundred
-  problems are common and the normal interval then leaves [0, 1] or collapses to a point.
-- :func:`pass_at_k`: the unbiased estimator of Chen et al. (2021, "Evaluating Large Language
-  Models Trained on Code"): with ``n`` samples of a problem of which ``c`` are correct, the
-  probability that ``k`` samples drawn without replacement hold at least one correct one,
-  ``1 - C(n - c, k) / C(n, k)``. With ``k == n`` it is whether any sample is correct.
-- :func:`mean_interval`: the mean of per-problem values in [0, 1] (pass@1, pass@K) with a 95%
-  normal interval over problems (the problems are the sample; the K draws per problem only make
-  each value less noisy), clipped to [0, 1].
-- :func:`majority_index`: maj@K's vote: the completion whose extracted answer is the most common
-  among the K (ties: the answer given first); a problem is solved when that completion is correct.
-
-:func:`evaluate_model` runs them for ``posttrain eval``: one model, loaded once, on one or more
-built-in tasks (their held-out split) and/or a dataset scored by reward functions, greedy decoding
-for accuracy and, with ``samples`` > 1, K sampled completions per problem for pass@1, pass@K and
-maj@K. Correct means the task's own check; on a dataset, a total reward of at least
-``success_threshold``. maj@K votes with the task's final-answer parser (``Task.final_answer``), on a
-dataset with :func:`posttrain.rewards.extract_answer` (boxed, "answer is", the last number).
+:func:`evaluate_model` loads the model once and evaluates it on one or more built-in tasks (their
+held-out split) and/or a dataset scored by reward functions: greedy decoding for accuracy and, with
+``samples`` > 1, K sampled completions per problem for pass@1, pass@K and maj@K (the estimators
+and their intervals are in :mod:`posttrain.stats`). Correct means the task's own check; on a
+dataset, a total reward of at least ``success_threshold``. maj@K votes with the task's final-answer
+parser (``Task.final_answer``), on a dataset with :func:`posttrain.rewards.extract_answer` (boxed,
+"answer is", the last number).
 """
 
 from __future__ import annotations
 
 import json
-import math
-from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-Z_95 = 1.959963984540054  # the standard normal's 97.5% quantile
+import torch
 
-
-# ---------------------------------------------------------------------------------------
-# Estimators
-# ---------------------------------------------------------------------------------------
-
-
-def wilson_interval(successes: float, n: int, z: float = Z_95) -> tuple[float, float]:
-    """Wilson's score interval for a proportion ``successes / n``; (0, 1) when ``n`` is 0."""
-    if n <= 0:
-        return 0.0, 1.0
-    p = successes / n
-    denominator = 1 + z * z / n
-    centre = (p + z * z / (2 * n)) / denominator
-    half = z * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n)) / denominator
-    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))  # rounding never excludes p
-
-
-def mean_interval(values: Sequence[float], z: float = Z_95) -> tuple[float, float, float]:
-    """(mean, low, high) of per-problem values in [0, 1]: the normal interval over problems, clipped."""
-    n = len(values)
-    if n == 0:
-        raise ValueError("mean_interval: no values")
-    mean = math.fsum(values) / n
-    if n == 1:
-        return mean, 0.0, 1.0
-    std = math.sqrt(math.fsum((v - mean) ** 2 for v in values) / (n - 1))
-    half = z * std / math.sqrt(n)
-    return mean, max(0.0, mean - half), min(1.0, mean + half)
-
-
-def pass_at_k(n: int, c: int, k: int) -> float:
-    """Unbiased pass@k of a problem with ``c`` correct among ``n`` samples: ``1 - C(n-c, k) / C(n, k)``."""
-    if not 0 <= c <= n or not 1 <= k <= n:
-        raise ValueError(f"pass_at_k: needs 0 <= c <= n and 1 <= k <= n; got n={n}, c={c}, k={k}")
-    if n - c < k:  # every draw of k holds a correct sample
-        return 1.0
-    return 1.0 - math.comb(n - c, k) / math.comb(n, k)
-
-
-def majority_index(answers: Sequence[str | None]) -> int | None:
-    """Index of the first completion giving the most common answer (None answers do not vote);
-    ties go to the answer given first; None when no completion gave an answer."""
-    votes = Counter(a for a in answers if a is not None)
-    if not votes:
-        return None
-    top = max(votes.values())
-    winner = next(a for a in answers if a is not None and votes[a] == top)
-    return answers.index(winner)
-
-
-# ---------------------------------------------------------------------------------------
-# posttrain eval
-# ---------------------------------------------------------------------------------------
-
+from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
+from posttrain.data import encode_prompt
+from posttrain.distributed import say
+from posttrain.modeling import load_model_and_tokenizer
+from posttrain.rewards import extract_answer
+from posttrain.rollout import SamplingParams, make_generator
+from posttrain.session import Workload, eos_token_ids, load_workload, score_texts
+from posttrain.stats import summarise
 
 @dataclass
 class EvalSpec:
@@ -115,44 +53,11 @@ class TaskResult:
     greedy: list[dict[str, Any]] = field(default_factory=list)  # per problem: prompt, completion, correct, ...
 
 
-def summarise(correct_greedy: Sequence[bool], rewards: Sequence[float], lengths: Sequence[float],
-              sampled: Sequence[Sequence[bool]] | None = None,
-              sampled_answers: Sequence[Sequence[str | None]] | None = None) -> dict[str, float]:
-    """The metrics of one task from per-problem outcomes.
-
-    ``correct_greedy``, ``rewards``, ``lengths``: one per problem, of its greedy completion;
-    ``sampled[i]``: whether each of problem i's K samples is correct; ``sampled_answers[i]`` their
-    extracted answers (for maj@K).
-    """
-    n = len(correct_greedy)
-    right = sum(map(bool, correct_greedy))
-    low, high = wilson_interval(right, n)
-    out = {"accuracy": right / n, "accuracy_low": low, "accuracy_high": high,
-           "reward": math.fsum(rewards) / n, "completion_length": math.fsum(lengths) / n}
-    if sampled is not None:
-        k = len(sampled[0])
-        for name, per_problem in (("pass@1", [pass_at_k(k, sum(s), 1) for s in sampled]),
-                                  (f"pass@{k}", [pass_at_k(k, sum(s), k) for s in sampled])):
-            out[name], out[f"{name}_low"], out[f"{name}_high"] = mean_interval(per_problem)
-        if sampled_answers is not None:
-            wins = 0
-            for outcomes, answers in zip(sampled, sampled_answers):
-                index = majority_index(answers)
-                wins += index is not None and bool(outcomes[index])
-            out[f"maj@{k}"] = wins / n
-            out[f"maj@{k}_low"], out[f"maj@{k}_high"] = wilson_interval(wins, n)
-    return out
-
-
 def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
                    dtype: str = "float32") -> tuple[str, list[TaskResult]]:
     """Evaluate ``model`` (default: the first task's built-in model) on every task of ``spec``; returns
     the model's name and one result per task. Every task and dataset is loaded and checked before
     the model is."""
-    from posttrain.config import ConfigError
-    from posttrain.modeling import load_model_and_tokenizer
-    from posttrain.session import eos_token_ids, load_workload
-
     if spec.samples < 1:
         raise ConfigError(f"samples: got {spec.samples}; use 1 (greedy only) or more")
     targets = [(name, config, load_workload(config)) for name, config in _targets(model, spec, device, dtype)]
@@ -166,10 +71,8 @@ def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
                         for name, config, work in targets]
 
 
-def _targets(model: str | None, spec: EvalSpec, device: str, dtype: str) -> list[tuple[str, Any]]:
+def _targets(model: str | None, spec: EvalSpec, device: str, dtype: str) -> list[tuple[str, Config]]:
     """(name, Config) per task of ``spec``, then the dataset's: the training config's data checks apply."""
-    from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
-
     def config(data: DataConfig) -> Config:
         return Config(algorithm="grpo", model=ModelConfig(model=model, device=device, dtype=dtype), data=data,
                       rollout=RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
@@ -185,18 +88,9 @@ def _targets(model: str | None, spec: EvalSpec, device: str, dtype: str) -> list
     return targets
 
 
-def _evaluate_task(name: str, config: Any, work: Any, policy: Any, tokenizer: Any, eos_ids: list[int],
+def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, tokenizer: Any, eos_ids: list[int],
                    spec: EvalSpec) -> TaskResult:
     """Greedy completions of every held-out problem, then (``spec.samples`` > 1) K samples each."""
-    import torch
-
-    from posttrain.config import ConfigError
-    from posttrain.data import encode_prompt
-    from posttrain.distributed import say
-    from posttrain.rewards import extract_answer
-    from posttrain.rollout import SamplingParams, make_generator
-    from posttrain.session import score_texts
-
     rows = work.test_rows
     if not rows:
         raise ConfigError(f"eval: {name} has no problems to evaluate on")

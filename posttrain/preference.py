@@ -73,7 +73,7 @@ from posttrain.algorithms import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError, absolute_path
 from posttrain.guards import NoLearningSignal, UpdateCheck
 from posttrain.data import PromptSampler, encode_prompt
-from posttrain.evaluation import wilson_interval
+from posttrain.stats import wilson_interval
 from posttrain.modeling import checkpoint_layers, collate, forward, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.optim import apply_gradients, build_optimizer

@@ -22,7 +22,7 @@ from posttrain import distributed, fsdp, offload
 from posttrain.algorithms import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig, absolute_path
 from posttrain.guards import RewardWatch, SignalWatch, UpdateCheck
-from posttrain.evaluation import wilson_interval
+from posttrain.stats import wilson_interval
 from posttrain.data import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
 from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.modeling import ValueHead, batched_logprobs, checkpoint_layers, load_model_and_tokenizer
