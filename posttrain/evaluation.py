@@ -24,7 +24,7 @@ from posttrain.data import encode_prompt
 from posttrain.distributed import say
 from posttrain.modeling import load_model_and_tokenizer
 from posttrain.rewards import extract_answer
-from posttrain.rollout import SamplingParams, make_generator
+from posttrain.rollout import SamplingParams, generate_texts, make_generator
 from posttrain.session import Workload, eos_token_ids, load_workload, score_texts
 from posttrain.stats import summarise
 
@@ -109,9 +109,9 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
     say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
     k, per_sample, answers = spec.samples, None, None
     with torch.no_grad():
-        greedy_texts, lengths = _generate(generator, tokenizer, prompt_ids, 1, greedy=True)
+        greedy_texts, lengths = generate_texts(generator, tokenizer, prompt_ids, greedy=True)
         if k > 1:
-            texts, _ = _generate(generator, tokenizer, prompt_ids, k, greedy=False)
+            texts, _ = generate_texts(generator, tokenizer, prompt_ids, k)
     correct, rewards = outcomes(greedy_texts, 1)
     if k > 1:
         flat, _ = outcomes(texts, k)
@@ -121,19 +121,6 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
                "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
               for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
     return TaskResult(name, len(rows), summarise(correct, rewards, lengths, per_sample, answers), greedy)
-
-
-def _generate(generator: Any, tokenizer: Any, prompt_ids: list, num_samples: int, *, greedy: bool,
-              chunk: int = 256) -> tuple[list[str], list[float]]:
-    """Completions' texts and token counts, problem i's samples at i*K .. i*K + K - 1, generated in
-    chunks of prompts (memory)."""
-    texts: list[str] = []
-    lengths: list[float] = []
-    for start in range(0, len(prompt_ids), chunk):
-        completions = generator.generate(prompt_ids[start:start + chunk], num_samples=num_samples, greedy=greedy)
-        texts += tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
-        lengths += completions.lengths.float().tolist()
-    return texts, lengths
 
 
 def format_results(model: str, results: Sequence[TaskResult], spec: EvalSpec) -> str:

@@ -80,7 +80,7 @@ from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.preference_data import (
     PreferenceExamples, PreferenceTask, encode, load_rows, pairs_from_samples, unpair,
 )
-from posttrain.rollout import Generator, SamplingParams, make_generator
+from posttrain.rollout import Generator, SamplingParams, generate_texts, make_generator
 from posttrain.runner import run_training
 
 
@@ -495,23 +495,18 @@ def evaluate(s: PreferenceSession, limit: int | None = None) -> dict[str, float]
         })
     if s.task is not None and s.config.data.eval_size:
         rows = s.task.source.test[:s.config.data.eval_size][:limit]
-        out["eval/accuracy"] = generation_accuracy(s, rows)
-        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(out["eval/accuracy"] * len(rows),
-                                                                              len(rows))
+        right = generation_accuracy(s, rows)
+        out["eval/accuracy"] = right / len(rows)
+        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(right, len(rows))
     return out
 
 
-def generation_accuracy(s: PreferenceSession, rows: list[dict[str, Any]], chunk: int = 256) -> float:
-    """Fraction of ``rows`` whose greedy completion the task's ``correct`` accepts."""
-    right = 0
-    for start in range(0, len(rows), chunk):
-        part = rows[start:start + chunk]
-        completions = s.generator.generate([encode_prompt(s.tokenizer, r["prompt"]) for r in part],
-                                           num_samples=1, greedy=True)
-        texts = s.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
-        columns = {key: [r[key] for r in part] for key in part[0] if key != "prompt"}
-        right += sum(s.task.source.correct([r["prompt"] for r in part], texts, **columns))
-    return right / len(rows)
+def generation_accuracy(s: PreferenceSession, rows: list[dict[str, Any]]) -> int:
+    """How many of ``rows`` have a greedy completion that the task's ``correct`` accepts."""
+    texts, _ = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
+                              greedy=True)
+    columns = {key: [r[key] for r in rows] for key in rows[0] if key != "prompt"}
+    return sum(s.task.source.correct([r["prompt"] for r in rows], texts, **columns))
 
 
 def train_preference(config: Config) -> dict[str, Any]:

@@ -170,3 +170,16 @@ def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingPar
 
         return VLLMGenerator(model, tokenizer, params, eos_token_ids, model_path=model_path, seed=seed)
     raise ValueError(f"unknown generation backend {backend!r}; valid: hf, vllm")
+
+
+def generate_texts(generator: Generator, tokenizer: Any, prompt_ids: list[Tensor], num_samples: int = 1, *,
+                   greedy: bool = False, chunk: int = 256) -> tuple[list[str], list[float]]:
+    """Decoded completions and their token counts, prompt i's samples at i*K .. i*K + K - 1,
+    generated ``chunk`` prompts at a time (evaluation sets are larger than a training batch)."""
+    texts: list[str] = []
+    lengths: list[float] = []
+    for start in range(0, len(prompt_ids), chunk):
+        completions = generator.generate(prompt_ids[start:start + chunk], num_samples=num_samples, greedy=greedy)
+        texts += tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+        lengths += completions.lengths.float().tolist()
+    return texts, lengths

@@ -149,8 +149,8 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
             step = session.step
             metrics["time/step"] = time.perf_counter() - t0
             if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
-                subset = config.data.eval_subset if step < run.max_steps else None  # the last one: every prompt
-                last_eval, evaluated_at = evaluate(session, limit=subset or None), step
+                subset = config.data.eval_subset or None if step < run.max_steps else None  # the last: all prompts
+                last_eval, evaluated_at = evaluate(session, limit=subset), step
                 metrics.update(last_eval)
             logger.log(step, metrics)
             if run.log_samples_every and step % run.log_samples_every == 0:

@@ -27,7 +27,7 @@ from posttrain.data import PromptSampler, as_completion, check_prompt_rows, enco
 from posttrain.optim import apply_gradients, build_optimizer
 from posttrain.modeling import ValueHead, batched_logprobs, checkpoint_layers, load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
-from posttrain.rollout import Completions, SamplingParams, make_generator
+from posttrain.rollout import Completions, SamplingParams, generate_texts, make_generator
 from posttrain.scoring import RewardPolicy, Scores, score
 
 
@@ -331,21 +331,16 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
 
 
 @torch.no_grad()
-def evaluate(s: OnlineSession, limit: int | None = None, chunk: int = 256) -> dict[str, float]:
+def evaluate(s: OnlineSession, limit: int | None = None) -> dict[str, float]:
     """Greedy decodes of the first ``limit`` held-out prompts (None: all): accuracy (when the task
     checks answers) with its 95% interval, reward, length."""
     rows = s.work.test_rows[:limit]
     if not rows:
         return {}
-    texts, lengths = [], []
-    for start in range(0, len(rows), chunk):
-        part = rows[start:start + chunk]
-        completions = s.generator.generate([encode_prompt(s.tokenizer, r["prompt"]) for r in part],
-                                           num_samples=1, greedy=True)
-        texts += s.decode(completions)
-        lengths.append(completions.lengths.float())
+    texts, lengths = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
+                                    greedy=True)
     scores, correct = s.score_rows(rows, texts, 1)
-    out = {"eval/reward": scores.total.mean().item(), "eval/completion_length": torch.cat(lengths).mean().item()}
+    out = {"eval/reward": scores.total.mean().item(), "eval/completion_length": sum(lengths) / len(lengths)}
     if correct is not None:
         out["eval/accuracy"] = correct.float().mean().item()
         out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(int(correct.sum()), len(correct))
