@@ -16,7 +16,10 @@ which SmolLM2 and the embedded tiny model are) a decode step is instead :meth:`F
    the CPU's vendor: MKL's tuned kernels run on Intel CPUs only).
    ``benchmarks/generation.py`` has the step times. Elsewhere (a GPU, a dtype neither takes) it is
    ``F.linear`` on the fused weights.
-3. **No module tree.** One function per step: no hooks, no mask construction per layer, no
+3. **LoRA folded in.** Under ``peft`` LoRA adapters each projection runs ``W + (alpha / r) B A``,
+   summed once per ``decode`` call (:func:`effective_weight`), instead of the adapter's two extra
+   skinny GEMMs per projection through PEFT's module forward at every step.
+4. **No module tree.** One function per step: no hooks, no mask construction per layer, no
    per-layer cache bookkeeping beyond writing one position.
 
 The math is the model's: the same RMSNorm (computed in float32, as transformers does), the model's
@@ -57,11 +60,17 @@ def is_supported_class(model) -> bool:
 def unsupported_reason(model) -> str | None:
     """Why the fused step cannot run ``model`` (None: it can); the decode loop then runs the model's forward.
 
-    Only the exact classes in :data:`SUPPORTED` qualify: a PEFT wrapper (LoRA adapters), an FSDP-sharded
-    model or a subclass may compute something else in its forward.
+    Only the exact classes in :data:`SUPPORTED` qualify, alone or under LoRA adapters that
+    :func:`effective_weight` folds in: an FSDP-sharded model, a subclass or another PEFT method may
+    compute something else in its forward.
     """
     if os.environ.get("POSTTRAIN_DECODE_STEP", "fused") == "forward":
         return "POSTTRAIN_DECODE_STEP=forward"
+    if is_lora(model):
+        reason = lora_unsupported_reason(model)
+        if reason:
+            return reason
+        model = model.get_base_model()
     if not is_supported_class(model):
         return f"{type(model).__name__} is not one of {', '.join(SUPPORTED)}"
     config = model.config
@@ -74,6 +83,51 @@ def unsupported_reason(model) -> str | None:
     if any(not isinstance(p, Tensor) or type(p).__name__ == "DTensor" for p in model.parameters()):
         return "its parameters are sharded"
     return None
+
+
+def is_lora(model) -> bool:
+    """Whether ``model`` is a ``peft`` model (without importing peft when nothing has)."""
+    from posttrain.models.lora import is_lora as _is_lora
+
+    return _is_lora(model)
+
+
+def lora_unsupported_reason(model) -> str | None:
+    """Why a LoRA-wrapped model's adapters cannot be folded into the fused step's weights (None: they can).
+
+    Folding computes ``W + get_delta_weight()`` per active adapter, which is the adapter's forward
+    for plain LoRA; DoRA's magnitude vector and LoRA biases are not in that sum."""
+    for module in model.modules():
+        if not hasattr(module, "lora_A"):
+            continue
+        for name in _active_adapters(module):
+            if getattr(module, "use_dora", {}).get(name):
+                return "its LoRA adapters use DoRA"
+            if getattr(module, "lora_bias", {}).get(name):
+                return "its LoRA adapters have biases"
+            if name not in getattr(module, "lora_B", {}) or not hasattr(module.lora_B[name], "weight"):
+                return f"{type(module).__name__} is not a LoRA linear layer"
+    return None
+
+
+def _active_adapters(module) -> list[str]:
+    """The adapters a peft LoRA layer applies in its forward now: none when disabled or already merged."""
+    if getattr(module, "disable_adapters", False) or getattr(module, "merged", False):
+        return []
+    return [name for name in module.active_adapters if name in module.lora_A]
+
+
+def effective_weight(linear) -> tuple[Tensor, Tensor | None]:
+    """``(weight, bias)`` that ``linear`` applies: for a peft LoRA layer, its base weight plus the delta
+    ``(alpha / r) B A`` of each active adapter (none when the adapters are disabled, as for the
+    reference, or already merged into the base weight)."""
+    base = getattr(linear, "base_layer", None)
+    if base is None:
+        return linear.weight, linear.bias
+    weight = base.weight
+    for name in _active_adapters(linear):
+        weight = weight + linear.get_delta_weight(name).to(weight.dtype)
+    return weight, base.bias
 
 
 ONEDNN_MIN_ELEMENTS = 2**18
@@ -152,11 +206,11 @@ class Linear:
 
 def fused(*linears) -> tuple[Tensor, Tensor | None]:
     """The weights (and biases, if any has one) of ``linears`` stacked along the output dimension."""
-    weight = torch.cat([m.weight for m in linears]) if len(linears) > 1 else linears[0].weight.contiguous()
-    if all(m.bias is None for m in linears):
+    pairs = [effective_weight(m) for m in linears]
+    weight = torch.cat([w for w, _ in pairs]) if len(pairs) > 1 else pairs[0][0].contiguous()
+    if all(b is None for _, b in pairs):
         return weight, None
-    biases = [m.bias if m.bias is not None else m.weight.new_zeros(m.out_features) for m in linears]
-    return weight, torch.cat(biases)
+    return weight, torch.cat([b if b is not None else w.new_zeros(len(w)) for w, b in pairs])
 
 
 @dataclass
@@ -202,6 +256,8 @@ class FusedDecoder:
     def __init__(self, model, rows: int, positions: int | None = None):
         """``positions``: one more than the largest position the steps will see; with it the rotary
         angles of every position are computed once here instead of at every step."""
+        if is_lora(model):  # the adapters are folded into the weights below (effective_weight)
+            model = model.get_base_model()
         config, body = model.config, model.model
         self.body = body
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads

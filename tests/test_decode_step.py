@@ -139,8 +139,46 @@ def test_unsupported_models_say_why(monkeypatch):
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
-def test_a_lora_wrapped_model_runs_its_own_forward():
+@pytest.mark.parametrize("adapters", ["active", "disabled"])
+@torch.no_grad()
+def test_lora_adapters_are_folded_into_the_fused_step(adapters):
+    """The fused step on W + (alpha / r) B A equals PEFT's forward, adapters on (the policy) or off (the
+    reference); random B, so the adapters change the logits."""
+    from contextlib import nullcontext
+
     from peft import LoraConfig, get_peft_model
 
-    model = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"]))
-    assert "is not one of" in decode_step.unsupported_reason(model)
+    model = get_peft_model(build("llama"), LoraConfig(r=2, lora_alpha=4, init_lora_weights=False,
+                                                      target_modules=["q_proj", "v_proj", "o_proj", "down_proj"]))
+    model.eval()
+    assert unsupported_reason(model) is None
+    ids = torch.tensor([[0, 5, 6, 7], [8, 9, 10, 11]])
+    attention = (ids != 0).long()
+    positions = (attention.cumsum(-1) - 1).masked_fill(attention == 0, 1)
+    with model.disable_adapter() if adapters == "disabled" else nullcontext():
+        caches = [preallocated_cache(model.config, 1, ids.shape[1] + 3) for _ in range(2)]
+        for cache in caches:
+            model(input_ids=ids, attention_mask=attention, position_ids=positions, cache=cache, use_cache=True)
+        fused = FusedDecoder(model, rows=len(ids), positions=int(positions.max()) + 4)
+        mask, position, tokens = attention, positions[:, -1:] + 1, torch.tensor([3, 4])
+        for _ in range(3):
+            mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=mask.dtype)], 1)
+            expected = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position,
+                             cache=caches[0], use_cache=True).logits[:, -1]
+            torch.testing.assert_close(fused.step(tokens, position, mask, caches[1]), expected, rtol=1e-5, atol=1e-5)
+            tokens, position = expected.argmax(-1), position + 1
+    base_qkv = torch.cat([model.get_base_model().model.layers[0].self_attn.q_proj.base_layer.weight,
+                          model.get_base_model().model.layers[0].self_attn.k_proj.weight,
+                          model.get_base_model().model.layers[0].self_attn.v_proj.base_layer.weight])
+    folded = fused.layers[0].qkv
+    weight = folded.weight if folded.kernel != "mm" else folded.weight.t()
+    if folded.kernel != "onednn":  # oneDNN's reordered weight is opaque
+        assert torch.equal(weight, base_qkv) == (adapters == "disabled")
+
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+def test_dora_adapters_run_the_model_forward():
+    from peft import LoraConfig, get_peft_model
+
+    model = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True))
+    assert unsupported_reason(model) == "its LoRA adapters use DoRA"
