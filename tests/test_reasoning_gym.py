@@ -200,3 +200,32 @@ def test_missing_package_names_the_extra(monkeypatch):
 def test_unknown_task_mentions_reasoning_gym():
     with pytest.raises(ValueError, match="or reasoning-gym:FAMILY"):
         get_task("multiplication")
+
+
+# --- posttrain's own family ------------------------------------------------------------------
+
+
+def test_gsm_templates_family_draws_the_gsm_task_s_problems_and_scores_exact_numbers():
+    from posttrain.tasks import gsm
+
+    task = make_task("reasoning-gym:gsm_templates(easy_share=0.0)", seed=3, n_train=40, n_test=10)
+    templates = {row["rg_entry"]["metadata"]["template"] for row in task.train}
+    assert templates <= {t.__name__ for t in gsm.HARDER}  # easy_share 0: no one-operation template
+    row = task.train[0]
+    assert row["prompt"][0]["content"].endswith(INSTRUCTION)
+    entry = row["rg_entry"]
+    gold = entry["answer"]
+    texts = [f"so {gold} in all.\nAnswer: {gold}", f"Answer: ${gold}.00", f"Answer: {gold} apples",
+             f"Answer: {int(gold) + 1}", "no answer at all"]
+    scores = task.reward_funcs[0]([row["prompt"]] * len(texts), [_chat(t) for t in texts], rg_entry=[entry] * len(texts))
+    assert scores == [1.0, 1.0, 0.0, 0.0, 0.0]  # no partial credit for a number inside other words
+
+
+def test_gsm_templates_mixes_with_reasoning_gym_families_and_holds_out_disjointly():
+    task = make_task("reasoning-gym:gsm_templates=3,chain_sum", seed=0, n_train=400, n_test=100)
+    counts = Counter(row["rg_entry"]["family"] for row in task.train)
+    assert counts == {"gsm_templates": 300, "chain_sum": 100}
+    train_questions = {row["rg_entry"]["question"] for row in task.train}
+    assert not train_questions & {row["rg_entry"]["question"] for row in task.test}
+    with pytest.raises(ConfigError, match="easy_share"):
+        make_task("reasoning-gym:gsm_templates(easy_share=2.0)", seed=0, n_train=4, n_test=2)

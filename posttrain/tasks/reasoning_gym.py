@@ -11,7 +11,9 @@ Spec grammar (a FAMILY is a name registered in ``reasoning_gym.factory.DATASETS`
     SETTING   := NAME "=" VALUE
 
 for example ``reasoning-gym:chain_sum``, ``reasoning-gym:chain_sum=2,gsm_symbolic=1`` or
-``reasoning-gym:chain_sum(min_terms=2,max_terms=4)=2,gsm_symbolic``. A WEIGHT is a positive
+``reasoning-gym:chain_sum(min_terms=2,max_terms=4)=2,gsm_symbolic``. Besides reasoning-gym's own
+families, ``gsm_templates`` is the ``gsm`` task's word problems (:class:`GsmTemplatesDataset`), so a
+mix can hold them: ``reasoning-gym:gsm_templates=2,basic_arithmetic``. A WEIGHT is a positive
 number (1 when omitted). A setting NAME is a field of the family's config dataclass other than
 ``seed`` and ``size`` (the split sets those); a VALUE is a Python literal (``4``, ``0.5``, ``True``,
 ``'+'``, ``('+', '-')``) or else a bare word read as a string (``format_style=natural``). Each
@@ -65,11 +67,11 @@ from typing import Any
 
 import reasoning_gym
 from reasoning_gym.dataset import ProceduralDataset
-from reasoning_gym.factory import DATASETS
+from reasoning_gym.factory import DATASETS, register_dataset
 
 from posttrain.config import ConfigError
-from posttrain.rewards import RewardFn, completion_text, extract_answer
-from posttrain.tasks import REASONING_GYM_PREFIX, Task
+from posttrain.rewards import RewardFn, completion_text, extract_answer, parse_number
+from posttrain.tasks import REASONING_GYM_PREFIX, Task, gsm
 
 DELIMITER = "Answer:"
 INSTRUCTION = f'Work it out briefly, then end your reply with "{DELIMITER}" followed by the final answer alone.'
@@ -88,6 +90,50 @@ class Component:
     family: str
     settings: dict[str, Any]
     weight: float
+
+
+# --- posttrain's own families -------------------------------------------------------------
+
+
+@dataclass
+class GsmTemplatesConfig:
+    """Settings of ``gsm_templates``: posttrain's templated word problems (:mod:`posttrain.tasks.gsm`)."""
+
+    easy_share: float = gsm.EASY_SHARE
+    """Probability that a problem comes from one of the four one-operation templates."""
+    seed: int | None = None
+    size: int = 500
+
+    def validate(self) -> None:
+        assert 0.0 <= self.easy_share <= 1.0, f"easy_share must be in [0, 1], got {self.easy_share}"
+
+
+class GsmTemplatesDataset(ProceduralDataset):
+    """The ``gsm`` task's word problems as a reasoning-gym family, so that a spec can mix them with
+    reasoning-gym's families under one answer format (``Answer:``) and one reward. Item ``i`` is drawn
+    from ``random.Random(seed + i)``, as most reasoning-gym generators draw theirs."""
+
+    def __init__(self, config: GsmTemplatesConfig):
+        super().__init__(config=config, seed=config.seed, size=config.size)
+
+    def __getitem__(self, idx: int) -> dict[str, Any]:
+        rng = random.Random(self.seed + idx)
+        template = rng.choice(gsm.EASY if rng.random() < self.config.easy_share else gsm.HARDER)
+        question, answer = template(rng)
+        return {"question": question, "answer": str(answer), "metadata": {"template": template.__name__}}
+
+    def score_answer(self, answer: str | None, entry: dict[str, Any]) -> float:
+        """1.0 when the answer is the reference number (``$``, ``%`` and thousands commas ignored),
+        else 0.0: no partial credit for an answer that merely contains it."""
+        value = parse_number(answer)
+        return 1.0 if value is not None and value == float(entry["answer"]) else 0.0
+
+
+POSTTRAIN_FAMILIES = {"gsm_templates": (GsmTemplatesDataset, GsmTemplatesConfig)}
+"""Families posttrain adds to reasoning-gym's registry when this module is imported."""
+for _name, (_dataset, _config) in POSTTRAIN_FAMILIES.items():
+    if _name not in DATASETS:
+        register_dataset(_name, _dataset, _config)
 
 
 # --- parsing the spec ---------------------------------------------------------------------
