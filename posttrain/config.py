@@ -110,6 +110,12 @@ class DataConfig:
         "(drop that sample's group from the update, counted in reward/failures).", "error",
     )
     eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation (at most the task's held-out split).", 500)
+    eval_tasks: tuple[str, ...] = _help(
+        "More tasks (built-in or reasoning-gym:SPEC, repeatable) whose held-out splits are scored at every "
+        "evaluation besides the run's own, e.g. a family the run does not train on, to see whether a skill "
+        "transfers; logged as eval/LABEL/accuracy (LABEL: the task's name, or a reasoning-gym spec's families "
+        "joined by +). Online presets.", (),
+    )
     eval_subset: int = _help(
         "Held-out prompts scored at the evaluations during training: the first N of the eval_size set, to keep "
         "evaluation a small share of a slow model's run; the evaluations before and after training score all "

@@ -121,6 +121,9 @@ class PreferenceSession:
                               "dpo, odpo, simpo, orpo and kto")
         if config.optim.ref_refresh_every:
             raise ConfigError("ref_refresh_every: the preference trainer keeps its reference fixed; set it to 0")
+        if config.data.eval_tasks:
+            raise ConfigError("eval_tasks: only the online trainer scores other tasks during a run; for a preference "
+                              "run, score its final_model/ with posttrain eval --task ...")
         data = config.data
         train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task, paired=preset.paired,
                                                 needs_scores=preset.needs_scores)

@@ -76,6 +76,43 @@ def load_workload(config: Config) -> Workload:
                     task.final_answer if task else None)
 
 
+def eval_label(task: str) -> str:
+    """The metric name of an ``eval_tasks`` entry: a built-in task's name, or a reasoning-gym spec's
+    families joined by ``+`` (``reasoning-gym:gsm_symbolic`` -> ``gsm_symbolic``)."""
+    from posttrain.tasks import REASONING_GYM_PREFIX
+
+    if not task.startswith(REASONING_GYM_PREFIX):
+        return task
+    from posttrain.tasks.reasoning_gym import parse_spec
+
+    return "+".join(c.family for c in parse_spec(task))
+
+
+def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Workload]:
+    """The ``eval_tasks`` by label: each task's held-out rows (up to ``eval_size``), rewards and check,
+    generated with the run's token budget."""
+    from posttrain.tasks import get_task
+
+    data = config.data
+    workloads: dict[str, Workload] = {}
+    for spec in data.eval_tasks:
+        label = eval_label(spec)
+        if label in workloads:
+            raise ConfigError(f"eval_tasks: two entries are both labelled {label!r}; give each task once")
+        try:
+            task = get_task(spec)
+        except ConfigError:
+            raise
+        except ValueError as error:  # an unknown built-in task
+            raise ConfigError(f"eval_tasks: {error}") from None
+        if not task.test:
+            raise ConfigError(f"eval_tasks: {spec!r} has no held-out problems")
+        workloads[label] = Workload([], list(task.test)[: data.eval_size], list(task.reward_funcs),
+                                    list(task.reward_weights), task.correct, max_new_tokens, task.default_model,
+                                    task.final_answer)
+    return workloads
+
+
 def score_texts(work: Workload, data: DataConfig, rows: list[dict], texts: list[str],
                 g: int) -> tuple[Scores, Tensor | None]:
     """The workload's rewards of ``len(rows) * g`` completion texts (row i's at i*g .. i*g + g - 1), and
@@ -138,6 +175,7 @@ class OnlineSession:
     bad_steps: int = 0
     greedy_decodes: int = 0  # prompts decoded greedily for ReMax's baseline (a test counts them)
     fingerprint: dict[str, Any] = field(default_factory=dict)
+    eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
     # the guards against runs that learn nothing (posttrain.guards)
     signal_watch: SignalWatch = field(init=False)
     reward_watch: RewardWatch = field(init=False)
@@ -158,6 +196,7 @@ class OnlineSession:
                               "runs online presets (posttrain train routes it to the preference trainer)")
         work = load_workload(config)
         validate(config, alg, work)
+        eval_workloads = load_eval_workloads(config, work.max_new_tokens)  # their errors before the model loads
         fsdp.check(config)
         offload.check(config.model.offload_reference, alg.needs_reference, alg.name)
         distributed.init(config.model.device)
@@ -197,6 +236,7 @@ class OnlineSession:
             eos_ids,
             fingerprint={"model": absolute_path(model_name), "algorithm": alg.name,
                          "parameters": sum(p.numel() for p in policy.parameters())},
+            eval_workloads=eval_workloads,
         )
 
     # -- what the loop asks ------------------------------------------------------------------
@@ -333,15 +373,23 @@ def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
 @torch.no_grad()
 def evaluate(s: OnlineSession, limit: int | None = None) -> dict[str, float]:
     """Greedy decodes of the first ``limit`` held-out prompts (None: all): accuracy (when the task
-    checks answers) with its 95% interval, reward, length."""
-    rows = s.work.test_rows[:limit]
+    checks answers) with its 95% interval, reward, length; the same for the first ``limit`` of each
+    ``eval_tasks`` entry, under ``eval/LABEL/``."""
+    out = _evaluate_workload(s, s.work, limit, "eval/")
+    for label, work in s.eval_workloads.items():  # eval_tasks: other tasks' held-out problems, same policy
+        out.update(_evaluate_workload(s, work, limit, f"eval/{label}/"))
+    return out
+
+
+def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, prefix: str) -> dict[str, float]:
+    rows = work.test_rows[:limit]
     if not rows:
         return {}
     texts, lengths = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
                                     greedy=True)
-    scores, correct = s.score_rows(rows, texts, 1)
-    out = {"eval/reward": scores.total.mean().item(), "eval/completion_length": sum(lengths) / len(lengths)}
+    scores, correct = score_texts(work, s.config.data, rows, texts, 1)
+    out = {f"{prefix}reward": scores.total.mean().item(), f"{prefix}completion_length": sum(lengths) / len(lengths)}
     if correct is not None:
-        out["eval/accuracy"] = correct.float().mean().item()
-        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(int(correct.sum()), len(correct))
+        out[f"{prefix}accuracy"] = correct.float().mean().item()
+        out[f"{prefix}accuracy_low"], out[f"{prefix}accuracy_high"] = wilson_interval(int(correct.sum()), len(correct))
     return out

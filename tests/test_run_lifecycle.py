@@ -155,3 +155,30 @@ def test_evaluations_during_training_score_the_subset_and_the_last_one_every_pro
     assert scored == [8, 3, 3, 8]
     rows = [row for row in read_metrics(tmp_path / "run") if "eval/accuracy" in row]
     assert all(row["eval/accuracy_low"] <= row["eval/accuracy"] <= row["eval/accuracy_high"] for row in rows)
+
+
+def test_eval_tasks_score_other_tasks_at_every_evaluation(tiny_model_dir, reward_file, tmp_path):
+    """An eval_tasks entry is scored with the run's policy on its own held-out rows and check: the same
+    task as the run's gives the run's own greedy accuracy, under eval/LABEL/."""
+    config = make_config(tiny_model_dir, reward_file, max_steps=2, eval_every=1, eval_size=6,
+                         eval_tasks=["addition"], save_every=0, log_samples_every=0, output=str(tmp_path / "run"))
+    session = OnlineSession.create(config)
+    assert list(session.eval_workloads) == ["addition"]
+    run_training(session, config, train_step, evaluate)
+    rows = [row for row in read_metrics(tmp_path / "run") if "eval/accuracy" in row]
+    assert len(rows) == 3
+    for row in rows:
+        assert row["eval/addition/accuracy"] == row["eval/accuracy"]
+        assert row["eval/addition/completion_length"] == row["eval/completion_length"]
+        assert row["eval/addition/accuracy_low"] <= row["eval/addition/accuracy"] <= row["eval/addition/accuracy_high"]
+
+
+def test_eval_tasks_errors_name_the_field(tiny_model_dir, reward_file):
+    from posttrain.config import ConfigError
+    from posttrain.session import eval_label
+
+    assert eval_label("reasoning-gym:chain_sum(max_terms=3)=2,products") == "chain_sum+products"
+    with pytest.raises(ConfigError, match="eval_tasks: two entries are both labelled 'addition'"):
+        OnlineSession.create(make_config(tiny_model_dir, reward_file, eval_tasks=["addition", "addition"]))
+    with pytest.raises(ConfigError, match="unknown task"):
+        OnlineSession.create(make_config(tiny_model_dir, reward_file, eval_tasks=["additon"]))
