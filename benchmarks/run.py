@@ -79,9 +79,14 @@ class Bench:
     steps: int = 10  # timed steps
     quick_steps: int = 3
     bf16: bool = False  # mixed precision in both: float32 weights, bfloat16 autocast (not run by default)
+    lora: int = 0  # LoRA rank on every projection (alpha = 2 x rank) in both; 0: full fine-tuning
+    beta: float = 0.04  # GRPO's KL coefficient; 0 drops the reference pass in both
 
     def describe(self) -> str:
-        what = "3.2M random-init Llama, char tokenizer" if self.model == "tiny" else "SmolLM2-135M-Instruct, full FT"
+        what = "3.2M random-init Llama, char tokenizer" if self.model == "tiny" else "SmolLM2-135M-Instruct"
+        if self.model != "tiny":
+            what += f", LoRA r{self.lora}" if self.lora else ", full FT"
+        what += ", no KL (no reference pass)" if self.kind == "grpo" and not self.beta else ""
         what += ", bf16 autocast" if self.bf16 else ""
         if self.kind == "grpo":
             return f"GRPO {self.prompts} prompts x {self.group} x {self.new_tokens} tokens, {what}"
@@ -96,9 +101,16 @@ BENCHES = {b.name: b for b in (
     Bench("dpo-smollm2", "dpo", "smollm2", warmup=1, steps=5, quick_steps=2),
     Bench("grpo-smollm2-bf16", "grpo", "smollm2", warmup=1, steps=5, quick_steps=2, bf16=True),
     Bench("dpo-smollm2-bf16", "dpo", "smollm2", warmup=1, steps=5, quick_steps=2, bf16=True),
+    # recipes/smollm2-math.yaml's step shape: 8 prompts x 4 samples x 128 tokens, LoRA, no reference pass
+    Bench("grpo-smollm2-lora", "grpo", "smollm2", prompts=8, group=4, new_tokens=128, lora=16, beta=0.0,
+          warmup=1, steps=3, quick_steps=1),
+    Bench("grpo-smollm2-lora-bf16", "grpo", "smollm2", prompts=8, group=4, new_tokens=128, lora=16, beta=0.0,
+          warmup=1, steps=3, quick_steps=1, bf16=True),
 )}
-DEFAULT = [name for name, b in BENCHES.items() if not b.bf16]
-"""What runs without ``--only``: the float32 configurations the targets are stated for."""
+DEFAULT = [name for name, b in BENCHES.items() if not b.bf16 and not b.lora]
+"""What runs without ``--only``: the float32 full fine-tuning configurations the targets are stated for."""
+LORA_TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
+"""Every projection of a Llama layer: posttrain's default LoRA targets, given to TRL's peft_config."""
 
 
 # ---------------------------------------------------------------------------------------
@@ -210,7 +222,7 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
         max_new_tokens=b.new_tokens, temperature=1.0, learning_rate=LEARNING_RATE, micro_batch_size=64,
         max_steps=total, eval_size=0, progress=False, report_to="none", seed=SEED, device="cpu",
         lr_schedule="constant",  # as TRL's side (lr_scheduler_type)
-        mixed_precision="bf16" if b.bf16 else "no",
+        mixed_precision="bf16" if b.bf16 else "no", beta=b.beta, lora_r=b.lora, lora_alpha=2.0 * b.lora or 16.0,
     ), **overrides})
     s = OnlineSession.create(config)
     # Run to the budget as TRL does with min_new_tokens: no id ends a completion (EOS tokens sampled
@@ -325,10 +337,16 @@ def trl_grpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, flo
     args = GRPOConfig(
         **trl_common(b, data, total), per_device_train_batch_size=b.prompts * b.group, num_generations=b.group,
         steps_per_generation=1, num_iterations=1, max_completion_length=b.new_tokens, temperature=1.0,
-        top_p=1.0, top_k=0, beta=0.04, epsilon=0.2, loss_type="grpo", scale_rewards="group", use_vllm=False,
+        top_p=1.0, top_k=0, beta=b.beta, epsilon=0.2, loss_type="grpo", scale_rewards="group", use_vllm=False,
         generation_kwargs={"min_new_tokens": b.new_tokens}, log_completions=False,
     )
-    trainer = GRPOTrainer(model=str(path), reward_funcs=vowel_reward, args=args,
+    peft_config = None
+    if b.lora:
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=b.lora, lora_alpha=2 * b.lora, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                                 bias="none", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=str(path), reward_funcs=vowel_reward, args=args, peft_config=peft_config,
                           train_dataset=Dataset.from_list(prompt_rows()), processing_class=load_tokenizer(path))
     clock = step_clock()
 
