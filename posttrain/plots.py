@@ -1,7 +1,7 @@
 """Plot a run's main training curves from its ``metrics.jsonl``.
 
-One panel per curve that the run logged (``PANELS``; missing keys are skipped), step on the x
-axis, each logged value as a faint point under a smoothed line. The smoothing is TensorBoard's:
+One panel per curve that the run logged (``PANELS``, with the accuracy on each ``eval_tasks`` entry
+beside the held-out accuracy; missing keys are skipped), step on the x axis, each logged value as a faint point under a smoothed line. The smoothing is TensorBoard's:
 a bias-corrected exponential moving average (weight ``SMOOTHING``), so the first points are not
 pulled towards zero. Only a dense series is smoothed: one logged at every step or at least every
 other, with ``MIN_POINTS_TO_SMOOTH`` points or more. Any other (held-out evaluations every
@@ -42,6 +42,15 @@ MIN_POINTS_TO_SMOOTH = 10
 CURVES_FILE = "curves.png"
 
 
+def with_eval_tasks(panels: tuple[tuple[str, tuple[str, ...]], ...],
+                    rows: Sequence[dict]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``panels`` with each ``eval_tasks`` accuracy the run logged (``eval/LABEL/accuracy``) drawn next to
+    ``eval/accuracy``: transfer to other tasks reads against the run's own held-out curve."""
+    extra = sorted({key for row in rows for key in row
+                    if key.startswith("eval/") and key.endswith("/accuracy") and key.count("/") == 2})
+    return tuple((title, keys + tuple(extra) if "eval/accuracy" in keys else keys) for title, keys in panels)
+
+
 def plot_run(
     run_dir: str | os.PathLike, out_path: str | os.PathLike | None = None, keys: Sequence[str] | None = None
 ) -> Path:
@@ -50,7 +59,7 @@ def plot_run(
     logged none of the keys."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
-    panels = PANELS if keys is None else tuple((key, (key,)) for key in keys)
+    panels = with_eval_tasks(PANELS, rows) if keys is None else tuple((key, (key,)) for key in keys)
     drawn = [(title, {key: _series(rows, key) for key in panel_keys}) for title, panel_keys in panels]
     drawn = [(title, {k: s for k, s in series.items() if s[0]}) for title, series in drawn]
     drawn = [(title, series) for title, series in drawn if series]

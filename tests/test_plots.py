@@ -58,3 +58,13 @@ def test_only_dense_series_are_smoothed():
     accuracy = [0.416, 0.494, 0.606, 0.606, 0.646, 0.704, 0.694, 0.726, 0.728, 0.738, 0.748]
     assert line_through(list(range(0, 251, 25)), accuracy) == accuracy
     assert line_through([1, 2, 3], [0.1, 0.9, 0.1]) == [0.1, 0.9, 0.1]  # too few points to smooth
+
+
+def test_eval_tasks_accuracies_join_the_held_out_accuracy_panel():
+    from posttrain.plots import PANELS, with_eval_tasks
+
+    rows = [{"eval/accuracy": 0.2, "eval/gsm_symbolic/accuracy": 0.1, "eval/gsm_symbolic/accuracy_low": 0.0,
+             "eval/gsm_symbolic/completion_length": 90.0, "eval/accuracy_low": 0.1}]
+    panels = dict(with_eval_tasks(PANELS, rows))
+    assert panels["Eval accuracy on held-out prompts"] == ("eval/accuracy", "eval/gsm_symbolic/accuracy")
+    assert panels["Policy entropy: mean token entropy (nats)"] == ("entropy",)
