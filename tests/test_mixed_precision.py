@@ -158,3 +158,34 @@ def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, rew
     assert any(not torch.equal(a, b) for a, b in zip(before, s.policy.parameters()))
     if algorithm == "ppo":  # the value head reads the stack's hidden states in float32
         assert metrics["value_loss"] > 0 and s.value_head.linear.weight.dtype == torch.float32
+
+
+@needs_bf16
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+def test_lora_under_autocast_skips_peft_s_input_cast_and_computes_the_same():
+    """Under mixed precision the LoRA layers take their bfloat16 inputs as they are (autocast casts the
+    product's operands anyway): the same log-probs and gradients, bit for bit, as with PEFT's cast."""
+    from posttrain.config import ModelConfig
+    from posttrain.models.lora import apply_lora
+
+    model = build("llama").train()
+    use_mixed_precision(model)
+    lora = apply_lora(model, ModelConfig(lora_r=2, lora_alpha=4.0))
+    layers = [m for m in lora.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
+    for m in lora.modules():  # random B, so the adapters take part
+        if hasattr(m, "lora_B"):
+            torch.nn.init.normal_(m.lora_B["default"].weight, std=0.3)
+    batch = a_batch()
+
+    def logprobs_and_adapter_grads():
+        lora.zero_grad()
+        out = forward(lora, batch, temperature=0.7)
+        (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)).sum().backward()
+        return out.logprobs.detach(), torch.cat([p.grad.flatten() for p in lora.parameters() if p.requires_grad])
+
+    without_cast = logprobs_and_adapter_grads()
+    for m in layers:
+        m.cast_input_dtype_enabled = True
+    with_cast = logprobs_and_adapter_grads()
+    assert torch.equal(without_cast[0], with_cast[0]) and torch.equal(without_cast[1], with_cast[1])
