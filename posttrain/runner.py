@@ -150,7 +150,7 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
             metrics["time/step"] = time.perf_counter() - t0
             if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
                 subset = config.data.eval_subset or None if step < run.max_steps else None  # the last: all prompts
-                last_eval, evaluated_at = evaluate(session, limit=subset), step
+                last_eval, evaluated_at = evaluate(session, limit=subset), (step if subset is None else None)
                 metrics.update(last_eval)
             logger.log(step, metrics)
             if run.log_samples_every and step % run.log_samples_every == 0:
@@ -161,7 +161,8 @@ def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str
             progress.update(1)
             progress.set_postfix(_postfix(metrics), refresh=False)
         progress.close()
-        if evaluated_at != session.step:  # stopped by max_minutes: the run's result is logged like any other
+        if evaluated_at != session.step:  # stopped by max_minutes (its last evaluation, if any, scored the
+            # subset): the run's result is every held-out prompt, logged like any other
             last_eval = evaluate(session)
             if last_eval:
                 logger.log(session.step, last_eval)

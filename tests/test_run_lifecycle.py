@@ -182,3 +182,23 @@ def test_eval_tasks_errors_name_the_field(tiny_model_dir, reward_file):
         OnlineSession.create(make_config(tiny_model_dir, reward_file, eval_tasks=["addition", "addition"]))
     with pytest.raises(ConfigError, match="unknown task"):
         OnlineSession.create(make_config(tiny_model_dir, reward_file, eval_tasks=["additon"]))
+
+
+def test_a_run_stopped_by_max_minutes_after_a_subset_evaluation_ends_with_a_full_one(tiny_model_dir, reward_file,
+                                                                                      tmp_path, monkeypatch):
+    """max_minutes 1 with a clock that moves 40 s per reading: step 1 (a subset evaluation) runs, then the
+    time is up, and the run's result scores every held-out prompt."""
+    import itertools
+
+    scored = []
+
+    def counting_evaluate(session, limit=None):
+        scored.append(len(session.work.test_rows[:limit]))
+        return evaluate(session, limit)
+
+    clock = itertools.count(step=40.0)
+    monkeypatch.setattr(time, "perf_counter", lambda: next(clock))
+    config = make_config(tiny_model_dir, reward_file, max_steps=5, eval_every=1, eval_size=8, eval_subset=3,
+                         max_minutes=1, save_every=0, log_samples_every=0, output=str(tmp_path / "run"))
+    run_training(OnlineSession.create(config), config, train_step, counting_evaluate)
+    assert scored[0] == 8 and scored[-1] == 8 and 3 in scored[1:-1]
