@@ -44,7 +44,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from posttrain.modeling import autocast_dtype
+from posttrain.modeling import autocast_dtype, unwrapped
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """Causal LMs whose decoder layer is exactly the one :meth:`FusedDecoder.step` computes."""
@@ -70,7 +70,7 @@ def unsupported_reason(model) -> str | None:
         reason = lora_unsupported_reason(model)
         if reason:
             return reason
-        model = model.get_base_model()
+        model = unwrapped(model)
     if not is_supported_class(model):
         return f"{type(model).__name__} is not one of {', '.join(SUPPORTED)}"
     config = model.config
@@ -86,17 +86,18 @@ def unsupported_reason(model) -> str | None:
 
 
 def is_lora(model) -> bool:
-    """Whether ``model`` is a ``peft`` model (without importing peft when nothing has)."""
-    from posttrain.models.lora import is_lora as _is_lora
-
-    return _is_lora(model)
+    """Whether ``model`` is a PEFT wrapper (it names a base model under it)."""
+    return unwrapped(model) is not model
 
 
 def lora_unsupported_reason(model) -> str | None:
     """Why a LoRA-wrapped model's adapters cannot be folded into the fused step's weights (None: they can).
 
     Folding computes ``W + get_delta_weight()`` per active adapter, which is the adapter's forward
-    for plain LoRA; DoRA's magnitude vector and LoRA biases are not in that sum."""
+    for plain LoRA; DoRA's magnitude vector, LoRA biases and other PEFT methods are not in that sum."""
+    methods = {getattr(c.peft_type, "value", c.peft_type) for c in getattr(model, "peft_config", {}).values()}
+    if methods != {"LORA"}:
+        return f"its PEFT method is {', '.join(sorted(map(str, methods))) or 'unknown'}, not LoRA"
     for module in model.modules():
         if not hasattr(module, "lora_A"):
             continue
@@ -256,8 +257,7 @@ class FusedDecoder:
     def __init__(self, model, rows: int, positions: int | None = None):
         """``positions``: one more than the largest position the steps will see; with it the rotary
         angles of every position are computed once here instead of at every step."""
-        if is_lora(model):  # the adapters are folded into the weights below (effective_weight)
-            model = model.get_base_model()
+        model = unwrapped(model)  # LoRA adapters are folded into the weights below (effective_weight)
         config, body = model.config, model.model
         self.body = body
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads

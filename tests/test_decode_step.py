@@ -182,3 +182,11 @@ def test_dora_adapters_run_the_model_forward():
 
     model = get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj", "v_proj"], use_dora=True))
     assert unsupported_reason(model) == "its LoRA adapters use DoRA"
+
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+def test_other_peft_methods_run_the_model_forward():
+    from peft import IA3Config, get_peft_model
+
+    model = get_peft_model(build("llama"), IA3Config(target_modules=["k_proj", "down_proj"],
+                                                     feedforward_modules=["down_proj"]))
+    assert unsupported_reason(model) == "its PEFT method is IA3, not LoRA"
