@@ -132,30 +132,18 @@ def effective_weight(linear) -> tuple[Tensor, Tensor | None]:
 
 
 ONEDNN_MIN_ELEMENTS = 2**18
-"""Smaller weights computed in bfloat16 do not go to oneDNN: at 16 rows its call costs more than it
-saves on small weights (measured in float32 on the AMD EPYC, session 4: a 256 x 256 product takes 59
-us packed against 38 with ``F.linear``, a 99 x 256 head 50 against 20; 960 x 576 takes 191 against
-244, SmolLM2's 49152 x 576 head 10.1 ms against 25.3). Float32 weights do not use it: they run
-transposed below ``TRANSPOSED_MAX_ELEMENTS`` and on oneDNN from there."""
+"""Smaller weights computed in bfloat16 do not go to oneDNN: at a decode step's few rows its call
+costs more than it saves on small weights. Float32 weights do not use it: they run transposed below
+``TRANSPOSED_MAX_ELEMENTS`` and on oneDNN from there. Measurements: benchmarks/RESULTS.md (the
+decode-kernel sections)."""
 
 TRANSPOSED_MAX_ELEMENTS = {"GenuineIntel": 2**19, "AuthenticAMD": 2**17}
-"""Float32 weights under this size (by CPU vendor; other vendors take Intel's, the value before AMD was
-measured) use MKL on a transposed copy, the larger ones oneDNN on a reordered copy. ``F.linear``
-hands MKL the weight as ``[out, in]`` and ``x @ W.T`` with ``W.T`` stored contiguous as ``[in,
-out]``; at 16 rows the second runs 1.5-2x faster on small weights on a Xeon with AMX (session 9: 256
-x 768 in 32 us against 64 and oneDNN's 59), and a whole decode call of the 3.2M benchmark model (its
-weights 24k-352k elements) took 13-17% less time than with ``F.linear`` and oneDNN, alternating in
-one process (134 -> 114 and 164 -> 136 ms at 16 rows, 447 -> 378 and 407 -> 354 at 32), with
-identical greedy tokens. Above it oneDNN stays ahead: SmolLM2's 576 x 3072 gate-up weight, streamed
-with the others as a decode step does, 20.0 ms per step for its 30 layers against 26.5.
-
-MKL runs its tuned kernels on Intel CPUs only (its verbose banner on the AMD EPYC of FACTS.md names
-no instruction set), and there oneDNN's own kernels win from about 2^17 elements: at 16 rows 768 x
-256 takes 57 us on oneDNN against 68 transposed, 1376 x 256 72 against 121, SmolLM2's 576 x 576 74
-against 100, 256 x 256 25 against 24 (session 11). A whole decode call of the 3.2M model,
-alternating in one process against this table's Intel value: 153 -> 120, 216 -> 178 and 122 -> 108
-ms (4 x 4 x 32, medians of 8-10), 241 -> 202 ms (4 x 8 x 32) and 285 -> 248 (4 x 8 x 64); SmolLM2's
-(4 x 4 x 32) 2028 -> 1991 ms, within the spread."""
+"""Float32 weights under this size (by CPU vendor; other vendors take Intel's) use MKL on a transposed
+copy, the larger ones oneDNN on a reordered copy. ``F.linear`` hands MKL the weight as ``[out, in]``;
+``x @ W.T`` with ``W.T`` stored contiguous as ``[in, out]`` runs 1.5-2x faster on small weights at
+16 rows on Intel, while above the threshold oneDNN stays ahead. MKL runs its tuned kernels on Intel
+CPUs only, so on AMD oneDNN wins from a smaller size. Measurements per vendor, kernel and whole
+decode call: benchmarks/RESULTS.md ("the decode kernel by CPU vendor")."""
 
 
 @functools.cache

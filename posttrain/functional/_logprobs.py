@@ -33,10 +33,10 @@ LINEAR_CHUNK_SIZE = 4096  # vocabulary entries per block of linear_log_softmax: 
 KEEP_LOGITS_BYTES = 2**28  # linear_log_softmax keeps the logits for its backward up to 256 MiB
 EXP_FLOOR = -60.0
 """linear_log_softmax raises shifted logits (``z - max`` or ``z - logsumexp``, all <= 0) to this before
-``exp``: on CPU, ``exp`` of inputs far below zero (whose results are subnormal or underflow) runs about
-3x slower than on [-60, 0] (a [730, 4096] block: 10.8 against 3.2 ms), and a large vocabulary puts most
-of its logits there. The change to any probability is below exp(-60) = 8.8e-27 per entry, so under
-1e-21 summed over 100k entries: far below float32's resolution of a log-prob."""
+``exp``: on CPU, ``exp`` of inputs far below zero (whose results are subnormal or underflow) takes a
+slow path (about 3x; benchmarks/RESULTS.md, the SmolLM2 step), and a large vocabulary puts most of its
+logits there. Each probability changes by under exp(-60) = 8.8e-27, under 1e-21 summed over 100k
+entries: far below float32's resolution of a log-prob."""
 
 
 def _blocks(n: int, t: int, chunk_size: int) -> Iterator[tuple[slice, slice]]:
