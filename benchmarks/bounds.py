@@ -26,8 +26,9 @@ import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 
-from posttrain.generation import decode, preallocated_cache
-from posttrain.modeling import collate, forward, load_model_and_tokenizer
+from posttrain.rollout.generation import decode, preallocated_cache
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.modeling import collate, forward
 
 
 def seconds(fn, repeats: int = 3) -> float:

@@ -29,12 +29,13 @@ import torch
 
 os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")  # generate warns about the EOS id -1 at every call
 
-from posttrain.allocator import keep_freed_memory
-from posttrain.data import encode_prompt
-from posttrain.modeling import load_model_and_tokenizer
-from posttrain.rollout import FastGenerator, HFGenerator, SamplingParams
-from posttrain.session import eos_token_ids
-from posttrain.tasks import get_task
+from posttrain.parallel.allocator import keep_freed_memory
+from posttrain.data.prompts import encode_prompt
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.rollout.completions import SamplingParams
+from posttrain.rollout.generators import FastGenerator, HFGenerator
+from posttrain.training.session import eos_token_ids
+from posttrain.data.tasks import get_task
 
 NEVER = -1
 """An EOS id no model produces: every row runs the whole budget."""
@@ -61,7 +62,7 @@ class ForwardStepGenerator(FastGenerator):
 
 def build(model, tokenizer, new_tokens: int, eos: list[int], args) -> dict[str, object]:
     """``generate``: transformers; ``forward``: posttrain's loop with the model's forward per step;
-    ``fast``: posttrain's loop with the fused step (posttrain.decode_step) where the model has one."""
+    ``fast``: posttrain's loop with the fused step (posttrain.rollout.decode_step) where the model has one."""
     params = SamplingParams(new_tokens, args.temperature, args.top_p, args.top_k)
     return {"generate": HFGenerator(model, tokenizer, params, eos),
             "forward": ForwardStepGenerator(model, tokenizer, params, eos),
@@ -125,7 +126,7 @@ def main() -> None:
     parser.add_argument("--skip", choices=["fixed", "eos"], help="skip one kind of run")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
-    keep_freed_memory()  # as every training run does (posttrain.train): no fresh pages per sampled step
+    keep_freed_memory()  # as every training run does (posttrain.training.api): no fresh pages per sampled step
     model_name, task = ("tiny-addition", "addition") if args.model == "tiny" else (args.model, "gsm")
     model, tokenizer = load_model_and_tokenizer(model_name, device="cpu")
     rows = list(get_task(task).train)[: args.prompts]

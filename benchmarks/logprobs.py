@@ -23,7 +23,7 @@ import time
 import torch
 
 import posttrain.functional as F
-from posttrain.allocator import keep_freed_memory
+from posttrain.parallel.allocator import keep_freed_memory
 
 
 def unfused(hidden, weight, tokens):

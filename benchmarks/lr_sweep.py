@@ -18,8 +18,8 @@ import sys
 from pathlib import Path
 
 from posttrain.cli import build_parser
-from posttrain.compare import compare, flat_from_args
-from posttrain.logging import read_metrics
+from posttrain.report.compare import compare, flat_from_args
+from posttrain.tracking.metrics import read_metrics
 
 
 def accuracy_curve(run_dir: Path) -> list[tuple[int, float]]:

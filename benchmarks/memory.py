@@ -61,8 +61,8 @@ def rss_gb() -> float:
 
 
 def child(model: str, variant: str, total: int, result: Path) -> None:
-    import posttrain.online  # noqa: F401  (the imports every run pays, before any model exists)
-    import posttrain.session  # noqa: F401
+    import posttrain.training.online  # noqa: F401  (the imports every run pays, before any model exists)
+    import posttrain.training.session  # noqa: F401
     import transformers.models.llama.modeling_llama  # noqa: F401
 
     imports_gb = rss_gb()

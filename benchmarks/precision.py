@@ -36,11 +36,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import run as bench  # noqa: E402  (benchmarks/run.py: the benchmark model and its prompts)
 
 import posttrain.functional as F  # noqa: E402
-from posttrain.data import encode_prompt  # noqa: E402
-from posttrain.modeling import collate, forward, use_mixed_precision  # noqa: E402
+from posttrain.data.prompts import encode_prompt  # noqa: E402
+from posttrain.models.modeling import collate, forward, use_mixed_precision  # noqa: E402
 from posttrain.models.loading import load_model_and_tokenizer  # noqa: E402
-from posttrain.rollout import FastGenerator, SamplingParams  # noqa: E402
-from posttrain.session import eos_token_ids  # noqa: E402
+from posttrain.rollout.completions import SamplingParams  # noqa: E402
+from posttrain.rollout.generators import FastGenerator  # noqa: E402
+from posttrain.training.session import eos_token_ids  # noqa: E402
 
 PROMPTS, SAMPLES, NEW_TOKENS, TEMPERATURE = 4, 4, 64, 0.7
 
@@ -48,7 +49,7 @@ PROMPTS, SAMPLES, NEW_TOKENS, TEMPERATURE = 4, 4, 64, 0.7
 def prompts_for(model: str) -> list:
     if model == "tiny":
         return [row["prompt"] for row in bench.prompt_rows(PROMPTS)]
-    from posttrain.tasks import get_task
+    from posttrain.data.tasks import get_task
 
     return [row["prompt"] for row in list(get_task("gsm").test)[:PROMPTS]]
 

@@ -20,7 +20,7 @@ decoding (posttrain's ``time/generation``; TRL's ``_generate``), ``scoring`` the
 log-probs, advantages, forward, backward, optimizer step, bookkeeping. posttrain is driven by its
 ``train_step`` directly (no run directory, evaluation or checkpoints); TRL by ``Trainer.train``
 with logging, saving and evaluation switched off, a step timed from one ``on_step_end`` to the next.
-The posttrain child keeps freed memory in the process (``posttrain.allocator``, what every
+The posttrain child keeps freed memory in the process (``posttrain.parallel.allocator``, what every
 ``posttrain train`` does); TRL runs with glibc's defaults, as its users get it (preloading jemalloc
 would give it a similar gain, FACTS.md).
 
@@ -208,13 +208,13 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
     """``overrides``: further config fields (benchmarks/memory.py's variants)."""
     import torch
 
-    from posttrain.allocator import keep_freed_memory
-    from posttrain.rollout import FastGenerator
+    from posttrain.parallel.allocator import keep_freed_memory
+    from posttrain.rollout.generators import FastGenerator
     from posttrain.config import Config
-    from posttrain.online import train_step
-    from posttrain.session import OnlineSession
+    from posttrain.training.online import train_step
+    from posttrain.training.session import OnlineSession
 
-    keep_freed_memory()  # as posttrain.train does for every CLI run
+    keep_freed_memory()  # as posttrain.training.api does for every CLI run
 
     config = Config.from_flat({**dict(
         algorithm="grpo", model=str(path), dataset=str(write_jsonl(prompt_rows(), data / "prompts.jsonl")),
@@ -246,11 +246,11 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
 
 
 def posttrain_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, float]]:
-    from posttrain.allocator import keep_freed_memory
+    from posttrain.parallel.allocator import keep_freed_memory
     from posttrain.config import Config
-    from posttrain.preference import PreferenceSession, train_step
+    from posttrain.training.preference import PreferenceSession, train_step
 
-    keep_freed_memory()  # as posttrain.train does for every CLI run
+    keep_freed_memory()  # as posttrain.training.api does for every CLI run
 
     config = Config.from_flat(dict(
         algorithm="dpo", model=str(path), dataset=str(write_jsonl(pair_rows(), data / "pairs.jsonl")),

@@ -22,15 +22,15 @@ import time
 
 import torch
 
-from posttrain.allocator import keep_freed_memory
+from posttrain.parallel.allocator import keep_freed_memory
 from posttrain.config import Config
-from posttrain.online import train_step
-from posttrain.session import OnlineSession
+from posttrain.training.online import train_step
+from posttrain.training.session import OnlineSession
 
 
 def accuracy_by_template(s: OnlineSession, rows: list[dict]) -> tuple[float, dict[str, str]]:
     """Greedy held-out accuracy, overall and per template ("right/total")."""
-    from posttrain.data import as_completion, encode_prompt
+    from posttrain.data.prompts import as_completion, encode_prompt
 
     completions = s.generator.generate([encode_prompt(s.tokenizer, r["prompt"]) for r in rows], num_samples=1, greedy=True)
     texts = s.decode(completions)
@@ -71,7 +71,7 @@ def main() -> None:
         eval_size=args.eval_size, temperature=args.temperature, progress=False, report_to="none", seed=0, device="cpu",
     ))
     started = time.perf_counter()
-    keep_freed_memory()  # as posttrain.train does for every CLI run
+    keep_freed_memory()  # as posttrain.training.api does for every CLI run
     s = OnlineSession.create(config)
     trainable = sum(p.numel() for p in s.policy.parameters() if p.requires_grad)
     print(f"setup {time.perf_counter() - started:.1f}s; trainable {trainable:,} of "

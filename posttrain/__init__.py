@@ -2,6 +2,6 @@
 
 __version__ = "0.1.0"
 
-from posttrain.algorithms import ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm, algorithm  # noqa: E402
+from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm, algorithm  # noqa: E402
 
 __all__ = ["ALGORITHMS", "OnlineAlgorithm", "PreferenceAlgorithm", "algorithm", "__version__"]

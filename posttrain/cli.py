@@ -20,7 +20,8 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
-from posttrain.compare import _add_compare_parsers, compare_command, report_command
+from posttrain.report import compare as compare_module
+from posttrain.report.compare import TARGET_HELP, compare_command, names, parse_seeds, report_command
 from posttrain.config import SECTIONS, Config, ConfigError, load_yaml, unknown_field_hint, upgrade_saved_config
 
 
@@ -77,7 +78,7 @@ def _strip_none(annotation: Any) -> Any:
 
 
 def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
-    from posttrain.algorithms import OnlineAlgorithm, PreferenceAlgorithm, field_help
+    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm, field_help
 
     group = parser.add_argument_group("algorithm options (override the preset's defaults; "
                                       "posttrain algorithms NAME lists a preset's settings)")
@@ -95,7 +96,7 @@ def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
 def _preset_defaults(setting: str) -> str:
     """``[default: 0.2; dapo: 0.28; cispo: 5.0]``: the value most presets that have ``setting`` give it,
     then the presets that differ."""
-    from posttrain.algorithms import ALGORITHMS, setting_names
+    from posttrain.algorithms.presets import ALGORITHMS, setting_names
 
     by_value: dict[str, list[str]] = {}
     for preset in ALGORITHMS.values():
@@ -103,6 +104,31 @@ def _preset_defaults(setting: str) -> str:
             by_value.setdefault(repr(getattr(preset, setting)), []).append(preset.name)
     common, *others = sorted(by_value, key=lambda value: -len(by_value[value]))
     return "[default: " + "; ".join([common, *(f"{', '.join(by_value[v])}: {v}" for v in others)]) + "]"
+
+
+def _add_compare_parsers(commands: Any) -> None:
+    """The ``compare`` and ``report`` subcommands (see :mod:`posttrain.report.compare`)."""
+    # "resolve": compare's own --output (the comparison's directory) replaces the run field's
+    compare = commands.add_parser("compare", conflict_handler="resolve",
+                                  help="run several presets side by side (K seeds each) and write a report",
+                                  description=compare_module.__doc__.split("\n\n")[0])
+    compare.add_argument("--config", help="YAML file of field: value pairs for every run")
+    _add_config_flags(compare)
+    _add_preset_flags(compare)
+    own = compare.add_argument_group("comparison")
+    own.add_argument("--algorithms", type=names, required=True, help="comma-separated presets, e.g. grpo,dapo")
+    own.add_argument("--seeds", type=parse_seeds, default=3, help="K: seeds 0..K-1 per preset (one seed cannot "
+                     "tell a difference from noise), or a list such as 1,2 (one seed: 2,) to add seeds to an earlier comparison "
+                     "(the report then covers the runs named here; posttrain report DIR covers all) [default: 3]")
+    own.add_argument("--output", required=True, help="comparison directory: DIR/<algorithm>/seed<k>/, DIR/report.html")
+    own.add_argument("--jobs", type=int, default=1, help="runs trained in parallel processes [default: 1]")
+    own.add_argument("--target", type=float, default=None, help=TARGET_HELP)
+
+    report = commands.add_parser("report", help="the comparison report of existing run directories")
+    report.add_argument("runs", nargs="+", metavar="RUN_DIR",
+                        help="run directories, or directories holding them (a compare --output)")
+    report.add_argument("--output", help="where report.html and figures/ go [default: the runs' common parent]")
+    report.add_argument("--target", type=float, default=None, help=TARGET_HELP)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -176,10 +202,10 @@ def _run_config(run_dir: str) -> Path:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that explain a problem with the user's input: printed as one line, no traceback."""
-    from posttrain.checkpoint import CheckpointError
-    from posttrain.data import DataError
-    from posttrain.guards import NoLearningSignal, WeightsNotUpdated
-    from posttrain.scoring import RewardError
+    from posttrain.training.checkpoint import CheckpointError
+    from posttrain.data.prompts import DataError
+    from posttrain.training.guards import NoLearningSignal, WeightsNotUpdated
+    from posttrain.data.scoring import RewardError
 
     return (ConfigError, DataError, RewardError, CheckpointError, NoLearningSignal, WeightsNotUpdated,
             FileNotFoundError, FileExistsError)
@@ -200,7 +226,7 @@ def _hyphenated(argv: Sequence[str]) -> list[str]:
 
 def _unrecognized(tokens: Sequence[str]) -> str:
     """argparse's complaint about ``tokens``, with posttrain's name for each flag that is TRL's."""
-    from posttrain.algorithms import OnlineAlgorithm, PreferenceAlgorithm
+    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm
 
     valid = [f.name for klass in (*SECTIONS.values(), OnlineAlgorithm, PreferenceAlgorithm)
              for f in dataclasses.fields(klass)]
@@ -214,7 +240,7 @@ def _unrecognized(tokens: Sequence[str]) -> str:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from posttrain.evaluation import EvalSpec, evaluate_model, format_results, write_completions, write_results
+    from posttrain.training.evaluation import EvalSpec, evaluate_model, format_results, write_completions, write_results
 
     tasks = args.task or ([] if args.dataset else ["addition"])
     spec = EvalSpec(tasks=tasks, dataset=args.dataset, reward=args.reward, reward_weights=args.reward_weights,
@@ -239,7 +265,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # our own progress bar is the one to watch
     try:
         if args.command == "algorithms":
-            from posttrain.algorithm_tables import format_presets_table, format_side_by_side
+            from posttrain.algorithms.tables import format_presets_table, format_side_by_side
 
             print(format_side_by_side(args.names) if args.names else format_presets_table())
             return 0
@@ -253,7 +279,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = resolve_config(args)
         except ValueError as error:  # an unknown preset, field or value: say which, no traceback
             raise ConfigError(str(error)) from error
-        from posttrain.train import train
+        from posttrain.training.api import train
 
         train(config)
         return 0

@@ -273,8 +273,8 @@ class RunConfig:
 
 
 def _check_report_to(report_to: tuple[str, ...]) -> None:
-    """Every name a tracker of ``posttrain.logging.TRACKERS``, or ``none`` alone."""
-    from posttrain.logging import TRACKERS  # the registry: a tracker a user adds there is valid here too
+    """Every name a tracker of ``posttrain.tracking.metrics.TRACKERS``, or ``none`` alone."""
+    from posttrain.tracking.metrics import TRACKERS  # the registry: a tracker a user adds there is valid here too
 
     valid = f"use one or more of {', '.join(TRACKERS)}, or none alone"
     _require(isinstance(report_to, tuple), "report_to", f"got {report_to!r}; {valid}, as a tuple")
@@ -308,7 +308,7 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def preset(self):  # -> OnlineAlgorithm | PreferenceAlgorithm
-        from posttrain.algorithms import algorithm
+        from posttrain.algorithms.presets import algorithm
 
         return algorithm(self.algorithm, **self.overrides)
 
@@ -338,7 +338,7 @@ class Config:
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "Config":
         """Build from a flat mapping; a key that is neither a config nor an algorithm field is an error."""
-        from posttrain.algorithms import algorithm, setting_names
+        from posttrain.algorithms.presets import algorithm, setting_names
 
         flat = dict(flat)
         name = flat.pop("algorithm", "grpo")
@@ -386,7 +386,7 @@ saved configs and resumed runs unambiguous."""
 
 def _unknown_field(key: str, algorithm_name: str, valid: Sequence[str]) -> ConfigError:
     """The error for a key that is no field of this config: a setting of other presets says whose it is."""
-    from posttrain.algorithms import ALGORITHMS, setting_names
+    from posttrain.algorithms.presets import ALGORITHMS, setting_names
 
     owners = [name for name, preset in ALGORITHMS.items() if key in setting_names(preset)]
     users = [name for name in owners if getattr(ALGORITHMS[name], key) is not None]  # None: a setting not in use

@@ -52,7 +52,7 @@ def assert_runs_identical(a: Path, b: Path) -> None:
     """Two run directories logged the same metrics (timings aside) and saved the same final weights."""
     from safetensors.torch import load_file
 
-    from posttrain.logging import read_metrics
+    from posttrain.tracking.metrics import read_metrics
 
     def comparable(run):
         return [{k: v for k, v in row.items() if not k.startswith("time/")} for row in read_metrics(run)]
@@ -70,7 +70,7 @@ def run_interrupted(session, config, step_fn, evaluate, after: int) -> None:
     """Run ``config`` as a crash would leave it: killed as step ``after + 1`` starts, so its last
     checkpoint is step ``after``'s (``save_every`` must divide it) and ``max_steps`` is unchanged,
     as is the learning-rate schedule that depends on it."""
-    from posttrain.runner import run_training
+    from posttrain.training.runner import run_training
 
     def step_or_die(s):
         if s.step == after:

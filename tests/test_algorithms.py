@@ -12,7 +12,7 @@ import torch
 
 import posttrain
 import posttrain.functional as F
-from posttrain.algorithms import (
+from posttrain.algorithms.presets import (
     ALGORITHMS,
     DESCRIPTIVE_FIELDS,
     OnlineAlgorithm,
@@ -21,7 +21,7 @@ from posttrain.algorithms import (
     field_help,
     setting_names,
 )
-from posttrain.algorithm_tables import format_presets_table, format_side_by_side
+from posttrain.algorithms.tables import format_presets_table, format_side_by_side
 
 # ALGORITHMS.md "Presets", written out field by field; the last two columns are each preset's papers'
 # update structure (optimizer steps per rollout = mini_batches x num_epochs, cited in update_structure).
@@ -529,7 +529,7 @@ def test_rpo_alpha_adds_the_chosen_nll_by_hand(name):
 
 
 def test_a_presets_default_learning_rate_applies_only_where_none_is_given(monkeypatch):
-    from posttrain import algorithms
+    from posttrain.algorithms import presets as algorithms
     from posttrain.config import Config
 
     slower = dataclasses.replace(algorithms.ALGORITHMS["grpo"], default_learning_rate=3e-5)

@@ -12,7 +12,7 @@ import torch
 
 CHILD = """
 import resource, sys, torch
-from posttrain.allocator import keep_freed_memory
+from posttrain.parallel.allocator import keep_freed_memory
 applied = keep_freed_memory()
 def churn():
     for _ in range(20):
@@ -42,7 +42,7 @@ def test_freed_memory_is_reused_without_page_faults_and_the_default_can_be_kept(
 
 KERNELS_CHILD = """
 import os, torch
-from posttrain.allocator import bound_kernel_caches
+from posttrain.parallel.allocator import bound_kernel_caches
 bound_kernel_caches()
 def rss_mb():
     with open("/proc/self/status") as status:

@@ -9,8 +9,8 @@ from tokenizers.models import WordLevel
 from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-import posttrain.checkpoint as ckpt
-from posttrain.checkpoint import (
+import posttrain.training.checkpoint as ckpt
+from posttrain.training.checkpoint import (
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,

@@ -85,7 +85,7 @@ def test_a_field_under_its_trl_name_is_refused_with_posttrains_name(tmp_path, ca
 
 
 def test_algorithms_lists_every_preset_and_marks_differences(capsys):
-    from posttrain.algorithms import ALGORITHMS
+    from posttrain.algorithms.presets import ALGORITHMS
 
     assert main(["algorithms"]) == 0
     table = capsys.readouterr().out

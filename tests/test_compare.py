@@ -12,10 +12,10 @@ import pytest
 from test_report import PNG_SIGNATURE, embedded_pngs, summary_table
 
 from posttrain.cli import build_parser, main
-from posttrain.compare import Job, check_same_config, flat_from_args, plan, run_state
+from posttrain.report.compare import Job, check_same_config, flat_from_args, plan, run_state
 from posttrain.config import Config, ConfigError, save_yaml
-from posttrain.logging import read_metrics
-from posttrain.train import train
+from posttrain.tracking.metrics import read_metrics
+from posttrain.training.api import train
 
 
 @pytest.fixture(scope="module")

@@ -1,4 +1,4 @@
-"""The fused decode step (posttrain.decode_step) against the model's own forward, step by step.
+"""The fused decode step (posttrain.rollout.decode_step) against the model's own forward, step by step.
 
 Both start from the same prefill; each step feeds both the same tokens (with left padding, grouped-query
 attention, biases where the architecture has them, and a compaction of rows mid-way) and their logits
@@ -13,10 +13,10 @@ import pytest
 import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
-from posttrain import decode_step
-from posttrain.decode_step import FusedDecoder, unsupported_reason
-from posttrain.generation import preallocated_cache
-from posttrain.modeling import use_mixed_precision
+from posttrain.rollout import decode_step
+from posttrain.rollout.decode_step import FusedDecoder, unsupported_reason
+from posttrain.rollout.generation import preallocated_cache
+from posttrain.models.modeling import use_mixed_precision
 
 from architectures import KINDS, build
 
@@ -110,7 +110,8 @@ def test_rotary_angles_that_depend_on_the_batch_are_computed_per_step():
 def test_fast_generator_takes_the_fused_step_for_llama(monkeypatch):
     from types import SimpleNamespace
 
-    from posttrain.rollout import FastGenerator, SamplingParams
+    from posttrain.rollout.completions import SamplingParams
+    from posttrain.rollout.generators import FastGenerator
 
     calls = []
     step = FusedDecoder.step

@@ -22,14 +22,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain import distributed, fsdp
+from posttrain.parallel import distributed, fsdp
 from posttrain.config import Config, ConfigError
-from posttrain.logging import read_metrics
-from posttrain.online import train_step
-from posttrain.preference import PreferenceSession, train_step as preference_train_step
-from posttrain.rollout import Completions, completion_mask
-from posttrain.runner import run_training
-from posttrain.session import OnlineSession, evaluate
+from posttrain.tracking.metrics import read_metrics
+from posttrain.training.online import train_step
+from posttrain.training.preference import PreferenceSession, train_step as preference_train_step
+from posttrain.rollout.completions import Completions, completion_mask
+from posttrain.training.runner import run_training
+from posttrain.training.session import OnlineSession, evaluate
 
 from test_online import make_config
 

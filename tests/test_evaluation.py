@@ -8,7 +8,7 @@ import json
 import pytest
 
 from posttrain.cli import main
-from posttrain.stats import majority_index, mean_interval, pass_at_k, summarise, wilson_interval
+from posttrain.tracking.stats import majority_index, mean_interval, pass_at_k, summarise, wilson_interval
 
 
 @pytest.mark.parametrize("n, c, k, expected", [

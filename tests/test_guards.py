@@ -8,15 +8,15 @@ import math
 import pytest
 import torch
 
-from posttrain import guards
-from posttrain.guards import (
+from posttrain.training import guards
+from posttrain.training.guards import (
     NoLearningSignal, RewardWatch, SignalWatch, UpdateCheck, WeightsNotUpdated, step_has_signal,
 )
-from posttrain.logging import read_metrics
-from posttrain.online import train_step
-from posttrain.optim import build_optimizer
-from posttrain.runner import run_training
-from posttrain.session import OnlineSession, evaluate
+from posttrain.tracking.metrics import read_metrics
+from posttrain.training.online import train_step
+from posttrain.training.optim import build_optimizer
+from posttrain.training.runner import run_training
+from posttrain.training.session import OnlineSession, evaluate
 
 from test_online import make_config
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.algorithms import ALGORITHMS, PreferenceAlgorithm
+from posttrain.algorithms.presets import ALGORITHMS, PreferenceAlgorithm
 from posttrain.config import Config
-from posttrain.preference import train_preference
-from posttrain.train import train
+from posttrain.training.preference import train_preference
+from posttrain.training.api import train
 
 pytestmark = pytest.mark.slow
 
@@ -27,7 +27,7 @@ QUIET = {"progress": False, "report_to": "none", "eval_every": 0, "save_every": 
 def test_online_preset_raises_held_out_accuracy(name, precision, tmp_path):
     """`posttrain train --algorithm NAME`: 250 steps of 32 prompts x 8 samples. Also GRPO in mixed
     precision (the decoder under bfloat16 autocast), where the CPU has bfloat16."""
-    from posttrain.modeling import resolve_device
+    from posttrain.models.modeling import resolve_device
     from posttrain.models.loading import bf16_supported
 
     if precision == "bf16" and not bf16_supported(resolve_device("auto")):

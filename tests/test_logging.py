@@ -9,7 +9,7 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from posttrain.cli import build_parser, main, resolve_config
 from posttrain.config import Config, ConfigError, RunConfig
-from posttrain.logging import TRACKERS, MetricsLogger, TrackedRun, markdown_table, read_metrics, table_cells
+from posttrain.tracking.metrics import TRACKERS, MetricsLogger, TrackedRun, markdown_table, read_metrics, table_cells
 
 
 def _strict_json(line: str) -> dict:

@@ -11,7 +11,7 @@ import torch
 
 import posttrain.functional as F
 from posttrain.config import Config, ConfigError
-from posttrain.modeling import (autocast_dtype, collate, completion_hidden, forward, frozen_copy, split_head,
+from posttrain.models.modeling import (autocast_dtype, collate, completion_hidden, forward, frozen_copy, split_head,
                                 use_mixed_precision)
 from posttrain.models import loading
 
@@ -63,7 +63,7 @@ def test_the_decoder_stack_runs_in_bfloat16_and_the_head_in_float32(kind):
 def test_attention_stays_float32_on_a_cpu_and_is_not_saved(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from posttrain.modeling import FLOAT32_SDPA
+    from posttrain.models.modeling import FLOAT32_SDPA
 
     model = build("llama")
     assert model.config._attn_implementation == "sdpa"
@@ -132,8 +132,8 @@ def test_an_accelerate_launch_brings_its_mixed_precision(tiny_model_dir, monkeyp
 @pytest.mark.parametrize("algorithm, lora_r", [("grpo", 0), ("ppo", 0), ("dpo", 0), ("grpo", 4)],
                          ids=["grpo", "ppo", "dpo", "grpo-lora"])
 def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, reward_file):
-    from posttrain import online, preference
-    from posttrain.session import OnlineSession
+    from posttrain.training import online, preference
+    from posttrain.training.session import OnlineSession
 
     if lora_r and importlib.util.find_spec("peft") is None:
         pytest.skip("peft (extra: lora) is not installed")

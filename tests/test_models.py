@@ -14,12 +14,12 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from posttrain.config import ConfigError, ModelConfig
-from posttrain.modeling import batched_logprobs
+from posttrain.models.modeling import batched_logprobs
 from posttrain.models import loading
-from posttrain.online import train_step
-from posttrain.rewards import math_answer
-from posttrain.rollout import completion_mask
-from posttrain.session import OnlineSession
+from posttrain.training.online import train_step
+from posttrain.data.rewards import math_answer
+from posttrain.rollout.completions import completion_mask
+from posttrain.training.session import OnlineSession
 from conftest import assert_runs_identical, resumed, run_interrupted
 from test_online import make_config
 
@@ -206,8 +206,8 @@ def test_lora_grpo_trains_only_the_adapters_against_the_base_model(tiny_model_di
 
 @needs_peft
 def test_merged_final_model_reloads_with_the_lora_models_logprobs(tiny_model_dir, reward_file, tmp_path):
-    from posttrain.runner import run_training
-    from posttrain.session import evaluate
+    from posttrain.training.runner import run_training
+    from posttrain.training.session import evaluate
 
     s = lora_session(tiny_model_dir, reward_file, output=str(tmp_path / "run"), save_every=0, eval_size=2, max_steps=1)
     run_training(s, s.config, train_step, evaluate)
@@ -288,7 +288,7 @@ GSM_ANSWERS = {  # the numbers of each question, in order -> the answer, compute
 
 
 def test_gsm_split_is_fixed_disjoint_and_every_answer_checks_out():
-    from posttrain.tasks import get_task
+    from posttrain.data.tasks import get_task
 
     task = get_task("gsm")
     assert len(task.train) == 2000 and len(task.test) == 200
@@ -311,8 +311,8 @@ def test_gsm_split_is_fixed_disjoint_and_every_answer_checks_out():
 
 @needs_peft
 def test_lora_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_path):
-    from posttrain.runner import run_training
-    from posttrain.session import evaluate
+    from posttrain.training.runner import run_training
+    from posttrain.training.session import evaluate
 
     common = dict(lora_r=4, lora_alpha=8.0, learning_rate=1e-2, eval_every=2, save_every=2,
                   log_samples_every=0, eval_size=4)
@@ -330,12 +330,12 @@ def test_lora_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_
 
 @needs_peft
 def test_lora_checkpoint_into_another_rank_names_the_mismatch(tiny_model_dir, reward_file, tmp_path):
-    from posttrain.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
+    from posttrain.training.checkpoint import CheckpointError, latest_checkpoint, load_checkpoint
 
     s = lora_session(tiny_model_dir, reward_file, output=str(tmp_path / "run"), save_every=1, eval_size=2,
                      max_steps=1)
-    from posttrain.runner import run_training
-    from posttrain.session import evaluate
+    from posttrain.training.runner import run_training
+    from posttrain.training.session import evaluate
 
     run_training(s, s.config, train_step, evaluate)
     other = lora_session(tiny_model_dir, reward_file, lora_target_modules=["q_proj"])

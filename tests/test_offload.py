@@ -9,10 +9,11 @@ import os
 import pytest
 import torch
 
-import posttrain.offload as offload_module
+import posttrain.parallel.offload as offload_module
 from posttrain.config import Config, ConfigError
-from posttrain.modeling import frozen_copy, load_model_and_tokenizer
-from posttrain.offload import FileStore, HostStore, Offloaded, OffloadedAdamW, check, offload, resident
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.modeling import frozen_copy
+from posttrain.parallel.offload import FileStore, HostStore, Offloaded, OffloadedAdamW, check, offload, resident
 
 
 def logits(model, ids):

@@ -8,12 +8,12 @@ import copy
 import pytest
 import torch
 
-from posttrain.algorithms import ALGORITHMS, OnlineAlgorithm
+from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm
 from posttrain.config import Config
-from posttrain.modeling import collate, forward
-from posttrain.online import has_signal, mini_batch_rows, train_step
-from posttrain.runner import run_training
-from posttrain.session import OnlineSession, evaluate
+from posttrain.models.modeling import collate, forward
+from posttrain.training.online import has_signal, mini_batch_rows, train_step
+from posttrain.training.runner import run_training
+from posttrain.training.session import OnlineSession, evaluate
 from conftest import assert_runs_identical, resumed, run_interrupted
 
 ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, OnlineAlgorithm)]

@@ -9,10 +9,10 @@ import pytest
 import torch
 
 from posttrain.config import Config, ConfigError, OptimConfig
-from posttrain.optim import build_optimizer, lr_multiplier
-from posttrain.runner import run_training
-from posttrain.session import OnlineSession, evaluate
-from posttrain.online import train_step
+from posttrain.training.optim import build_optimizer, lr_multiplier
+from posttrain.training.runner import run_training
+from posttrain.training.session import OnlineSession, evaluate
+from posttrain.training.online import train_step
 
 
 @pytest.mark.parametrize("schedule, expected", [

@@ -3,8 +3,8 @@ import math
 import pytest
 from matplotlib.image import imread
 
-from posttrain.logging import MetricsLogger
-from posttrain.plots import line_through, plot_run, smooth
+from posttrain.tracking.metrics import MetricsLogger
+from posttrain.tracking.plots import line_through, plot_run, smooth
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 
@@ -61,7 +61,7 @@ def test_only_dense_series_are_smoothed():
 
 
 def test_eval_tasks_accuracies_join_the_held_out_accuracy_panel():
-    from posttrain.plots import PANELS, with_eval_tasks
+    from posttrain.tracking.plots import PANELS, with_eval_tasks
 
     rows = [{"eval/accuracy": 0.2, "eval/gsm_symbolic/accuracy": 0.1, "eval/gsm_symbolic/accuracy_low": 0.0,
              "eval/gsm_symbolic/completion_length": 90.0, "eval/accuracy_low": 0.1}]

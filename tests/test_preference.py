@@ -16,19 +16,19 @@ import torch
 from torch.nn.functional import log_softmax
 
 import posttrain.functional as F
-import posttrain.preference as preference
-from posttrain.algorithms import ALGORITHMS, PreferenceAlgorithm
+import posttrain.training.preference as preference
+from posttrain.algorithms.presets import ALGORITHMS, PreferenceAlgorithm
 from posttrain.config import Config, ConfigError, OptimConfig
-from posttrain.logging import read_metrics
-from posttrain.optim import apply_gradients, build_optimizer
-from posttrain.preference import (
+from posttrain.tracking.metrics import read_metrics
+from posttrain.training.optim import apply_gradients, build_optimizer
+from posttrain.training.preference import (
     PreferenceSession, evaluate, example_sequences, implicit_rewards, mismatched_sequences, reference_logps,
     sequence_logps, train_step,
 )
-from posttrain.preference_data import encode, unpair
-from posttrain.runner import run_training
-from posttrain.tasks.addition import make_rows
-from posttrain.tasks.addition_pairs import pair_row
+from posttrain.data.preference import encode, unpair
+from posttrain.training.runner import run_training
+from posttrain.data.tasks.addition import make_rows
+from posttrain.data.tasks.addition_pairs import pair_row
 from conftest import assert_runs_identical, resumed, run_interrupted
 
 PRESETS = [name for name, preset in ALGORITHMS.items() if isinstance(preset, PreferenceAlgorithm)]
@@ -187,7 +187,7 @@ def test_micro_batching_gives_the_same_gradient(name, extra, tiny_model_dir, pai
 def test_kto_mismatched_pairs_are_the_cyclic_shift(tiny_model_dir, pair_files):
     from transformers import AutoTokenizer
 
-    from posttrain.data import read_rows
+    from posttrain.data.prompts import read_rows
 
     rows = unpair(read_rows(str(pair_files[0])))
     data = encode(rows, AutoTokenizer.from_pretrained(tiny_model_dir), paired=False, with_scores=False,
@@ -255,8 +255,8 @@ def test_held_out_accuracy_is_chance_before_training_for_reference_presets(tiny_
 
 
 def test_builtin_task_gives_generation_accuracy(tiny_model_dir, monkeypatch):
-    from posttrain import preference_data
-    from posttrain.tasks import addition_pairs
+    from posttrain.data import preference as preference_data
+    from posttrain.data.tasks import addition_pairs
 
     monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition",
                         lambda seed: addition_pairs.make_task(seed, n_train=16, n_test=4))
@@ -398,7 +398,7 @@ def test_each_preset_raises_held_out_pairwise_accuracy(name, weaker_start, tmp_p
 def test_gradient_checkpointing_changes_no_step(tiny_model_dir, pair_files):
     """The preference trainer's policy runs in eval mode (no dropout); its layers are still recomputed
     in the backward, and two DPO steps end at the same weights, bit for bit."""
-    from posttrain.modeling import is_checkpointed
+    from posttrain.models.modeling import is_checkpointed
 
     weights = []
     for checkpointing in (False, True):
@@ -444,7 +444,7 @@ def test_offloaded_reference_can_precompute(tiny_model_dir, pair_files):
 
 
 def test_pairs_from_samples_pair_the_kth_correct_with_the_kth_incorrect_completion():
-    from posttrain.preference_data import pairs_from_samples
+    from posttrain.data.preference import pairs_from_samples
 
     rows = [{"prompt": "1+1=", "answer": "2"}, {"prompt": "2+2=", "answer": "4"}, {"prompt": "3+3=", "answer": "6"}]
     texts = ["2", "3", "2 ", "5", "4", "4", "4", "4", "1", "2", "3", "6"]  # G = 4 per prompt, in order
@@ -460,8 +460,8 @@ def test_pairs_from_samples_pair_the_kth_correct_with_the_kth_incorrect_completi
 def labelled_by_length(monkeypatch):
     """The built-in addition task, small, with an answer check that a random model passes about half the
     time: a completion is "correct" when its text has an even number of characters."""
-    from posttrain import preference_data
-    from posttrain.tasks import addition_pairs
+    from posttrain.data import preference as preference_data
+    from posttrain.data.tasks import addition_pairs
 
     def make(seed):
         task = addition_pairs.make_task(seed, n_train=64, n_test=4)
@@ -514,9 +514,9 @@ def test_policy_pairs_need_a_task_with_an_answer_check(tiny_model_dir, pair_file
 
 
 def test_policy_pairs_never_right_or_never_wrong_is_a_loud_error(tiny_model_dir, monkeypatch):
-    from posttrain import preference_data
-    from posttrain.guards import NoLearningSignal
-    from posttrain.tasks import addition_pairs
+    from posttrain.data import preference as preference_data
+    from posttrain.training.guards import NoLearningSignal
+    from posttrain.data.tasks import addition_pairs
 
     monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition",
                         lambda seed: addition_pairs.make_task(seed, n_train=64, n_test=4))

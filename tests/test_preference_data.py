@@ -8,11 +8,11 @@ import re
 
 import pytest
 
-from posttrain.data import DataError
+from posttrain.data.prompts import DataError
 from posttrain.models.tiny import char_tokenizer
-from posttrain.preference_data import check_rows, completion_text, encode, load_rows, truncate, unpair
-from posttrain.tasks.addition import FORMAT_PATTERN, make_rows, scratchpad
-from posttrain.tasks.addition_pairs import make_task, pair_row, wrong_scratchpad
+from posttrain.data.preference import check_rows, completion_text, encode, load_rows, truncate, unpair
+from posttrain.data.tasks.addition import FORMAT_PATTERN, make_rows, scratchpad
+from posttrain.data.tasks.addition_pairs import make_task, pair_row, wrong_scratchpad
 
 GOOD = {"prompt": "1+2=", "chosen": "1+2=3|3", "rejected": "1+2=4|4", "score_chosen": 1.0, "score_rejected": 0.0}
 GOOD_KTO = {"prompt": "1+2=", "completion": "1+2=3|3", "label": True}

@@ -11,8 +11,8 @@ import pytest
 reasoning_gym = pytest.importorskip("reasoning_gym")
 
 from posttrain.config import ConfigError  # noqa: E402
-from posttrain.tasks import get_task  # noqa: E402
-from posttrain.tasks.reasoning_gym import INSTRUCTION, Component, apportion, make_task, parse_spec  # noqa: E402
+from posttrain.data.tasks import get_task  # noqa: E402
+from posttrain.data.tasks.reasoning_gym import INSTRUCTION, Component, apportion, make_task, parse_spec  # noqa: E402
 
 SMALL_SPACE = "reasoning-gym:chain_sum(min_terms=2,max_terms=2,min_digits=1,max_digits=1)"
 """Sums of two one-digit numbers: few enough problems that distant seeds repeat some."""
@@ -206,7 +206,7 @@ def test_unknown_task_mentions_reasoning_gym():
 
 
 def test_gsm_templates_family_draws_the_gsm_task_s_problems_and_scores_exact_numbers():
-    from posttrain.tasks import gsm
+    from posttrain.data.tasks import gsm
 
     task = make_task("reasoning-gym:gsm_templates(easy_share=0.0)", seed=3, n_train=40, n_test=10)
     templates = {row["rg_entry"]["metadata"]["template"] for row in task.train}

@@ -13,14 +13,14 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from posttrain.checkpoint import latest_checkpoint
+from posttrain.training.checkpoint import latest_checkpoint
 from posttrain.config import Config, ConfigError
-from posttrain.data import DataError, read_rows
-from posttrain.logging import read_metrics
-from posttrain.online import train_step
-from posttrain.runner import run_training
-from posttrain.scoring import RewardError
-from posttrain.session import OnlineSession, evaluate
+from posttrain.data.prompts import DataError, read_rows
+from posttrain.tracking.metrics import read_metrics
+from posttrain.training.online import train_step
+from posttrain.training.runner import run_training
+from posttrain.data.scoring import RewardError
+from posttrain.training.session import OnlineSession, evaluate
 
 from test_online import make_config
 
@@ -63,7 +63,7 @@ def test_non_finite_loss_skips_the_step_and_stops_after_max_bad_steps(tiny_model
     good = [p.detach().clone() for p in s.policy.parameters()]
     assert any(not torch.equal(a, b) for a, b in zip(before, good))
 
-    from posttrain import online
+    from posttrain.training import online
 
     real_forward = online.forward
 
@@ -86,9 +86,9 @@ def test_non_finite_loss_skips_the_step_and_stops_after_max_bad_steps(tiny_model
 KILLER = textwrap.dedent('''
     import os, signal, sys
     from posttrain.config import Config, load_yaml
-    from posttrain import checkpoint, online
-    from posttrain.runner import run_training
-    from posttrain.session import OnlineSession, evaluate
+    from posttrain.training import checkpoint, online
+    from posttrain.training.runner import run_training
+    from posttrain.training.session import OnlineSession, evaluate
 
     flat, kill = load_yaml(sys.argv[1]), sys.argv[2]
     config = Config.from_flat(flat)
@@ -135,7 +135,7 @@ def test_killed_run_resumes_to_the_same_final_weights(kill, tiny_model_dir, rewa
 
 
 def test_resume_with_another_preset_is_a_clear_error(tiny_model_dir, reward_file, tmp_path):
-    from posttrain.checkpoint import CheckpointError
+    from posttrain.training.checkpoint import CheckpointError
 
     first = make_config(tiny_model_dir, reward_file, "grpo", output=str(tmp_path / "run"), max_steps=1,
                         eval_every=0)

@@ -14,8 +14,9 @@ import pytest
 
 from posttrain.cli import main
 from posttrain.config import Config, save_yaml
-from posttrain.logging import MetricsLogger
-from posttrain.report import across_runs, build_report, curve, group_runs, load_run
+from posttrain.tracking.metrics import MetricsLogger
+from posttrain.report.html import build_report
+from posttrain.report.runs import across_runs, curve, group_runs, load_run
 
 PNG_SIGNATURE = b"\x89PNG\r\n\x1a\n"
 

@@ -5,7 +5,7 @@ import torch
 from transformers import LlamaConfig, LlamaForSequenceClassification
 
 from posttrain.models.tiny import char_tokenizer
-from posttrain.rewards import (
+from posttrain.data.rewards import (
     RewardModel,
     exact_match,
     extract_answer,

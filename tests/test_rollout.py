@@ -17,9 +17,10 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from posttrain.generation import draw, next_tokens, sampling_distribution
-from posttrain.modeling import batched_logprobs
-from posttrain.rollout import FastGenerator, HFGenerator, SamplingParams, make_generator
+from posttrain.rollout.generation import draw, next_tokens, sampling_distribution
+from posttrain.models.modeling import batched_logprobs
+from posttrain.rollout.completions import SamplingParams
+from posttrain.rollout.generators import FastGenerator, HFGenerator, make_generator
 
 PAD, EOS = 0, [2, 11, 13]  # three EOS ids: with the model below, rows end at different steps
 BUDGET = 12
@@ -211,7 +212,7 @@ def test_sliding_window_model_falls_back_to_generate_and_says_why(caplog):
                            num_attention_heads=4, num_key_value_heads=2, sliding_window=4, initializer_range=0.3)
     model = MistralForCausalLM(config).eval()
     hf, fast = generators(model)
-    with caplog.at_level(logging.WARNING, logger="posttrain.rollout"):
+    with caplog.at_level(logging.WARNING, logger="posttrain.rollout.generators"):
         got = fast.generate(prompts(), num_samples=1, greedy=True)
     assert "not all full attention" in caplog.text
     expected = hf.generate(prompts(), num_samples=1, greedy=True)

@@ -10,14 +10,14 @@ import time
 import pytest
 import torch
 
-from posttrain.checkpoint import CheckpointError, latest_checkpoint
+from posttrain.training.checkpoint import CheckpointError, latest_checkpoint
 from posttrain.cli import main
 from posttrain.config import Config
-from posttrain.data import DataError
-from posttrain.logging import read_metrics
-from posttrain.online import train_step
-from posttrain.runner import run_training
-from posttrain.session import OnlineSession, evaluate
+from posttrain.data.prompts import DataError
+from posttrain.tracking.metrics import read_metrics
+from posttrain.training.online import train_step
+from posttrain.training.runner import run_training
+from posttrain.training.session import OnlineSession, evaluate
 
 from test_online import make_config
 
@@ -175,7 +175,7 @@ def test_eval_tasks_score_other_tasks_at_every_evaluation(tiny_model_dir, reward
 
 def test_eval_tasks_errors_name_the_field(tiny_model_dir, reward_file):
     from posttrain.config import ConfigError
-    from posttrain.session import eval_label
+    from posttrain.training.session import eval_label
 
     assert eval_label("reasoning-gym:chain_sum(max_terms=3)=2,products") == "chain_sum+products"
     with pytest.raises(ConfigError, match="eval_tasks: two entries are both labelled 'addition'"):

@@ -8,7 +8,7 @@ import time
 import pytest
 import torch
 
-from posttrain.scoring import RewardError, RewardPolicy, score
+from posttrain.data.scoring import RewardError, RewardPolicy, score
 
 PROMPTS = ["1+1=", "2+2=", "3+3="]
 COMPLETIONS = ["a", "bb", "ccc"]

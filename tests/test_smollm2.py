@@ -13,12 +13,13 @@ import torch
 from transformers import AutoModelForCausalLM
 
 from posttrain.config import Config
-from posttrain.data import encode_prompt
-from posttrain.modeling import batched_logprobs
+from posttrain.data.prompts import encode_prompt
+from posttrain.models.modeling import batched_logprobs
 from posttrain.models.loading import load_model_and_tokenizer, resolve_model_path
-from posttrain.online import train_step
-from posttrain.rollout import HFGenerator, SamplingParams
-from posttrain.session import OnlineSession, eos_token_ids
+from posttrain.training.online import train_step
+from posttrain.rollout.completions import SamplingParams
+from posttrain.rollout.generators import HFGenerator
+from posttrain.training.session import OnlineSession, eos_token_ids
 
 pytestmark = pytest.mark.smollm2
 

@@ -4,8 +4,8 @@ import re
 
 import pytest
 
-from posttrain.tasks import TASKS, get_task
-from posttrain.tasks.addition import FORMAT_PATTERN, accuracy, correct, make_rows, scratchpad, scratchpad_format
+from posttrain.data.tasks import TASKS, get_task
+from posttrain.data.tasks.addition import FORMAT_PATTERN, accuracy, correct, make_rows, scratchpad, scratchpad_format
 
 
 @pytest.mark.parametrize(

@@ -17,7 +17,7 @@ from posttrain.models.tiny import (
     ensure_tiny_model,
     greedy_accuracy,
 )
-from posttrain.tasks import get_task
+from posttrain.data.tasks import get_task
 
 CHARS = BUILTIN_MODELS["tiny-addition"].chars
 

@@ -1,4 +1,4 @@
-"""The training forward (posttrain.modeling.forward) through the folded LM head and shared prompts,
+"""The training forward (posttrain.models.modeling.forward) through the folded LM head and shared prompts,
 against the model's own forward over whole rows and the unfused log-softmax."""
 
 from __future__ import annotations
@@ -17,8 +17,8 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     """modeling.forward through linear_log_softmax (and, with shared prompts, each prompt run once)
     against the model's own forward over whole rows and the unfused log-softmax: log-probs,
     entropies, values and every gradient."""
-    from posttrain import modeling
-    from posttrain.modeling import ValueHead, collate
+    from posttrain.models import modeling
+    from posttrain.models.modeling import ValueHead, collate
 
     if lora and importlib.util.find_spec("peft") is None:
         pytest.skip("peft (extra: lora) is not installed")
@@ -71,8 +71,8 @@ def test_training_forward_equals_the_log_softmax_of_each_rows_full_logits(path, 
     """Every path of modeling.forward against the textbook computation, one row at a time with no
     padding: the model's logits over prompt + completion, log-softmax, the sampled token's entry. The
     layers never see a row's last position (it predicts nothing)."""
-    from posttrain import modeling
-    from posttrain.modeling import collate
+    from posttrain.models import modeling
+    from posttrain.models.modeling import collate
 
     model = build("llama")
     a, b = torch.tensor([5, 6, 7]), torch.tensor([8])
@@ -105,8 +105,8 @@ def test_training_forward_equals_the_log_softmax_of_each_rows_full_logits(path, 
 
 
 def test_collate_finds_the_rows_that_share_a_prompt(monkeypatch):
-    from posttrain import modeling
-    from posttrain.modeling import collate
+    from posttrain.models import modeling
+    from posttrain.models.modeling import collate
 
     monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)
 
@@ -120,7 +120,7 @@ def test_collate_finds_the_rows_that_share_a_prompt(monkeypatch):
 
 
 def test_sharing_prompts_is_chosen_where_it_measured_faster():
-    from posttrain.modeling import worth_sharing
+    from posttrain.models.modeling import worth_sharing
 
     assert worth_sharing(16, 4, 13, 32)  # GRPO, 4 prompts x 4: saves 156 of 720 positions
     assert worth_sharing(16, 4, 75, 32)  # long prompts: saves 900 of 1712
@@ -135,7 +135,7 @@ def test_only_lora_wrappers_get_the_folded_head():
     """Prompt tuning acts in the PEFT wrapper's forward, which calling the body directly would skip."""
     from peft import LoraConfig, PromptTuningConfig, get_peft_model
 
-    from posttrain.modeling import split_head
+    from posttrain.models.modeling import split_head
 
     assert split_head(get_peft_model(build("llama"), LoraConfig(r=2, target_modules=["q_proj"]))) is not None
     prompt_tuned = get_peft_model(build("llama"), PromptTuningConfig(task_type="CAUSAL_LM", num_virtual_tokens=2))
@@ -149,8 +149,8 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activa
     Log-probs and every gradient equal the stored-activation run's (dropout included: the recompute
     replays the RNG state), the layers really are recomputed, and rows that share a prompt run
     whole (a recomputed prompt pass would write its cache twice)."""
-    from posttrain import modeling
-    from posttrain.modeling import checkpoint_layers, collate, is_checkpointed
+    from posttrain.models import modeling
+    from posttrain.models.modeling import checkpoint_layers, collate, is_checkpointed
 
     if lora and importlib.util.find_spec("peft") is None:
         pytest.skip("peft (extra: lora) is not installed")
@@ -212,7 +212,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activa
 
 def test_gradient_checkpointing_names_a_model_without_decoder_layers():
     from posttrain.config import ConfigError
-    from posttrain.modeling import checkpoint_layers
+    from posttrain.models.modeling import checkpoint_layers
 
     with pytest.raises(ConfigError, match="gradient_checkpointing: Linear has no decoder layers"):
         checkpoint_layers(torch.nn.Linear(2, 2))

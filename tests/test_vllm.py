@@ -10,7 +10,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM
 
-from posttrain.vllm_rollout import check_vllm_available, completions_from_samples, named_weights, sample_row
+from posttrain.rollout.vllm import check_vllm_available, completions_from_samples, named_weights, sample_row
 
 HAS_VLLM_GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
@@ -66,8 +66,9 @@ def test_samples_become_right_padded_completions_ending_in_eos():
 
 @pytest.mark.skipif(not HAS_VLLM_GPU, reason="needs vLLM and a CUDA GPU (backend=vllm)")
 def test_vllm_greedy_matches_hf_and_follows_weight_updates(tiny_model_dir):
-    from posttrain.rollout import HFGenerator, SamplingParams
-    from posttrain.vllm_rollout import VLLMGenerator
+    from posttrain.rollout.completions import SamplingParams
+    from posttrain.rollout.generators import HFGenerator
+    from posttrain.rollout.vllm import VLLMGenerator
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
@@ -90,7 +91,7 @@ def test_vllm_greedy_matches_hf_and_follows_weight_updates(tiny_model_dir):
 @pytest.mark.skipif(HAS_VLLM_GPU, reason="checks the error on a machine without vLLM or a GPU")
 def test_selecting_vllm_here_is_a_config_error_before_any_model_loads(reward_file):
     from posttrain.config import ConfigError
-    from posttrain.session import OnlineSession
+    from posttrain.training.session import OnlineSession
     from test_online import make_config
 
     with pytest.raises(ConfigError, match="backend: backend=vllm needs"):

@@ -168,7 +168,7 @@ def launched_mixed_precision(configured: str) -> str:
         raise ConfigError("mixed_precision: the accelerate config asks for fp16, which posttrain does not run "
                           "(it needs loss scaling); set mixed_precision to bf16 or no in the accelerate config")
     if launched == "bf16" and configured != "bf16":
-        from posttrain.distributed import say
+        from posttrain.parallel.distributed import say
 
         say("mixed precision bf16, from the accelerate config (the run's config says mixed_precision no)")
         return "bf16"
@@ -178,12 +178,12 @@ def launched_mixed_precision(configured: str) -> str:
 def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto",
                              mixed_precision: str = "no") -> tuple[Any, Any]:
     """The model (``dtype``, on ``device``; its decoder stack under bfloat16 autocast with
-    ``mixed_precision="bf16"`` or an accelerate launch's bf16: :func:`posttrain.modeling.use_mixed_precision`)
+    ``mixed_precision="bf16"`` or an accelerate launch's bf16: :func:`posttrain.models.modeling.use_mixed_precision`)
     and tokenizer for the spec ``name``; the tokenizer always has a pad token (the EOS token when it
     defines none: masks come from the first EOS, never from the pad id, so the two may coincide)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    from posttrain.modeling import DTYPES, resolve_device, use_mixed_precision
+    from posttrain.models.modeling import DTYPES, resolve_device, use_mixed_precision
 
     target = resolve_device(device)
     mixed_precision = launched_mixed_precision(mixed_precision)

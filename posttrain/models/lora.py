@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from posttrain.config import ConfigError, ModelConfig
-from posttrain.modeling import autocast_dtype
+from posttrain.models.modeling import autocast_dtype
 
 LORA_INSTALL = "pip install 'posttrain[lora]'  (or: pip install 'peft>=0.13,<1')"
 
@@ -62,7 +62,7 @@ def keep_autocast_inputs(model: nn.Module) -> None:
     weights' dtype before the adapter product: the decoder stack runs under autocast, which casts both
     operands back to bfloat16 for the product, so the cast is two copies of the activation for nothing.
     Layers outside the autocast region see float32 inputs already."""
-    from posttrain.modeling import decoder_body
+    from posttrain.models.modeling import decoder_body
 
     for module in decoder_body(model).modules():
         if hasattr(module, "cast_input_dtype_enabled"):
@@ -106,9 +106,9 @@ class AdaptersDisabled:
 
 def reference_model(policy: nn.Module, offloaded: bool = False) -> Any:
     """The reference for ``policy``: its adapter-free base model under LoRA, else a frozen copy;
-    ``offloaded``: the copy's weights kept out of memory between passes (:mod:`posttrain.offload`)."""
-    from posttrain.modeling import frozen_copy
-    from posttrain.offload import offload
+    ``offloaded``: the copy's weights kept out of memory between passes (:mod:`posttrain.parallel.offload`)."""
+    from posttrain.models.modeling import frozen_copy
+    from posttrain.parallel.offload import offload
 
     if is_lora(policy):
         return AdaptersDisabled(policy)

@@ -32,7 +32,8 @@ import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
-from posttrain.tasks import Task, get_task
+from posttrain.data.tasks import get_task
+from posttrain.data.tasks.task import Task
 
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")
 """Ids 0-3 of every char tokenizer, in this order."""

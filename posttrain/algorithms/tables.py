@@ -1,0 +1,89 @@
+"""Views of the presets for ``posttrain algorithms``: every preset in one table, or a few side by side."""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+from collections.abc import Sequence
+from typing import Any
+
+from posttrain.algorithms.presets import (
+    ALGORITHMS, DESCRIPTIVE_FIELDS, PREFERENCE_PARAMS, OnlineAlgorithm, PreferenceAlgorithm, algorithm,
+)
+
+
+def _fmt(value: Any) -> str:
+    return "-" if value is None else str(value)
+
+
+def _text_table(rows: list[list[str]]) -> str:
+    """Left-aligned columns; the first row is the header, underlined."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(cell.ljust(w) for cell, w in zip(row, widths)).rstrip() for row in rows]
+    lines.insert(1, "  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def _url(paper: str) -> str:
+    match = re.search(r"https://\S+", paper)
+    return match.group(0).rstrip(";,") if match else paper
+
+
+_TABLE_COLUMNS = ("name", "paper", "summary", "update_structure", "advantage", "ratio", "clip", "eps_low",
+                  "eps_high", "aggregation", "loss", "kl_placement", "kl_estimator", "beta", "mini_batches",
+                  "num_epochs")
+
+
+def _online_extras(a: OnlineAlgorithm) -> str:
+    """The fields outside the table's columns that differ from the defaults, as `field=value`."""
+    return ", ".join(f"{f.name}={_fmt(getattr(a, f.name))}" for f in dataclasses.fields(a)
+                     if f.name not in _TABLE_COLUMNS and getattr(a, f.name) != f.default)
+
+
+def _updates(a: OnlineAlgorithm) -> str:
+    """Optimizer steps per rollout, as mini-batches x epochs."""
+    return f"{a.mini_batches} x {a.num_epochs}"
+
+
+def format_presets_table() -> str:
+    """Every preset, one row each with its key settings and paper, online then preference."""
+    online = [["preset", "advantage", "ratio/clip", "eps_low, eps_high", "aggregation", "KL", "updates", "extras",
+               "paper"]]
+    for a in (p for p in ALGORITHMS.values() if isinstance(p, OnlineAlgorithm)):
+        kl = "none" if a.kl_placement == "none" else f"{a.kl_estimator} in {a.kl_placement}, beta {_fmt(a.beta)}"
+        online.append([a.name, a.advantage, f"{a.ratio}/{a.clip}", f"{_fmt(a.eps_low)}, {_fmt(a.eps_high)}",
+                       a.aggregation + (" NLL" if a.loss == "nll" else ""), kl, _updates(a), _online_extras(a),
+                       _url(a.paper)])
+    preference = [["preset", "loss", "coefficients", "reference", "paper"]]
+    for p in (p for p in ALGORITHMS.values() if isinstance(p, PreferenceAlgorithm)):
+        coefficients = ", ".join(f"{name} {_fmt(getattr(p, name))}" for name in PREFERENCE_PARAMS[p.loss])
+        preference.append([p.name, p.loss, coefficients, "yes" if p.needs_reference else "no", _url(p.paper)])
+    return f"Online (RL) presets\n\n{_text_table(online)}\n\nPreference presets\n\n{_text_table(preference)}"
+
+
+def _update_line(preset: OnlineAlgorithm | PreferenceAlgorithm) -> str:
+    if not isinstance(preset, OnlineAlgorithm):
+        return ""
+    return f"\n    updates per rollout: {_updates(preset)} (mini-batches x epochs), {preset.update_structure}"
+
+
+def format_side_by_side(names: Sequence[str]) -> str:
+    """The named presets as columns, fields as rows; `*` marks the rows whose values differ."""
+    if not names:
+        raise ValueError(f"name at least one preset; valid names: {', '.join(ALGORITHMS)}")
+    presets = [algorithm(name) for name in names]
+    kinds = {type(p) for p in presets}
+    if len(kinds) > 1:
+        online = [p.name for p in presets if isinstance(p, OnlineAlgorithm)]
+        offline = [p.name for p in presets if isinstance(p, PreferenceAlgorithm)]
+        raise ValueError(f"cannot compare online presets ({', '.join(online)}) with preference presets "
+                         f"({', '.join(offline)}): their fields differ; compare each kind on its own")
+    kind = kinds.pop()
+    rows = [["", "field", *(p.name for p in presets)]]
+    shown = [f.name for f in dataclasses.fields(kind) if f.name not in DESCRIPTIVE_FIELDS]
+    derived = [name for name, value in vars(kind).items() if isinstance(value, property)]
+    for name in [*shown, *derived]:
+        values = [_fmt(getattr(p, name)) for p in presets]
+        rows.append(["*" if len(set(values)) > 1 else "", name, *values])
+    header = "\n".join(f"{p.name}: {p.summary}\n    {p.paper}" + _update_line(p) for p in presets)
+    return f"{header}\n\n{_text_table(rows)}"

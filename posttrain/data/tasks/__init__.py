@@ -1,0 +1,53 @@
+"""Built-in verifiable tasks: a dataset split, its rewards and its correctness check.
+
+A :class:`Task` bundles what a run needs besides a model: ``train`` and
+``test`` rows (a ``prompt`` string plus columns such as ``answer`` that
+reach reward functions as keyword arguments, TRL style), default reward
+functions with weights, a ``correct`` check used for held-out accuracy, a
+token budget and the built-in starting model the task was designed for.
+
+Besides the registry :data:`TASKS`, ``--task reasoning-gym:SPEC`` builds a task from reasoning-gym's
+procedural families (:mod:`posttrain.data.tasks.reasoning_gym`, needs the ``reasoning-gym`` extra).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Callable
+
+from posttrain.config import ConfigError
+from posttrain.data.tasks.task import REASONING_GYM_PREFIX, Task
+
+
+def _addition(seed: int) -> Task:
+    from posttrain.data.tasks import addition
+
+    return addition.make_task(seed)
+
+
+def _gsm(seed: int) -> Task:
+    from posttrain.data.tasks import gsm
+
+    return gsm.make_task(seed)
+
+
+TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "gsm": _gsm}
+"""Task name -> builder taking the split seed."""
+
+def _reasoning_gym(spec: str, seed: int) -> Task:
+    if importlib.util.find_spec("reasoning_gym") is None:
+        raise ConfigError(f"task: {spec!r} needs the reasoning-gym package: pip install 'posttrain[reasoning-gym]'")
+    from posttrain.data.tasks import reasoning_gym
+
+    return reasoning_gym.make_task(spec, seed)
+
+
+def get_task(name: str, seed: int = 0) -> Task:
+    """The built-in task ``name``, or the reasoning-gym task of a ``reasoning-gym:...`` spec, its split
+    drawn with ``seed``."""
+    if name.startswith(REASONING_GYM_PREFIX):
+        return _reasoning_gym(name, seed)
+    if name not in TASKS:
+        raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}, "
+                         f"or {REASONING_GYM_PREFIX}FAMILY for a reasoning-gym family")
+    return TASKS[name](seed)

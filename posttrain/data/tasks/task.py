@@ -1,0 +1,52 @@
+"""The types of a built-in task: what a run needs besides a model, and the preference pairs built from one."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+from posttrain.data.rewards import RewardFn
+
+REASONING_GYM_PREFIX = "reasoning-gym:"
+"""``--task reasoning-gym:SPEC`` builds a task from reasoning-gym's families (:mod:`.reasoning_gym`)."""
+
+
+@dataclass(frozen=True)
+class Task:
+    name: str
+    """Registry name (``--task``)."""
+    description: str
+    """One line for ``--help`` and logs."""
+    train: list[dict[str, Any]]
+    """Training prompts: dicts with a ``prompt`` string and extra columns."""
+    test: list[dict[str, Any]]
+    """Held-out rows, disjoint from ``train``, same columns."""
+    reward_funcs: tuple[RewardFn, ...]
+    """Default reward functions, TRL signature ``fn(prompts, completions, **columns)``."""
+    reward_weights: tuple[float, ...]
+    """One weight per reward function."""
+    correct: Callable[..., list[bool]]
+    """``correct(prompts, completions, **columns) -> list[bool]``: held-out accuracy."""
+    max_new_tokens: int
+    """Completion budget that fits every reference solution plus EOS."""
+    default_model: str
+    """Built-in starting model (see ``posttrain.models.tiny.BUILTIN_MODELS``)."""
+    final_answer: Callable[[str], str | None] | None = None
+    """The final answer a completion's text gives (None: none), for maj@K's vote in ``posttrain eval``;
+    None: :func:`posttrain.data.rewards.extract_answer`."""
+
+
+@dataclass(frozen=True)
+class PreferenceTask:
+    """A built-in preference dataset: pairs built from a verifiable task's split."""
+
+    name: str
+    description: str
+    train: list[dict[str, Any]]
+    """Training pairs: ``prompt``, ``chosen``, ``rejected``, ``score_chosen``, ``score_rejected``."""
+    test: list[dict[str, Any]]
+    """Held-out pairs, from ``source.test``'s prompts."""
+    source: Task
+    """The task the pairs come from: held-out generation accuracy (its ``test`` and ``correct``),
+    token budget and default model."""

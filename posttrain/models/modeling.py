@@ -1,0 +1,373 @@
+"""Models: loading, the training-time batch layout, and per-token log-probs.
+
+Training batches are laid out as ``[prompt (left-padded) | completion (right-padded)]``
+so that completion token ``t`` of every row sits at the same column ``P + t``;
+the logits that predict it are at column ``P + t - 1``. Padding is trimmed to the
+longest sequence of each micro-batch.
+
+For the architectures :func:`split_head` knows (Llama, Mistral, Qwen2, LoRA-wrapped
+or not), the LM head is folded into the log-softmax
+(:func:`posttrain.functional.linear_log_softmax`): only the completion's real tokens
+go through it, a block of vocabulary at a time, and no ``[n, T, V]`` logits tensor
+exists (on SmolLM2 that is 100 MB of logits and as much of their gradient per 16 x 32
+tokens). Other models run their own forward with ``logits_to_keep = T + 1``.
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import torch.utils.checkpoint
+from torch import Tensor, nn
+
+import posttrain.functional as F
+from posttrain.models.architecture import cache_unsupported_reason, is_supported_class
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def resolve_device(device: str) -> torch.device:
+    if device == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda" and not torch.cuda.is_available():
+        raise RuntimeError("device=cuda but no CUDA GPU is available; use --device cpu")
+    return torch.device(device)
+
+
+def left_pad(sequences: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Left-pad 1-D token tensors: ([n, L] ids, [n, L] attention mask)."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        if len(seq):
+            ids[row, width - len(seq):] = seq
+            attention[row, width - len(seq):] = 1
+    return ids, attention
+
+
+def checkpoint_layers(model: nn.Module) -> int:
+    """Gradient checkpointing: every decoder layer of ``model`` keeps only its inputs when it runs with
+    gradient and recomputes its forward in the backward (non-reentrant ``torch.utils.checkpoint``, RNG
+    state restored, so the gradients are the ones without it). Returns the number of layers.
+
+    transformers' own switch (``gradient_checkpointing_enable``) acts only in training mode; the
+    preference trainer runs its policy in eval mode (no dropout), so the layers are wrapped here
+    whatever the mode. Raises ConfigError when the model has no decoder layers to wrap.
+    """
+    from transformers.modeling_layers import GradientCheckpointingLayer
+
+    from posttrain.config import ConfigError
+
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    if not layers:
+        raise ConfigError(f"gradient_checkpointing: {type(model).__name__} has no decoder layers that "
+                          "transformers marks as checkpointable (GradientCheckpointingLayer)")
+    for layer in layers:
+        if not getattr(layer, "posttrain_checkpointed", False):
+            layer.forward = functools.partial(_recomputed_in_backward, layer.forward)
+            layer.posttrain_checkpointed = True
+    return len(layers)
+
+
+def _recomputed_in_backward(forward, *args, **kwargs):
+    if not torch.is_grad_enabled():
+        return forward(*args, **kwargs)
+    return torch.utils.checkpoint.checkpoint(forward, *args, use_reentrant=False, **kwargs)
+
+
+def is_checkpointed(module: nn.Module) -> bool:
+    """Whether :func:`checkpoint_layers` wrapped a layer of ``module``."""
+    return any(getattr(m, "posttrain_checkpointed", False) for m in module.modules())
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (LoRA keeps its adapters in place inside it), or ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM, under a PEFT wrapper if any (``model.model`` for Llama); the
+    model itself when it names no base model."""
+    return unwrapped(model).base_model
+
+
+FLOAT32_SDPA = "posttrain_sdpa_float32"
+"""The attention implementation :func:`use_mixed_precision` gives a CPU model that used ``"sdpa"``:
+transformers' SDPA attention with autocast off, on float32 inputs. Measured on SmolLM2 (2 cores), one
+GRPO batch's forward+backward: 1.75-1.77 s against 1.93-2.03 with the attention in bfloat16, the same
+log-prob error against float32. transformers does not save it in the model's config."""
+
+
+def _register_float32_sdpa() -> None:
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(FLOAT32_SDPA, _sdpa_in_float32)
+    AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)  # the masks "sdpa" gets
+
+
+def _sdpa_in_float32(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                     **kwargs):
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+    with torch.autocast(query.device.type, enabled=False):
+        return sdpa_attention_forward(module, query.float(), key.float(), value.float(), attention_mask, **kwargs)
+
+
+def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -> None:
+    """Mixed precision: ``model``'s decoder stack runs under ``torch.autocast(dtype)`` in every forward
+    pass, whoever calls it; the weights, their gradients and the optimizer stay in their own dtype.
+
+    The LM head, the value head and everything after them (log-softmax, losses) are outside the decoder
+    stack and run in float32: the log-probs that enter the ratio and the KL are exactly the float32 head
+    of the hidden states (MiniMax-M1, arXiv:2506.13585, traced training/inference probability mismatch to
+    the head's precision). A model with no separate decoder stack (:func:`decoder_body` is the model) has
+    its head under autocast too.
+
+    Each forward pass is its own autocast region, so the weight casts autocast caches never outlive an
+    optimizer step. The change is a bound method on the instance: a copy of the model (the reference)
+    keeps it, bound to the copy. :class:`posttrain.rollout.decode_step.FusedDecoder` reads the dtype and casts its
+    prepared weights once per ``decode`` call. Calling it again is a no-op.
+
+    On a CPU, attention stays float32 (:data:`FLOAT32_SDPA`: PyTorch's SDPA kernel runs 2.4x slower in
+    bfloat16 on a training batch, 4-5x at one query row), and oneDNN's caches of compiled kernels are
+    capped (:func:`posttrain.parallel.allocator.bound_kernel_caches`).
+    """
+    body = decoder_body(model)
+    if getattr(body, "posttrain_autocast_dtype", None) is not None:
+        return
+    if "forward" in vars(body):  # the wrapper calls the class's forward: it would drop this one
+        raise RuntimeError(f"use_mixed_precision: {type(body).__name__}.forward is already replaced on this "
+                           "instance; apply mixed precision to the model as loaded, before other wrappers")
+    body.posttrain_autocast_dtype = dtype
+    body.forward = _autocast_forward.__get__(body)
+    if next(body.parameters()).device.type == "cpu":
+        from posttrain.parallel.allocator import bound_kernel_caches
+
+        bound_kernel_caches()
+        base = unwrapped(model)
+        if getattr(base.config, "_attn_implementation", None) == "sdpa":
+            _register_float32_sdpa()
+            base.set_attn_implementation(FLOAT32_SDPA)
+
+
+def autocast_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype :func:`use_mixed_precision` set for ``model``'s decoder stack (None: its own dtype)."""
+    return getattr(decoder_body(model), "posttrain_autocast_dtype", None)
+
+
+def _autocast_forward(self: nn.Module, *args, **kwargs):
+    device_type = next(self.parameters()).device.type
+    with torch.autocast(device_type, dtype=self.posttrain_autocast_dtype):
+        return type(self).forward(self, *args, **kwargs)
+
+
+def frozen_copy(model: nn.Module) -> nn.Module:
+    """A reference model: an independent copy with no gradients, in eval mode."""
+    import copy
+
+    ref = copy.deepcopy(model).eval()
+    ref.requires_grad_(False)
+    return ref
+
+
+class ValueHead(nn.Module):
+    """PPO's critic: a linear head on the policy's last hidden state (shared backbone)."""
+
+    def __init__(self, hidden_size: int):
+        super().__init__()
+        self.linear = nn.Linear(hidden_size, 1)
+        nn.init.zeros_(self.linear.weight)
+        nn.init.zeros_(self.linear.bias)
+
+    def forward(self, hidden: Tensor) -> Tensor:
+        return self.linear(hidden).squeeze(-1)
+
+
+@dataclass
+class TokenBatch:
+    """A micro-batch ready for the model.
+
+    input_ids, attention_mask, position_ids: [n, P + T]
+    completion_ids, mask: [n, T] (T trimmed to this micro-batch's longest completion)
+    first_U: [U] the first row of each distinct prompt, owner_n: [n] each row's index into first_U;
+    both None unless rows share prompts enough to be worth it (:func:`worth_sharing`).
+    """
+
+    input_ids: Tensor
+    attention_mask: Tensor
+    position_ids: Tensor
+    completion_ids: Tensor
+    mask: Tensor
+    first_U: Tensor | None = None
+    owner_n: Tensor | None = None
+
+    @property
+    def prompt_width(self) -> int:
+        return self.input_ids.shape[1] - self.completion_ids.shape[1]
+
+
+def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device) -> TokenBatch:
+    """Concatenate left-padded prompts with right-padded completions (trimmed to the longest), and
+    note which rows share a prompt (a GRPO group's samples, a preference pair's two answers)."""
+    width = max(int(mask.sum(-1).max()), 1)
+    completion_ids, mask = completion_ids[:, :width], mask[:, :width]
+    prompts, prompt_attention = left_pad(prompt_ids, pad_id)
+    input_ids = torch.cat([prompts, completion_ids], 1)
+    attention = torch.cat([prompt_attention, mask.long()], 1)
+    position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
+    index: dict[tuple[int, ...], int] = {}
+    owner = [index.setdefault(tuple(p.tolist()), len(index)) for p in prompt_ids]
+    shared = None, None
+    if len(index) < len(prompt_ids) and worth_sharing(len(prompt_ids), len(index), prompts.shape[1], width):
+        first_row: dict[int, int] = {}
+        for row, o in enumerate(owner):
+            first_row.setdefault(o, row)
+        shared = torch.tensor([first_row[o] for o in range(len(index))]), torch.tensor(owner)
+    tensors = (input_ids, attention, position_ids, completion_ids, mask, *shared)
+    return TokenBatch(*(None if t is None else t.to(device) for t in tensors))
+
+
+def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: int) -> bool:
+    """Whether running ``prompts`` distinct prompts once beats running all ``rows`` whole.
+
+    Sharing saves ``(rows - prompts) * prompt_width`` token positions but costs a second pass through
+    the layers, gathering the cached keys and values, and GEMMs with fewer rows. Measured on SmolLM2
+    (forward + backward, 2 cores): 16 rows sharing 4 prompts of 13 tokens, 32-token completions,
+    saves 156 of 720 positions and 7% of the time; 8 rows sharing 4 prompts of 13 tokens, 18-token
+    completions (a DPO step), saves 52 of 248 and takes 14% longer; 75-token prompts save 43%. On
+    the 3.2M benchmark model a DPO step's 8 rows sharing 4 prompts of 48 tokens (118-token
+    completions) save 192 of 1328 positions and 7-10% of the step's time.
+    """
+    saved = (rows - prompts) * prompt_width
+    return saved >= max(128, 0.1 * rows * (prompt_width + completion_width))
+
+
+def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
+    """[n, T, D] the final hidden states that predict each completion token (position P + t - 1 for token t).
+
+    The last column (position P + T - 1) predicts nothing, so it never enters the layers: under causal
+    attention no other position depends on it.
+
+    When rows share a prompt, the distinct prompts run once (keeping their keys and values, with
+    gradient) and each row's completion runs on its prompt's cache: the prompt's share of the work
+    is done once per prompt instead of once per row. The result is the same computation (equal to
+    float32 rounding, tested); for a GRPO group of G samples the prompt tokens cost 1/G.
+    """
+    width = batch.completion_ids.shape[1]
+    recomputed = torch.is_grad_enabled() and is_checkpointed(body)  # a prompt pass would write its cache twice
+    if (batch.first_U is None or batch.owner_n is None or recomputed
+            or cache_unsupported_reason(body.config) is not None):  # a cache of full-attention layers is what it needs
+        hidden = body(input_ids=batch.input_ids[:, :-1], attention_mask=batch.attention_mask[:, :-1],
+                      position_ids=batch.position_ids[:, :-1], use_cache=False).last_hidden_state
+        return hidden[:, -width:]
+    from transformers.cache_utils import DynamicCache
+
+    p, first, owner = batch.prompt_width, batch.first_U, batch.owner_n
+    prompt = body(input_ids=batch.input_ids[first, :p], attention_mask=batch.attention_mask[first, :p],
+                  position_ids=batch.position_ids[first, :p], use_cache=True)
+    cache = DynamicCache()
+    for i, layer in enumerate(prompt.cache.layers):
+        # index_select, not indexing: its backward is index_add_, where indexing's (index_put_ with
+        # accumulate) ran about 1 ms per layer on the benchmark model's DPO step, a tenth of its backward
+        cache.update(layer.keys.index_select(0, owner), layer.values.index_select(0, owner), i)
+    first_token = prompt.last_hidden_state[:, -1:].index_select(0, owner)  # predicts completion token 0
+    if width == 1:
+        return first_token
+    completion = body(input_ids=batch.input_ids[:, p:-1], attention_mask=batch.attention_mask[:, :-1],
+                      position_ids=batch.position_ids[:, p:-1], cache=cache, use_cache=True).last_hidden_state
+    return torch.cat([first_token, completion], 1)
+
+
+@dataclass
+class ForwardOutput:
+    logprobs: Tensor  # [n, T]
+    entropy: Tensor | None  # [n, T], no gradient
+    values: Tensor | None  # [n, T]
+
+
+def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
+    """``(body, lm_head)`` of a model whose logits are exactly ``lm_head(body(...).last_hidden_state)``;
+    None for any other (a subclass, a sharded model, a head with adapters, logit scaling or soft-capping)."""
+    if any(c.peft_type != "LORA" for c in getattr(model, "peft_config", {}).values()):  # PeftType is a str enum
+        return None  # prompt or prefix tuning act in the wrapper's forward, which the body call would skip
+    base = unwrapped(model)
+    if not is_supported_class(base):
+        return None
+    if type(base.lm_head) is not nn.Linear or any(type(p).__name__ == "DTensor" for p in base.lm_head.parameters()):
+        return None
+    return base.model, base.lm_head
+
+
+def forward(
+    model: nn.Module,
+    batch: TokenBatch,
+    *,
+    temperature: float = 1.0,
+    with_entropy: bool = False,
+    value_head: ValueHead | None = None,
+) -> ForwardOutput:
+    """Per-token log-probs of the completion under ``model`` (sampling temperature applied); 0 at padding."""
+    width = batch.completion_ids.shape[1]
+    parts = split_head(model)
+    if parts is not None:
+        body, head = parts
+        hidden_NTD = completion_hidden(body, batch)
+        scored_NT = batch.mask.bool()
+        logprobs_M, entropy_M = F.linear_log_softmax(
+            hidden_NTD[scored_NT].to(head.weight.dtype), head.weight, batch.completion_ids[scored_NT], bias=head.bias,
+            temperature=temperature, with_entropy=with_entropy)
+        zeros_NT = logprobs_M.new_zeros(scored_NT.shape)
+        entropy = zeros_NT.masked_scatter(scored_NT, entropy_M) if with_entropy else None
+        values = value_head(hidden_NTD.to(value_head.linear.weight.dtype)) if value_head is not None else None
+        return ForwardOutput(zeros_NT.masked_scatter(scored_NT, logprobs_M), entropy, values)
+    out = model(  # the last position predicts nothing: it is left out
+        input_ids=batch.input_ids[:, :-1],
+        attention_mask=batch.attention_mask[:, :-1],
+        position_ids=batch.position_ids[:, :-1],
+        logits_to_keep=width,
+        output_hidden_states=value_head is not None,
+        use_cache=False,
+    )
+    logits = out.logits  # [n, T, V]: position P + t - 1 predicts completion token t
+    if temperature != 1.0:
+        logits = logits / temperature
+    padding = batch.mask == 0
+    logprobs = F.selective_log_softmax(logits, batch.completion_ids).masked_fill(padding, 0.0)
+    entropy = F.entropy_from_logits(logits.detach()).masked_fill(padding, 0.0) if with_entropy else None
+    values = None
+    if value_head is not None:
+        hidden = out.hidden_states[-1][:, -width:]
+        values = value_head(hidden.to(value_head.linear.weight.dtype))
+    return ForwardOutput(logprobs, entropy, values)
+
+
+@torch.no_grad()
+def batched_logprobs(
+    model: nn.Module,
+    prompt_ids: list[Tensor],
+    completion_ids: Tensor,
+    mask: Tensor,
+    *,
+    pad_id: int,
+    micro_batch_size: int,
+    temperature: float = 1.0,
+    value_head: ValueHead | None = None,
+) -> tuple[Tensor, Tensor | None]:
+    """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None)."""
+    device = next(model.parameters()).device
+    total, width = completion_ids.shape
+    logprobs = torch.zeros(total, width)
+    values = torch.zeros(total, width) if value_head is not None else None
+    for start in range(0, total, micro_batch_size):
+        rows = slice(start, start + micro_batch_size)
+        batch = collate(prompt_ids[rows], completion_ids[rows], mask[rows], pad_id, device)
+        out = forward(model, batch, temperature=temperature, value_head=value_head)
+        t = out.logprobs.shape[1]
+        logprobs[rows, :t] = out.logprobs.float().cpu()
+        if values is not None:
+            values[rows, :t] = out.values.float().cpu()
+    return logprobs * mask, (values * mask if values is not None else None)

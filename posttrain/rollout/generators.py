@@ -1,0 +1,124 @@
+"""Rollout: turning prompts into sampled completions.
+
+A generator is anything with ``generate(prompt_ids, num_samples=..., greedy=...)``
+returning :class:`Completions`. Row ``i*G + j`` of the result is sample ``j`` of
+prompt ``i`` everywhere in posttrain. Backend ``hf`` is :class:`FastGenerator`,
+posttrain's own decode loop around the model's forward pass
+(:mod:`posttrain.rollout.generation`: one prefill per prompt, a preallocated KV cache,
+finished rows dropped); :class:`HFGenerator` runs Hugging Face ``generate`` on
+all ``B*G`` sequences at once. ``FastGenerator`` falls back to it, with a logged
+reason, for models whose cache it cannot hold; ``POSTTRAIN_HF_GENERATE=1`` selects
+it outright, for comparison.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.models.modeling import left_pad
+from posttrain.rollout.completions import Completions, Generator, SamplingParams, to_completions
+
+logger = logging.getLogger(__name__)
+
+
+class HFGenerator:
+    """Sampling with ``model.generate`` (KV cache, batched, stops at EOS or the budget)."""
+
+    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int]):
+        self.model = model
+        self.tokenizer = tokenizer
+        self.params = params
+        self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+        device = self.model.device
+        ids, attention = left_pad(prompt_ids, self.pad_id)
+        ids = ids.repeat_interleave(num_samples, 0).to(device)
+        attention = attention.repeat_interleave(num_samples, 0).to(device)
+        sampling = {} if greedy else {
+            "temperature": self.params.temperature,
+            "top_p": self.params.top_p,
+            "top_k": self.params.top_k or None,
+        }
+        was_training = self.model.training
+        self.model.eval()
+        out = self.model.generate(
+            input_ids=ids,
+            attention_mask=attention,
+            do_sample=not greedy,
+            max_new_tokens=self.params.max_new_tokens,
+            pad_token_id=self.pad_id,
+            eos_token_id=self.eos_ids.tolist(),
+            use_cache=True,
+            **sampling,
+        )
+        self.model.train(was_training)
+        return to_completions(out[:, ids.shape[1]:].cpu(), self.eos_ids, self.pad_id)
+
+
+class FastGenerator:
+    """Sampling with :func:`posttrain.rollout.generation.decode`; :class:`HFGenerator` for models it cannot hold."""
+
+    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int]):
+        self.model = model
+        self.params = params
+        self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        self.fallback = HFGenerator(model, tokenizer, params, eos_token_ids)
+        self.fallback_reason: str | None = None  # "" once checked and supported
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+        from posttrain.rollout.generation import decode, preallocated_cache, unsupported_reason
+
+        if self.fallback_reason is None:
+            self.fallback_reason = unsupported_reason(self.model.config) or ""
+            if self.fallback_reason:
+                logger.warning("posttrain's decode loop cannot run %s: %s; using transformers' generate",
+                               type(self.model).__name__, self.fallback_reason)
+        if self.fallback_reason:
+            return self.fallback.generate(prompt_ids, num_samples=num_samples, greedy=greedy)
+        ids, attention = left_pad(prompt_ids, self.pad_id)
+        cache = preallocated_cache(self.model.config, num_samples, ids.shape[1] + self.params.max_new_tokens)
+        device = self.model.device
+        was_training = self.model.training
+        self.model.eval()
+        p = self.params
+        tokens = decode(self.model, cache, ids.to(device), attention.to(device), num_samples=num_samples,
+                        max_new_tokens=p.max_new_tokens, eos_ids=self.eos_ids.to(device), pad_id=self.pad_id,
+                        greedy=greedy, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        self.model.train(was_training)
+        return to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
+
+
+def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
+                   model_path: str | None = None, seed: int = 0):
+    """The configured generator; vLLM needs a GPU, the ``vllm`` package and the model's directory."""
+    if backend == "hf":
+        slow = os.environ.get("POSTTRAIN_HF_GENERATE", "0") == "1"
+        return (HFGenerator if slow else FastGenerator)(model, tokenizer, params, eos_token_ids)
+    if backend == "vllm":
+        from posttrain.rollout.vllm import VLLMGenerator
+
+        return VLLMGenerator(model, tokenizer, params, eos_token_ids, model_path=model_path, seed=seed)
+    raise ValueError(f"unknown generation backend {backend!r}; valid: hf, vllm")
+
+
+def generate_texts(generator: Generator, tokenizer: Any, prompt_ids: list[Tensor], num_samples: int = 1, *,
+                   greedy: bool = False, chunk: int = 256) -> tuple[list[str], list[float]]:
+    """Decoded completions and their token counts, prompt i's samples at i*K .. i*K + K - 1,
+    generated ``chunk`` prompts at a time (evaluation sets are larger than a training batch)."""
+    texts: list[str] = []
+    lengths: list[float] = []
+    for start in range(0, len(prompt_ids), chunk):
+        completions = generator.generate(prompt_ids[start:start + chunk], num_samples=num_samples, greedy=greedy)
+        texts += tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+        lengths += completions.lengths.float().tolist()
+    return texts, lengths

@@ -1,0 +1,135 @@
+"""Rollout through vLLM on a GPU (``--backend vllm``, extra ``posttrain[vllm]``).
+
+:class:`VLLMGenerator` keeps a vLLM engine in the training process ("colocated"), next to the
+policy on the same GPU, and implements the same ``generate`` protocol as the Hugging Face
+generators (row ``i*G + j`` is sample ``j`` of prompt ``i``; right-padded ids, a mask up to and
+including EOS, truncation flags). Before each rollout it pushes the policy's current weights
+into the engine (``sync_weights``: ``load_weights`` on vLLM's model, then a prefix-cache reset),
+so sampling is always from the current policy; under LoRA it pushes the merged weights ``W + s*B*A`` under the
+base model's names.
+
+The engine's own log-probs of the sampled tokens come back in ``Completions.sampling_logprobs``
+([N, T], 0 on padding). The trainer does not use them as the old-policy log-probs: vLLM's kernels
+differ from the training forward pass by up to ~1e-2 nats per token in bf16, which would bias the
+PPO ratio; the loop recomputes them where the preset needs them, and they serve as a diagnostic
+of that mismatch.
+
+Only one process per GPU is supported (``tensor_parallel_size`` 1); with several processes each
+holds its own engine on its own GPU (``LOCAL_RANK``).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from posttrain.rollout.completions import Completions, SamplingParams, completion_mask
+
+VLLM_INSTALL = "pip install 'posttrain[vllm]'  (vLLM needs a CUDA GPU)"
+
+
+def check_vllm_available() -> None:
+    """Raise a RuntimeError saying what is missing unless vLLM and a CUDA GPU are both here."""
+    if not torch.cuda.is_available():
+        raise RuntimeError("backend=vllm needs a CUDA GPU and none is available; use --backend hf")
+    if importlib.util.find_spec("vllm") is None:
+        raise RuntimeError(f"backend=vllm needs the vllm package, which is not installed: {VLLM_INSTALL}; "
+                           "or use --backend hf")
+
+
+def vllm_name(name: str) -> str | None:
+    """The base model's parameter name for a policy parameter ``name``; None for LoRA's own weights.
+
+    peft wraps the model as ``base_model.model.<name>`` and moves each adapted linear layer's
+    weight to ``<layer>.base_layer.weight``; vLLM knows the plain ``transformers`` names.
+    """
+    if ".lora_" in name or "modules_to_save" in name:
+        return None
+    return name.removeprefix("base_model.model.").replace(".base_layer.", ".")
+
+
+def named_weights(policy: Any) -> Iterator[tuple[str, Tensor]]:
+    """The policy's weights under the names vLLM's ``load_weights`` expects (merged under LoRA)."""
+    for name, param in policy.named_parameters():
+        target = vllm_name(name)
+        if target is not None:
+            yield target, param.detach()
+
+
+class VLLMGenerator:
+    """Sampling with a colocated vLLM engine; weights pushed from the policy before each rollout."""
+
+    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
+                 model_path: str, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,
+                 seed: int = 0):
+        check_vllm_available()
+        from vllm import LLM
+
+        self.model = model
+        self.params = params
+        self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long)
+        self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        dtype = str(next(model.parameters()).dtype).removeprefix("torch.")
+        # processed_logprobs: the log-probs after temperature/top-k/top-p, the distribution sampled from
+        self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
+                       max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
+                       logprobs_mode="processed_logprobs")
+
+    def sync_weights(self) -> None:
+        """Push the policy's current weights into the engine (merging LoRA adapters first)."""
+        merged = hasattr(self.model, "merge_adapter")
+        if merged:
+            self.model.merge_adapter()
+        try:
+            engine_model = self.llm.llm_engine.model_executor.driver_worker.model_runner.model
+            engine_model.load_weights(named_weights(self.model))
+        finally:
+            if merged:
+                self.model.unmerge_adapter()
+        self.llm.reset_prefix_cache()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+        from vllm import SamplingParams as VLLMSampling
+
+        self.sync_weights()  # a GPU-to-GPU copy, small next to a rollout: every call samples the current policy
+        p = self.params
+        sampling = VLLMSampling(
+            n=num_samples, max_tokens=p.max_new_tokens, stop_token_ids=self.eos_ids.tolist(), logprobs=0,
+            temperature=0.0 if greedy else p.temperature, top_p=1.0 if greedy else p.top_p,
+            top_k=-1 if greedy or not p.top_k else p.top_k,
+        )
+        requests = [{"prompt_token_ids": ids.tolist()} for ids in prompt_ids]
+        outputs = self.llm.generate(requests, sampling_params=sampling, use_tqdm=False)
+        samples = [sample for request in outputs for sample in request.outputs]  # row i*G + j
+        rows = [sample_row(s, self.eos_ids) for s in samples]
+        return completions_from_samples([r[0] for r in rows], [r[1] for r in rows], self.eos_ids, self.pad_id)
+
+
+def sample_row(sample: Any, eos_ids: Tensor) -> tuple[list[int], list[float]]:
+    """A vLLM sample's token ids, ending in an EOS id when it stopped on one, and the engine's
+    log-prob of each (``logprobs=0`` returns exactly the sampled token's; 0.0 for an added EOS)."""
+    ids = list(sample.token_ids)
+    logprobs = ([0.0] * len(ids) if sample.logprobs is None
+                else [step[token].logprob for token, step in zip(ids, sample.logprobs)])
+    if sample.finish_reason == "stop" and (not ids or ids[-1] not in eos_ids.tolist()):
+        ids, logprobs = ids + [int(eos_ids[0])], logprobs + [0.0]  # the mask must hold the EOS the loss trains
+    return ids, logprobs
+
+
+def completions_from_samples(token_ids: list[list[int]], logprobs: list[list[float]], eos_ids: Tensor,
+                             pad_id: int) -> Completions:
+    """Right-pad per-sample token lists into :class:`Completions` (mask through the first EOS)."""
+    width = max(1, max(len(t) for t in token_ids))
+    tokens = torch.full((len(token_ids), width), pad_id, dtype=torch.long)
+    sampled = torch.zeros((len(token_ids), width))
+    for row, (ids, lps) in enumerate(zip(token_ids, logprobs)):
+        tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
+        sampled[row, :len(lps)] = torch.tensor(lps)
+    mask, truncated = completion_mask(tokens, eos_ids)
+    tokens = tokens.masked_fill(mask == 0, pad_id)
+    return Completions(tokens, mask, truncated, sampling_logprobs=sampled * mask)

@@ -1,0 +1,156 @@
+"""``posttrain eval``: one model on built-in tasks and datasets, with intervals users can trust.
+
+:func:`evaluate_model` loads the model once and evaluates it on one or more built-in tasks (their
+held-out split) and/or a dataset scored by reward functions: greedy decoding for accuracy and, with
+``samples`` > 1, K sampled completions per problem for pass@1, pass@K and maj@K (the estimators
+and their intervals are in :mod:`posttrain.tracking.stats`). Correct means the task's own check; on a
+dataset, a total reward of at least ``success_threshold``. maj@K votes with the task's final-answer
+parser (``Task.final_answer``), on a dataset with :func:`posttrain.data.rewards.extract_answer` (boxed,
+"answer is", the last number).
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
+from posttrain.data.prompts import encode_prompt
+from posttrain.parallel.distributed import say
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.data.rewards import extract_answer
+from posttrain.rollout.completions import SamplingParams
+from posttrain.rollout.generators import generate_texts, make_generator
+from posttrain.training.session import Workload, eos_token_ids, load_workload, score_texts
+from posttrain.tracking.stats import summarise
+
+@dataclass
+class EvalSpec:
+    """What ``posttrain eval`` evaluates on besides the model; the defaults are the CLI's."""
+
+    tasks: list[str] = field(default_factory=list)  # built-in task names or reasoning-gym:SPEC
+    dataset: str | None = None  # JSONL/JSON/CSV/Parquet prompts scored by ``reward``
+    reward: list[str] = field(default_factory=list)  # FILE.py:FUNCTION, for the dataset
+    reward_weights: list[float] = field(default_factory=list)
+    eval_size: int = 500  # problems per task (at most the task's held-out split)
+    samples: int = 1  # K sampled completions per problem (1: greedy only)
+    temperature: float = 1.0
+    top_p: float = 1.0
+    max_new_tokens: int | None = None  # default: the task's
+    success_threshold: float = 1.0  # on a dataset: a completion is correct when its total reward >= this
+    seed: int = 0
+
+
+@dataclass
+class TaskResult:
+    name: str
+    problems: int
+    metrics: dict[str, float]  # e.g. accuracy, accuracy_low, accuracy_high, pass@1, ...
+    greedy: list[dict[str, Any]] = field(default_factory=list)  # per problem: prompt, completion, correct, ...
+
+
+def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
+                   dtype: str = "float32") -> tuple[str, list[TaskResult]]:
+    """Evaluate ``model`` (default: the first task's built-in model) on every task of ``spec``; returns
+    the model's name and one result per task. Every task and dataset is loaded and checked before
+    the model is."""
+    if spec.samples < 1:
+        raise ConfigError(f"samples: got {spec.samples}; use 1 (greedy only) or more")
+    targets = [(name, config, load_workload(config)) for name, config in _targets(model, spec, device, dtype)]
+    model_name = model or next((work.default_model for _, _, work in targets if work.default_model), None)
+    if model_name is None:
+        raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
+    policy, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype, device=device)
+    policy.eval()
+    eos_ids = eos_token_ids(policy, tokenizer)
+    return model_name, [_evaluate_task(name, config, work, policy, tokenizer, eos_ids, spec)
+                        for name, config, work in targets]
+
+
+def _targets(model: str | None, spec: EvalSpec, device: str, dtype: str) -> list[tuple[str, Config]]:
+    """(name, Config) per task of ``spec``, then the dataset's: the training config's data checks apply."""
+    def config(data: DataConfig) -> Config:
+        return Config(algorithm="grpo", model=ModelConfig(model=model, device=device, dtype=dtype), data=data,
+                      rollout=RolloutConfig(max_new_tokens=spec.max_new_tokens, temperature=spec.temperature,
+                                            top_p=spec.top_p))
+
+    targets = [(task, config(DataConfig(task=task, eval_size=spec.eval_size))) for task in spec.tasks]
+    if spec.dataset is not None:  # every row is a problem: the dataset is its own held-out set
+        targets.append((spec.dataset, config(DataConfig(
+            dataset=spec.dataset, eval_dataset=spec.dataset, reward=tuple(spec.reward),
+            reward_weights=tuple(spec.reward_weights), eval_size=spec.eval_size))))
+    if not targets:
+        raise ConfigError("eval: name a --task or a --dataset (with --reward) to evaluate on")
+    return targets
+
+
+def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, tokenizer: Any, eos_ids: list[int],
+                   spec: EvalSpec) -> TaskResult:
+    """Greedy completions of every held-out problem, then (``spec.samples`` > 1) K samples each."""
+    rows = work.test_rows
+    if not rows:
+        raise ConfigError(f"eval: {name} has no problems to evaluate on")
+    extract = work.final_answer or extract_answer
+
+    def outcomes(texts: list[str], g: int) -> tuple[list[bool], list[float]]:
+        scores, correct = score_texts(work, config.data, rows, texts, g)
+        total = scores.total.tolist()
+        verdicts = correct.tolist() if correct is not None else [t >= spec.success_threshold for t in total]
+        return verdicts, total
+
+    torch.manual_seed(spec.seed)
+    generator = make_generator("hf", policy, tokenizer,
+                               SamplingParams(work.max_new_tokens, spec.temperature, spec.top_p, 0), eos_ids)
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}") for i, row in enumerate(rows, 1)]
+    say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
+    k, per_sample, answers = spec.samples, None, None
+    with torch.no_grad():
+        greedy_texts, lengths = generate_texts(generator, tokenizer, prompt_ids, greedy=True)
+        if k > 1:
+            texts, _ = generate_texts(generator, tokenizer, prompt_ids, k)
+    correct, rewards = outcomes(greedy_texts, 1)
+    if k > 1:
+        flat, _ = outcomes(texts, k)
+        per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
+        answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
+    greedy = [{"task": name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
+               "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
+              for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
+    return TaskResult(name, len(rows), summarise(correct, rewards, lengths, per_sample, answers), greedy)
+
+
+def format_results(model: str, results: Sequence[TaskResult], spec: EvalSpec) -> str:
+    """One block per task: greedy accuracy, reward, length; pass@1, pass@K, maj@K with K samples."""
+    lines = []
+    for result in results:
+        m = result.metrics
+        lines.append(f"{model} on {result.name} ({result.problems} problems)")
+        lines.append(f"  greedy accuracy {m['accuracy']:.3f}  95% CI [{m['accuracy_low']:.3f}, "
+                     f"{m['accuracy_high']:.3f}]   reward {m['reward']:.3f}   length {m['completion_length']:.1f}")
+        if spec.samples > 1:
+            k = spec.samples
+            parts = [f"{name} {m[name]:.3f} [{m[name + '_low']:.3f}, {m[name + '_high']:.3f}]"
+                     for name in ("pass@1", f"pass@{k}", f"maj@{k}") if name in m]
+            lines.append(f"  {k} samples at temperature {spec.temperature:g}: " + "   ".join(parts))
+    return "\n".join(lines)
+
+
+def write_results(path: str | Path, model: str, results: Sequence[TaskResult], spec: EvalSpec) -> None:
+    """The results as JSON: the model, the settings, and each task's metrics."""
+    payload = {"model": model, "settings": {k: v for k, v in vars(spec).items()},
+               "tasks": {r.name: {"problems": r.problems, **r.metrics} for r in results}}
+    Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+
+
+def write_completions(path: str | Path, results: Sequence[TaskResult]) -> None:
+    """Every problem's greedy completion as JSONL: task, prompt, reference answer, completion, the
+    final answer parsed from it, correct, reward, length: what the model does, before and after."""
+    with open(path, "w", encoding="utf-8") as out:
+        for result in results:
+            for record in result.greedy:
+                out.write(json.dumps(record, default=str) + "\n")

@@ -1,0 +1,327 @@
+"""The online RL loop: every online preset runs through ``train_step``.
+
+One step, top to bottom:
+
+1. sample ``B`` prompts (SRPO's history resampling leaves solved prompts out);
+   with ``W`` processes each takes its ``B / W`` of them;
+2. generate ``G`` completions per prompt and score them with the reward functions;
+3. shape the rewards: the preset's binary reward (DAPO's +-1) and overlong penalty;
+4. filter groups: dynamic sampling keeps only groups with reward variance and
+   refills (surplus groups wait for the next step); best-of-N keeps each group's best;
+5. compute the log-probs the preset needs: the sampling policy's (for several
+   updates per rollout, mini-batches, KL in the reward or surplus groups), the
+   reference's (KL), and the value head's (GAE);
+6. advantages (and returns) from the preset's estimator, on the whole step's batch
+   (every process's rows), so batch statistics are the same for any ``W``;
+7. ``num_epochs`` passes over the rollout in ``mini_batches`` optimizer steps;
+   micro-batches accumulate gradients, and the aggregation's normaliser is the
+   optimizer step's (over all processes, whose gradients are summed), so neither
+   the micro-batch size nor the process count changes the update;
+8. log metrics of the whole step (reduced over processes).
+
+The loop never looks at the algorithm's name: the preset's pieces decide.
+Departures from the papers, all documented in docs/decisions.md: PPO's critic is
+a linear value head on the policy's backbone; log-probs are computed at the
+sampling temperature; with one update per rollout the "old" log-probs are the
+detached current ones (ratio exactly 1, no extra forward pass).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+from torch import Tensor
+
+import posttrain.functional as F
+from posttrain.functional._value import explained_variance
+from posttrain.parallel import distributed, fsdp
+from posttrain.training.guards import has_signal, step_has_signal
+from posttrain.models.modeling import collate, forward
+from posttrain.rollout.completions import Completions
+from posttrain.training.groups import Groups, cat_rows
+from posttrain.training.session import OnlineSession
+
+
+# ---------------------------------------------------------------------------------------
+# 1-4: sample, generate, score, shape, filter
+# ---------------------------------------------------------------------------------------
+
+
+def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, float], dict[str, int]]:
+    """Generate and score ``G`` completions for each prompt; shape their rewards.
+    Also returns the generation and scoring times, and the count of failed rewards by function."""
+    alg, g = s.alg, s.config.rollout.group_size
+    rows = [s.train_rows[i] for i in indices]
+    prompt_ids = [s.encoded_prompts[i] for i in indices]
+    t0 = time.perf_counter()
+    completions = s.generator.generate(prompt_ids, num_samples=g)
+    texts = s.decode(completions)
+    t1 = time.perf_counter()
+    scores, correct = s.score_rows(rows, texts, g)
+    s.reward_watch.update(scores.terms, scores.failures)
+    rewards = scores.total
+    if alg.binary_reward is not None:  # DAPO: +1 for a correct answer, -1 otherwise
+        low, high = alg.binary_reward
+        rewards = torch.where(correct, torch.tensor(high), torch.tensor(low))
+    if alg.overlong_buffer_ratio is not None:  # DAPO eq. (13), soft overlong punishment
+        budget = s.max_new_tokens
+        rewards = rewards + F.overlong_penalty(
+            completions.lengths, max_tokens=budget, buffer=max(1, round(alg.overlong_buffer_ratio * budget))
+        )
+    if correct is not None:  # every process records every process's solved prompts: one sampler state
+        solved = [i for i, ok in zip(indices, correct.view(-1, g).all(-1).tolist()) if ok]
+        s.sampler.record_solved(distributed.concat(solved))
+    groups = Groups(
+        list(indices), [p for p in prompt_ids for _ in range(g)], completions, texts,
+        rewards.view(-1, g), scores.terms, correct,
+    )
+    times = {"time/generation": t1 - t0, "time/scoring": time.perf_counter() - t1}
+    failures = {f"reward_failures/{name}": count for name, count in scores.failures.items()}
+    if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
+        groups = groups.select(~scores.failed.view(-1, g).any(-1))
+    return groups, times, failures
+
+
+def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
+    """This process's share of the step's groups, ``B / W`` of them; with dynamic sampling, refill
+    until they carry signal. All processes generate in the same rounds (so they keep drawing the
+    same prompt order) until each holds its share or the rounds run out."""
+    alg, b = s.alg, s.config.rollout.prompts_per_step
+    share = b // distributed.world_size()
+    kept: list[Groups] = [s.surplus] if s.surplus is not None else []
+    have = sum(len(p.indices) for p in kept)
+    times: dict[str, float] = {"time/generation": 0.0, "time/scoring": 0.0}
+    failures: dict[str, float] = {}
+    rounds, generated, zero_variance, fresh = 0, 0, 0, []
+    while rounds < (alg.max_generation_rounds if alg.dynamic_sampling else 1) and distributed.any_true(have < share):
+        groups, round_times, round_failures = rollout(s, distributed.shard(s.sampler.next(b)))
+        for totals, new in ((times, round_times), (failures, round_failures)):
+            for key, value in new.items():
+                totals[key] = totals.get(key, 0.0) + value
+        signal = has_signal(groups.rewards)
+        rounds, generated, zero_variance = rounds + 1, generated + len(signal), zero_variance + int((~signal).sum())
+        fresh.append(groups)
+        if alg.dynamic_sampling:
+            groups = groups.select(signal)
+        if s.needs_rollout_logprobs:  # (an empty selection costs no forward pass)
+            groups.old_logprobs, groups.old_values = s.rollout_logprobs(groups)
+        kept.append(groups)
+        have += len(groups.indices)
+    if not distributed.any_true(have > 0):
+        raise RuntimeError(
+            f"no group left to train on after {rounds} generation round(s) of {b} prompts (dynamic sampling "
+            "keeps only groups with reward variance; reward_errors=skip drops groups with a failed reward); "
+            "raise max_generation_rounds or group_size, start from a policy that is sometimes right, "
+            "or fix the reward function"
+        )
+    # A process whose share came back empty (the others' did not) trains on no rows this step. At most
+    # a step's share of groups waits for the next step (one process keeps fewer than B); more happens
+    # only when this process generated again for another that was still short.
+    batch, surplus = Groups.cat([p for p in kept if p.indices] or kept[-1:]).split(share)
+    s.surplus = None if surplus is None else surplus.split(share)[0]
+    # The step's metrics: counts summed over processes, times the slowest process's, the rollout's
+    # metrics over every process's new groups.
+    total = distributed.reduce_values({"generated": generated, "zero_variance": zero_variance,
+                                       "groups_trained": len(batch.indices),
+                                       "surplus_groups": 0 if s.surplus is None else len(s.surplus.indices)})
+    stats = {
+        **distributed.reduce_values(times, max),
+        **distributed.reduce_values(failures),
+        "generation_rounds": rounds,
+        "zero_variance_groups": total["zero_variance"] / max(total["generated"], 1),
+
+        "groups_trained": total["groups_trained"],
+        "surplus_groups": total["surplus_groups"],
+    }
+    generated_metrics = rollout_metrics(Groups.cat(distributed.concat(fresh)))
+    stats["reward_signal"] = float(distributed.any_true(any(step_has_signal(p.rewards) for p in fresh)))
+    return batch, {**stats, **generated_metrics}
+
+
+def rollout_metrics(groups: Groups) -> dict[str, float]:
+    """Reward, length (overall and by correctness) and truncation of what was generated."""
+    lengths = groups.completions.lengths.float()
+    out = {
+        "reward/mean": groups.rewards.mean().item(),
+        "reward/std": groups.rewards.std().item() if groups.rewards.numel() > 1 else 0.0,
+        "completion_length/mean": lengths.mean().item(),
+        "truncation_rate": groups.completions.truncated.float().mean().item(),
+    }
+    for name, values in groups.terms.items():
+        out[f"reward/{name}"] = values.nanmean().item()
+    if groups.correct is not None:
+        out["accuracy"] = groups.correct.float().mean().item()
+        for label, rows in (("correct", groups.correct), ("incorrect", ~groups.correct)):
+            if rows.any():
+                out[f"completion_length/{label}"] = lengths[rows].mean().item()
+    return out
+
+
+# ---------------------------------------------------------------------------------------
+# 5-7: log-probs, advantages, update
+# ---------------------------------------------------------------------------------------
+
+
+def step_normalizer(mask: Tensor, aggregation: str) -> Tensor:
+    """The optimizer step's denominator: valid tokens (token_mean) or non-empty sequences,
+    summed over processes (each holds its rows of the step; their gradients are summed)."""
+    if aggregation == "token_mean":
+        return distributed.all_sum(mask.sum())
+    return distributed.all_sum((mask.sum(-1) > 0).sum())
+
+
+# Micro-batch losses are partial sums (the normaliser is the optimizer step's), so they add up
+# (over micro-batches and processes) to the step's loss; every other metric is a per-token mean,
+# averaged weighted by tokens.
+ADDITIVE_METRICS = ("loss", "policy_loss", "value_loss")
+
+
+def mini_batch_rows(rows: int, mini_batches: int, seed: int, step: int, epoch: int) -> list[Tensor]:
+    """This process's rows [k] of each mini-batch: a random split of the whole step's rows (every
+    process's, in rank order) drawn from (seed, step, epoch), so every process draws the same split,
+    one process splits the same global batch the same way, and a resumed run repeats it.
+
+    ``mini_batches`` of them, or one per row when the step has fewer rows (a small batch, or dynamic
+    sampling kept few groups): no optimizer step without data. Every process gets the same number of
+    entries (its share of one may be empty), so every process joins every optimizer step.
+    """
+    counts = [int(n) for n in distributed.gather(rows)] if mini_batches > 1 else [rows]
+    start, total = sum(counts[:distributed.rank()]), sum(counts)
+    if min(mini_batches, total) <= 1:
+        return [torch.arange(rows)]
+    generator = torch.Generator().manual_seed(((seed * 1_000_003 + step) * 1_009 + epoch) % 2**63)
+    order = torch.randperm(total, generator=generator)
+    return [mini[(mini >= start) & (mini < start + rows)] - start
+            for mini in order.tensor_split(min(mini_batches, total))]
+
+
+def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor | None,
+           ref: Tensor | None) -> dict[str, float]:
+    """``num_epochs`` x ``mini_batches`` optimizer steps over one batch of groups."""
+    alg, optim = s.alg, s.config.optim
+    mask = groups.completions.mask
+    weighted: dict[str, float] = {}
+    additive: dict[str, float] = {}
+    tokens_seen, steps, skipped, grad_norms = 0.0, 0, 0, []
+    for epoch in range(alg.num_epochs):
+        minis = mini_batch_rows(len(mask), alg.mini_batches, s.config.run.seed, s.step, epoch)
+        for mini in minis:
+            normalizer = step_normalizer(mask[mini], alg.aggregation)
+            micros = [micro for micro in mini.split(optim.micro_batch_size) if len(micro)]
+            with fsdp.full_parameters(s.policy):
+                for i, micro in enumerate(micros):
+                    fsdp.sync_gradients(s.policy, i == len(micros) - 1)  # FSDP reduces at the last backward
+                    metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer)
+                    tokens = float(mask[micro].sum())
+                    tokens_seen += tokens
+                    for key, value in metrics.items():
+                        if key in ADDITIVE_METRICS:
+                            additive[key] = additive.get(key, 0.0) + value
+                        else:
+                            weighted[key] = weighted.get(key, 0.0) + tokens * value
+                if not micros:  # no rows here: under FSDP it still joins the gradient reduction
+                    fsdp.join_backward(s.policy)
+            grad_norms.append(s.optimizer_step())
+            steps += 1
+            skipped += not math.isfinite(grad_norms[-1])
+        for _ in range(alg.mini_batches - len(minis)):
+            # fewer rows than mini-batches: no update without data (AdamW's momentum alone would move
+            # the weights), but the schedule, which counts the preset's updates, moves on
+            s.scheduler.step()
+    weighted, additive = distributed.reduce_values(weighted), distributed.reduce_values(additive)
+    tokens_seen = distributed.reduce_values({"tokens": tokens_seen})["tokens"]
+    out = {key: value / max(tokens_seen, 1.0) for key, value in weighted.items()}
+    out.update({key: value / steps for key, value in additive.items()})
+    out["grad_norm"] = sum(grad_norms) / steps
+    out["skipped_steps"] = skipped
+    return out
+
+
+def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
+                    baseline: Tensor | None) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+    """The preset's advantages (and returns) of this process's rows, computed on the whole step's batch:
+    every process's estimator inputs are gathered, so batch statistics (REINFORCE++'s and GAE's
+    whitening) are the whole batch's, as in one process. Also their mean and std over valid tokens,
+    and the share of valid tokens with a nonzero advantage (0: the step has nothing to learn from)."""
+    inputs = {"rewards": groups.rewards, "mask": groups.completions.mask, "logprobs": groups.old_logprobs,
+              "ref_logprobs": ref, "values": groups.old_values, "baseline": baseline}
+    parts = distributed.gather(inputs)
+    batch = {name: cat_rows([part[name] for part in parts]) for name in inputs}
+    advantages, returns = s.alg.advantages_and_returns(batch.pop("rewards"), **batch)
+    valid = batch["mask"].bool()
+    stats = {"advantage/mean": advantages[valid].mean().item() if valid.any() else 0.0,
+             "advantage/std": advantages[valid].std().item() if valid.sum() > 1 else 0.0,
+             "advantage/nonzero": (advantages[valid] != 0).float().mean().item() if valid.any() else 0.0}
+    if returns is not None and batch["values"] is not None:
+        # of the rollout-time values, over the whole batch (a per-micro-batch figure would depend on
+        # how the rows are split over micro-batches and processes)
+        stats["value/explained_variance"] = explained_variance(batch["values"], returns, valid).item()
+    start = sum(len(part["mask"]) for part in parts[:distributed.rank()])
+    mine = slice(start, start + len(groups.completions.mask))
+    width = groups.completions.mask.shape[1]
+    return advantages[mine, :width], None if returns is None else returns[mine, :width], stats
+
+
+def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages: Tensor,
+                      returns: Tensor | None, ref: Tensor | None, normalizer: Tensor) -> dict[str, float]:
+    """Forward, loss and backward for one micro-batch; returns its metrics."""
+    alg, comp = s.alg, groups.completions
+    batch = collate([groups.prompt_ids[int(r)] for r in rows], comp.completion_ids[rows], comp.mask[rows],
+                    s.pad_id, s.device)
+    out = forward(s.policy, batch, temperature=s.config.rollout.temperature, with_entropy=True,
+                  value_head=s.value_head)
+    t = out.logprobs.shape[1]
+
+    def cut(x: Tensor | None) -> Tensor | None:
+        return None if x is None else x[rows, :t].to(s.device)
+
+    mask = batch.mask
+    old = cut(groups.old_logprobs) if groups.old_logprobs is not None else out.logprobs.detach()
+    ref_mb = cut(ref)
+    loss, metrics = alg.policy_loss(out.logprobs, old, cut(advantages), mask,
+                                    ref_logprobs=ref_mb if alg.kl_placement == "loss" else None,
+                                    normalizer=normalizer, max_tokens=s.max_new_tokens)
+    if s.value_head is not None:
+        value_loss, value_metrics = alg.value_loss(out.values, cut(groups.old_values), cut(returns), mask,
+                                                   normalizer=normalizer)
+        loss = loss + s.config.optim.value_loss_coef * value_loss
+        value_metrics.pop("explained_variance")  # the whole batch's, in step_advantages
+        metrics = {**metrics, **{f"value/{k}": v for k, v in value_metrics.items()}, "value_loss": value_loss}
+    loss.backward()
+    tokens = mask.sum().clamp(min=1)
+    metrics = {**metrics, "loss": loss, "entropy": (out.entropy * mask).sum() / tokens}
+    if ref_mb is not None:  # KL to the reference, k3, whatever the preset puts in its loss
+        metrics["kl"] = (F.kl_estimate(out.logprobs.detach(), ref_mb, "k3") * mask).sum() / tokens
+    return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
+
+
+def train_step(s: OnlineSession) -> dict[str, float]:
+    """One optimizer step (several for PPO's epochs): the whole online algorithm."""
+    alg = s.alg
+    lr = s.scheduler.get_last_lr()[0]  # this step's (the first of PPO's updates); the scheduler then moves on
+    with fsdp.full_parameters(s.policy):  # FSDP: gathered once for generation and every pass before the update
+        groups, metrics = collect_groups(s)
+        t0 = time.perf_counter()
+        if alg.advantage == "best_of_n":  # RAFT: train on the best sample of each group
+            groups = s.best_of_n(groups)
+        if alg.overlong_filter:  # DAPO: truncated completions keep their reward but leave the loss
+            comp = groups.completions
+            groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
+        ref = s.reference_logprobs(groups) if alg.needs_reference else None
+        baseline = s.greedy_rewards(groups.indices) if alg.needs_greedy_baseline else None
+    t1 = time.perf_counter()
+    advantages, returns, stats = step_advantages(s, groups, ref, baseline)
+    metrics.update(stats)
+    # Nothing to learn: no reward variance, or none left in what the step trains on (best-of-N's
+    # selection, dropped groups). Counted before the update, which would only move the KL term.
+    signal = bool(metrics.pop("reward_signal")) and stats["advantage/nonzero"] > 0
+    metrics["no_signal_steps"] = s.signal_watch.update(signal, metrics.get("accuracy"))
+    metrics.update(update(s, groups, advantages, returns, ref))
+    t2 = time.perf_counter()  # training = the reference/greedy passes + the update (forward, backward, steps)
+    metrics.update(distributed.reduce_values({"time/training": t2 - t0, "time/update": t2 - t1}, max))
+    metrics["lr"] = lr
+    s.maybe_refresh_reference()
+    s.last_groups = groups
+    return metrics

@@ -1,0 +1,205 @@
+"""The run around the loop: run directory, evaluation, logging, checkpoints, progress.
+
+A run directory holds ``config.yaml`` (the resolved config), ``metrics.jsonl``,
+``samples.jsonl``, ``tensorboard/`` (and the local stores of the other
+``report_to`` trackers), ``checkpoints/step_N/``, ``final_model/`` and
+``curves.png``. ``--resume RUN_DIR`` restores the latest complete checkpoint
+(weights, optimizer, scheduler, RNG, data order, dynamic-sampling surplus) so
+the resumed run logs the same metrics as an uninterrupted one.
+
+With several processes (``posttrain.parallel.distributed``) every process runs this loop;
+only rank 0 writes the run directory and evaluates, the others wait for it and
+log nothing. A checkpoint holds the model once, every process's surplus groups
+and rank 0's random generators, so a run resumes with any process count (the
+other processes' generators are re-seeded from the seed, the step and their rank).
+"""
+
+from __future__ import annotations
+
+import sys
+import time
+from functools import partial
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from posttrain.parallel import distributed, fsdp, offload
+from posttrain.parallel.distributed import say as _say
+from posttrain.training.checkpoint import (
+    CheckpointError, checkpoint_step, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint,
+    save_final_model,
+)
+from posttrain.config import Config, save_yaml
+from posttrain.tracking.metrics import MetricsLogger, NullLogger
+from posttrain.models.lora import merged_for_saving
+from posttrain.tracking.plots import plot_run
+
+
+def open_run_dir(config: Config) -> Path:
+    """The resumed run's directory (its config.yaml rewritten once the resume is known to work), or a
+    new one. Paths in the saved config are absolute, so the run resumes from any directory."""
+    if config.run.resume:
+        run_dir = Path(config.run.resume)
+        check_resumable(run_dir, config.run.max_steps)
+        save_yaml(config.with_absolute_paths(), run_dir / "config.yaml")
+        return run_dir
+    return new_run_dir(config)
+
+
+def check_resumable(run_dir: Path, max_steps: int) -> None:
+    """Raise CheckpointError unless ``run_dir`` has a complete checkpoint before ``max_steps``."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
+    step = checkpoint_step(path)
+    if step >= max_steps:
+        raise CheckpointError(f"max_steps: the run in {run_dir} is at step {step} already, with max_steps "
+                              f"{max_steps} there is nothing to train; resume with --max-steps {step + 1} or more")
+
+
+def new_run_dir(config: Config) -> Path:
+    if config.run.output:
+        path = Path(config.run.output)
+        if (path / "metrics.jsonl").exists():
+            raise FileExistsError(f"output: {path} already holds a run; use --resume {path} or a new --output")
+    else:
+        path = Path("runs") / f"{config.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+    path.mkdir(parents=True, exist_ok=True)
+    save_yaml(config.with_absolute_paths(), path / "config.yaml")
+    return path
+
+
+def checkpoint_modules(session: Any) -> dict[str, torch.nn.Module]:
+    """The modules besides the policy that a checkpoint must hold for an exact resume."""
+    modules = {}
+    if getattr(session, "value_head", None) is not None:
+        modules["value_head"] = session.value_head
+    if getattr(session, "ref", None) is not None and session.config.optim.ref_refresh_every:
+        modules["reference"] = session.ref
+    return modules
+
+
+def save(session: Any, run_dir: Path) -> Path:
+    """Rank 0 writes the checkpoint; every process calls this (it gathers their surplus groups)."""
+    extra_state = session.extra_state()
+    sharded = fsdp.is_sharded(session.policy)  # FSDP: every process gathers the full tensors for rank 0
+    modules = checkpoint_modules(session)
+    with offload.resident(modules.get("reference")):  # an offloaded reference: its weights, for the file
+        return distributed.on_main(
+            save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
+            optimizer=session.optimizer, scheduler=session.scheduler,
+            trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state()},
+            extra_modules=modules, extra_state=extra_state,
+            model_state=fsdp.full_state_dict(session.policy) if sharded else None,
+            optimizer_state=fsdp.full_optimizer_state(session.optimizer) if sharded else None,
+        )
+
+
+def evaluate_on_main(evaluate, session: Any, limit: int | None = None) -> dict[str, float]:
+    """Rank 0 evaluates (under FSDP with the full parameters, gathered by every process) the first
+    ``limit`` held-out prompts (None: all); every process gets its metrics."""
+    with fsdp.full_parameters(session.policy):
+        return distributed.on_main(evaluate, session, limit)
+
+
+def restore(session: Any, run_dir: Path) -> int:
+    """Load the latest complete checkpoint of ``run_dir`` into the session; return its step."""
+    path = latest_checkpoint(run_dir)
+    if path is None:
+        raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
+    modules = checkpoint_modules(session)
+    with offload.resident(modules.get("reference"), write=True):  # an offloaded reference keeps what is loaded
+        state = load_checkpoint(path, model=session.policy, optimizer=session.optimizer, scheduler=session.scheduler,
+                                extra_modules=modules, expected_fingerprint=session.fingerprint)
+    session.step = state["step"]
+    session.load_trainer_state(state, load_extra_state(path))
+    if not distributed.is_main():  # the checkpoint holds rank 0's generators: the others start new streams
+        distributed.seed(session.config.run.seed + 1_000_003 * session.step)
+    return session.step
+
+
+def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str, Any]:
+    """Drive ``train_step`` to ``max_steps`` with evaluation, logging and checkpoints."""
+    run = config.run
+    run_dir = distributed.on_main(open_run_dir, config)
+    start = restore(session, run_dir) if run.resume else 0
+    logger = NullLogger()
+    if distributed.is_main():
+        logger = MetricsLogger.open(run_dir, report_to=run.report_to, project=run.project,
+                                    config=config.to_flat(), resume_step=start if run.resume else None)
+    evaluate = partial(evaluate_on_main, evaluate)
+    first = {}
+    if not run.resume:
+        first = evaluate(session)
+        logger.log(0, first)
+        _say(f"before training: {_summary(first)}")
+    last_eval: dict[str, float] = {}
+    evaluated_at, saved_at = (None if run.resume else 0), start
+    progress = _progress(run, start)
+    started = time.perf_counter()
+    with logger:
+        while session.step < run.max_steps:
+            if run.max_minutes and distributed.any_true(time.perf_counter() - started > 60 * run.max_minutes):
+                _say(f"stopping at step {session.step}: max_minutes={run.max_minutes} reached")
+                break
+            t0 = time.perf_counter()
+            metrics = train_step(session)
+            session.step += 1
+            step = session.step
+            metrics["time/step"] = time.perf_counter() - t0
+            if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
+                subset = config.data.eval_subset or None if step < run.max_steps else None  # the last: all prompts
+                last_eval, evaluated_at = evaluate(session, limit=subset), (step if subset is None else None)
+                metrics.update(last_eval)
+            logger.log(step, metrics)
+            if run.log_samples_every and step % run.log_samples_every == 0:
+                logger.log_samples(step, session.sample_rows())
+            if (run.save_every and step % run.save_every == 0) or step == run.max_steps:
+                save(session, run_dir)
+                saved_at = step
+            progress.update(1)
+            progress.set_postfix(_postfix(metrics), refresh=False)
+        progress.close()
+        if evaluated_at != session.step:  # stopped by max_minutes (its last evaluation, if any, scored the
+            # subset): the run's result is every held-out prompt, logged like any other
+            last_eval = evaluate(session)
+            if last_eval:
+                logger.log(session.step, last_eval)
+        if saved_at != session.step:  # ... and it can be resumed from where it stopped
+            save(session, run_dir)
+    state = fsdp.full_state_dict(session.policy) if fsdp.is_sharded(session.policy) else None
+    final_dir = distributed.on_main(lambda: save_final_model(run_dir, merged_for_saving(session.policy),
+                                                             session.tokenizer, state))
+    plot = distributed.on_main(plot_run, run_dir)
+    _say(f"after {session.step} steps: {_summary(last_eval)}")
+    _say(f"run directory: {run_dir}  (model: {final_dir.name}/, curves: {plot.name})")
+    return {"run_dir": run_dir, "before": first, "after": last_eval}
+
+
+def _progress(run: Any, start: int):
+    from tqdm.auto import tqdm
+
+    return tqdm(total=run.max_steps, initial=start, desc="train", unit="step",
+                disable=not run.progress or not distributed.is_main(), dynamic_ncols=True, file=sys.stderr)
+
+
+def _postfix(metrics: dict[str, float]) -> dict[str, str]:
+    keys = {"reward/mean": "reward", "accuracy": "acc", "eval/accuracy": "eval_acc", "loss": "loss"}
+    return {short: f"{metrics[k]:.3f}" for k, short in keys.items() if k in metrics}
+
+
+def _summary(metrics: dict[str, float]) -> str:
+    """``accuracy 0.510 (95% CI 0.412-0.607), completion_length 37.000, ...``: a metric's interval
+    (``NAME_low``/``NAME_high``) next to it."""
+    if not metrics:
+        return "(no held-out set)"
+    parts = []
+    for key, value in sorted(metrics.items()):
+        if key.endswith(("_low", "_high")):
+            continue
+        text = f"{key.removeprefix('eval/')} {value:.3f}"
+        if f"{key}_low" in metrics and f"{key}_high" in metrics:
+            text += f" (95% CI {metrics[key + '_low']:.3f}-{metrics[key + '_high']:.3f})"
+        parts.append(text)
+    return ", ".join(parts)

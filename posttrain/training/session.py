@@ -1,0 +1,394 @@
+"""Everything one online run holds, and the small operations the loop asks of it.
+
+``OnlineSession.create(config)`` validates the whole config first (before any
+model is loaded), then loads the task or dataset, the reward functions, the
+policy, and only the extra pieces the preset needs: a frozen reference model
+when it uses a KL term, a value head for GAE. The loop itself is in
+``posttrain/training/online.py``. Under ``torchrun`` every process builds the same
+session and joins the process group (``posttrain.parallel.distributed``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+
+import posttrain.functional as F
+from posttrain.parallel import distributed, fsdp, offload
+from posttrain.algorithms.presets import OnlineAlgorithm
+from posttrain.config import Config, ConfigError, DataConfig, absolute_path
+from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
+from posttrain.tracking.stats import wilson_interval
+from posttrain.data.prompts import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
+from posttrain.training.groups import Groups
+from posttrain.training.optim import apply_gradients, build_optimizer
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.modeling import ValueHead, batched_logprobs, checkpoint_layers
+from posttrain.models.lora import apply_lora, reference_model
+from posttrain.rollout.completions import Completions, SamplingParams
+from posttrain.rollout.generators import generate_texts, make_generator
+from posttrain.data.scoring import RewardPolicy, Scores, score
+
+
+@dataclass
+class Workload:
+    """What to train on: prompts, reward functions and (for built-in tasks) a correctness check."""
+
+    train_rows: list[dict[str, Any]]
+    test_rows: list[dict[str, Any]]
+    reward_fns: list[Callable]
+    reward_weights: list[float]
+    correct: Callable | None  # (prompts, completions, **columns) -> list[bool]
+    max_new_tokens: int
+    default_model: str | None
+    final_answer: Callable[[str], str | None] | None = None  # the task's answer parser (posttrain eval's maj@K)
+
+
+def load_workload(config: Config) -> Workload:
+    """The task or dataset named by the config, with its reward functions; checks the rows."""
+    from posttrain.data.rewards import load_reward_function
+    from posttrain.data.tasks import get_task
+
+    data = config.data
+    if data.dataset is not None:
+        train_rows = read_rows(data.dataset)
+        check_prompt_rows(train_rows, data.dataset)
+        test_rows = read_rows(data.eval_dataset) if data.eval_dataset else []
+        if test_rows:
+            check_prompt_rows(test_rows, data.eval_dataset)
+        if not data.reward:
+            raise ConfigError("reward: a --dataset needs at least one --reward FILE.py:FUNCTION")
+        task = None
+    else:
+        task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
+        train_rows, test_rows = list(task.train), list(task.test)
+    if data.reward:
+        fns = [load_reward_function(spec) for spec in data.reward]
+        weights = list(data.reward_weights) or [1.0] * len(fns)
+    else:
+        fns, weights = list(task.reward_funcs), list(task.reward_weights)
+    budget = config.rollout.max_new_tokens or (task.max_new_tokens if task else None)
+    if budget is None:
+        raise ConfigError("max_new_tokens: set the completion token budget for a --dataset run")
+    return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
+                    task.correct if task else None, budget, task.default_model if task else None,
+                    task.final_answer if task else None)
+
+
+def eval_label(task: str) -> str:
+    """The metric name of an ``eval_tasks`` entry: a built-in task's name, or a reasoning-gym spec's
+    families joined by ``+`` (``reasoning-gym:gsm_symbolic`` -> ``gsm_symbolic``)."""
+    from posttrain.data.tasks.task import REASONING_GYM_PREFIX
+
+    if not task.startswith(REASONING_GYM_PREFIX):
+        return task
+    from posttrain.data.tasks.reasoning_gym import parse_spec
+
+    return "+".join(c.family for c in parse_spec(task))
+
+
+def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Workload]:
+    """The ``eval_tasks`` by label: each task's held-out rows (up to ``eval_size``), rewards and check,
+    generated with the run's token budget."""
+    from posttrain.data.tasks import get_task
+
+    data = config.data
+    workloads: dict[str, Workload] = {}
+    for spec in data.eval_tasks:
+        label = eval_label(spec)
+        if label in workloads:
+            raise ConfigError(f"eval_tasks: two entries are both labelled {label!r}; give each task once")
+        try:
+            task = get_task(spec)
+        except ConfigError:
+            raise
+        except ValueError as error:  # an unknown built-in task
+            raise ConfigError(f"eval_tasks: {error}") from None
+        if not task.test:
+            raise ConfigError(f"eval_tasks: {spec!r} has no held-out problems")
+        workloads[label] = Workload([], list(task.test)[: data.eval_size], list(task.reward_funcs),
+                                    list(task.reward_weights), task.correct, max_new_tokens, task.default_model,
+                                    task.final_answer)
+    return workloads
+
+
+def score_texts(work: Workload, data: DataConfig, rows: list[dict], texts: list[str],
+                g: int) -> tuple[Scores, Tensor | None]:
+    """The workload's rewards of ``len(rows) * g`` completion texts (row i's at i*g .. i*g + g - 1), and
+    the task's verdicts ([N] bool; None when the workload has no correctness check)."""
+    prompts = [row["prompt"] for row in rows for _ in range(g)]
+    completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
+    columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    scores = score(work.reward_fns, work.reward_weights, prompts, completions, columns,
+                   RewardPolicy(data.reward_timeout, data.reward_errors))
+    correct = None
+    if work.correct is not None:
+        correct = torch.tensor(work.correct(prompts=prompts, completions=completions, **columns), dtype=torch.bool)
+    return scores, correct
+
+
+def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
+    """Reject impossible combinations before any model is loaded; say what to change."""
+    r = config.rollout
+    if alg.is_group_estimator and r.group_size < 2:
+        raise ConfigError(f"group_size: {alg.name}'s {alg.advantage!r} advantages compare samples of a group; "
+                          f"use group_size >= 2 (got {r.group_size})")
+    for flag, needed in (("binary_reward", alg.binary_reward is not None), ("history_resampling", alg.history_resampling)):
+        if needed and work.correct is None:
+            raise ConfigError(f"{flag}: needs a task that checks answers (a built-in --task); "
+                              f"set {flag} off to train on your reward functions' values")
+    if r.prompts_per_step > len(work.train_rows):
+        raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
+    if r.backend == "vllm":
+        from posttrain.rollout.vllm import check_vllm_available
+
+        try:
+            check_vllm_available()
+        except RuntimeError as error:
+            raise ConfigError(f"backend: {error}") from None
+    world = distributed.world_size()
+    if r.prompts_per_step % world:
+        raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
+                          f"processes (each samples prompts_per_step / {world} prompts and all their completions); "
+                          f"use a multiple of {world}")
+
+
+@dataclass
+class OnlineSession:
+    config: Config
+    alg: OnlineAlgorithm
+    work: Workload
+    policy: Any
+    tokenizer: Any
+    ref: Any | None
+    value_head: ValueHead | None
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    generator: Any
+    encoded_prompts: list[Tensor]
+    sampler: PromptSampler
+    eos_ids: list[int]
+    step: int = 0
+    surplus: Any = None  # dynamic sampling's groups with signal waiting for the next step
+    last_groups: Any = None
+    bad_steps: int = 0
+    greedy_decodes: int = 0  # prompts decoded greedily for ReMax's baseline (a test counts them)
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
+    # the guards against runs that learn nothing (posttrain.training.guards)
+    signal_watch: SignalWatch = field(init=False)
+    reward_watch: RewardWatch = field(init=False)
+    update_check: UpdateCheck = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.signal_watch = SignalWatch(self.config.rollout.max_no_signal_steps)
+        self.reward_watch = RewardWatch()
+        self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
+
+    # -- construction ---------------------------------------------------------------------
+
+    @classmethod
+    def create(cls, config: Config) -> "OnlineSession":
+        alg = config.preset()
+        if not isinstance(alg, OnlineAlgorithm):
+            raise ConfigError(f"algorithm: {alg.name} is an offline preference preset; the online trainer "
+                              "runs online presets (posttrain train routes it to the preference trainer)")
+        work = load_workload(config)
+        validate(config, alg, work)
+        eval_workloads = load_eval_workloads(config, work.max_new_tokens)  # their errors before the model loads
+        fsdp.check(config)
+        offload.check(config.model.offload_reference, alg.needs_reference, alg.name)
+        distributed.init(config.model.device)
+        distributed.seed(config.run.seed)
+        model_name = config.model.model or work.default_model
+        if model_name is None:
+            raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
+        if config.model.lora_r and config.optim.ref_refresh_every:
+            raise ConfigError("ref_refresh_every: with LoRA the reference is the policy with its adapters off "
+                              "and cannot be refreshed; set ref_refresh_every 0, or lora_r 0 to train all weights")
+        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device,
+                                                 mixed_precision=config.model.mixed_precision)
+        if config.model.lora_r:
+            policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
+        policy.train()
+        ref = reference_model(policy, config.model.offload_reference) if alg.needs_reference else None
+        if config.model.gradient_checkpointing:  # after the copy: the reference never runs with gradient
+            checkpoint_layers(policy)
+        value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
+        if fsdp.requested(config):
+            policy = fsdp.shard(policy)  # after the reference copy, before the optimizer sees the parameters
+        trainable = [p for p in policy.parameters() if p.requires_grad]
+        params = trainable + (list(value_head.parameters()) if value_head else [])
+        optimizer_steps = config.run.max_steps * alg.num_epochs * alg.mini_batches
+        optimizer, scheduler = build_optimizer(params, config.optim, optimizer_steps)
+        distributed.broadcast_parameters(params)  # e.g. LoRA's random init: every process starts from rank 0's
+        eos_ids = eos_token_ids(policy, tokenizer)
+        r = config.rollout
+        params_ = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
+        return cls(
+            config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler,
+            make_generator(r.backend, policy, tokenizer, params_, eos_ids, model_path=policy.config.name_or_path,
+                           seed=config.run.seed + distributed.rank()),
+            [encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}")
+             for number, row in enumerate(work.train_rows, start=1)],
+            PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
+            eos_ids,
+            fingerprint={"model": absolute_path(model_name), "algorithm": alg.name,
+                         "parameters": sum(p.numel() for p in policy.parameters())},
+            eval_workloads=eval_workloads,
+        )
+
+    # -- what the loop asks ------------------------------------------------------------------
+
+    @property
+    def device(self) -> torch.device:
+        return self.policy.device
+
+    @property
+    def pad_id(self) -> int:
+        return self.tokenizer.pad_token_id
+
+    @property
+    def max_new_tokens(self) -> int:
+        return self.work.max_new_tokens
+
+    @property
+    def train_rows(self) -> list[dict[str, Any]]:
+        return self.work.train_rows
+
+    @property
+    def needs_rollout_logprobs(self) -> bool:
+        """Whether log-probs (and values) of the sampling policy must be recorded at rollout time:
+        several updates or mini-batches per rollout (the policy moves before the last one),
+        KL in the reward (it needs the sampling policy's log-probs), PPO's values, or
+        dynamic sampling's surplus groups (trained one step later)."""
+        a = self.alg
+        kl_in_reward = a.needs_reference and a.kl_placement != "loss"
+        return a.needs_old_logprobs or kl_in_reward or a.needs_value_model
+
+    def decode(self, completions: Completions) -> list[str]:
+        return self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+
+    def score_rows(self, rows: list[dict], texts: list[str], g: int) -> tuple[Scores, Tensor | None]:
+        """Score ``len(rows) * g`` completions (row i's samples at i*g .. i*g + g - 1)."""
+        return score_texts(self.work, self.config.data, rows, texts, g)
+
+    def rollout_logprobs(self, groups) -> tuple[Tensor, Tensor | None]:
+        comp = groups.completions
+        return batched_logprobs(self.policy, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=self.pad_id,
+                                micro_batch_size=self.config.optim.micro_batch_size,
+                                temperature=self.config.rollout.temperature, value_head=self.value_head)
+
+    def reference_logprobs(self, groups) -> Tensor:
+        comp = groups.completions
+        with offload.resident(self.ref):
+            logprobs, _ = batched_logprobs(self.ref, groups.prompt_ids, comp.completion_ids, comp.mask,
+                                           pad_id=self.pad_id, micro_batch_size=self.config.optim.micro_batch_size,
+                                           temperature=self.config.rollout.temperature)
+        return logprobs
+
+    def greedy_rewards(self, indices: list[int]) -> Tensor:
+        """ReMax's baseline: the raw reward of one greedy decode per prompt, [B]."""
+        if not indices:  # this process holds no group this step (reward_errors=skip dropped them)
+            return torch.zeros(0)
+        completions = self.generator.generate([self.encoded_prompts[i] for i in indices], num_samples=1, greedy=True)
+        self.greedy_decodes += len(indices)
+        scores, _ = self.score_rows([self.train_rows[i] for i in indices], self.decode(completions), 1)
+        return scores.total
+
+    def best_of_n(self, groups):
+        """RAFT: each group's highest-reward sample (ties: the first); groups below min_reward, and (skip_ties)
+        groups whose samples all tie, dropped."""
+        index, keep = F.best_of_n(groups.rewards, min_reward=self.alg.min_reward, skip_ties=self.alg.skip_ties)
+        return groups.pick(index).select(keep)
+
+    def optimizer_step(self) -> float:
+        """Clip and apply the accumulated gradient; a non-finite one is dropped, not applied."""
+        before, lr = self.update_check.before_step(), self.scheduler.get_last_lr()[0]
+        grad_norm, self.bad_steps = apply_gradients(self.optimizer, self.scheduler, self.config.optim, self.bad_steps)
+        self.update_check.after_step(before, grad_norm, lr)
+        return grad_norm
+
+    # -- checkpoint state --------------------------------------------------------------------
+
+    def trainer_state(self) -> dict[str, Any]:
+        """JSON-able state for an exact resume (weights and optimizer are saved separately)."""
+        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps,
+                "no_signal_steps": self.signal_watch.streak}
+
+    def extra_state(self) -> dict[str, Any]:
+        """Tensor state: dynamic sampling's surplus groups of every process, which train at the next step
+        (every process must call it)."""
+        parts = [groups for groups in distributed.gather(self.surplus) if groups is not None]
+        return {"surplus": dataclasses.asdict(Groups.cat(parts)) if parts else None}
+
+    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.bad_steps = state["bad_steps"]
+        self.signal_watch.streak = state.get("no_signal_steps", 0)  # absent from checkpoints before the guard
+        surplus = extra.get("surplus")  # every process's: each takes its share, whatever the process count
+        self.surplus = None if surplus is None else Groups(**{
+            **surplus, "completions": Completions(**surplus["completions"])}).shard()
+
+    def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
+        """The last step's first completions with their rewards, for samples.jsonl."""
+        g = self.last_groups
+        if g is None:
+            return []
+        rows = []
+        for i in range(min(limit, len(g.texts))):
+            group = i // g.group_size
+            row = {"prompt": self.train_rows[g.indices[group]]["prompt"], "completion": g.texts[i],
+                   "reward": float(g.rewards.view(-1)[i]), "length": int(g.completions.lengths[i])}
+            row.update({f"reward/{k}": float(v[i]) for k, v in g.terms.items()})
+            if g.correct is not None:
+                row["correct"] = bool(g.correct[i])
+            rows.append(row)
+        return rows
+
+    def maybe_refresh_reference(self) -> None:
+        every = self.config.optim.ref_refresh_every
+        if self.ref is not None and every and (self.step + 1) % every == 0:
+            state = fsdp.full_state_dict(self.policy)
+            with offload.resident(self.ref, write=True):
+                self.ref.load_state_dict(state)
+
+
+def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
+    """EOS ids from the generation config (chat models end turns with their own token) and tokenizer."""
+    ids = model.generation_config.eos_token_id if model.generation_config is not None else None
+    ids = [ids] if isinstance(ids, int) else list(ids or [])
+    if tokenizer.eos_token_id is not None and tokenizer.eos_token_id not in ids:
+        ids.append(tokenizer.eos_token_id)
+    if not ids:
+        raise ConfigError("model: the tokenizer defines no EOS token, so completions could never end")
+    return ids
+
+
+@torch.no_grad()
+def evaluate(s: OnlineSession, limit: int | None = None) -> dict[str, float]:
+    """Greedy decodes of the first ``limit`` held-out prompts (None: all): accuracy (when the task
+    checks answers) with its 95% interval, reward, length; the same for the first ``limit`` of each
+    ``eval_tasks`` entry, under ``eval/LABEL/``."""
+    out = _evaluate_workload(s, s.work, limit, "eval/")
+    for label, work in s.eval_workloads.items():  # eval_tasks: other tasks' held-out problems, same policy
+        out.update(_evaluate_workload(s, work, limit, f"eval/{label}/"))
+    return out
+
+
+def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, prefix: str) -> dict[str, float]:
+    rows = work.test_rows[:limit]
+    if not rows:
+        return {}
+    texts, lengths = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
+                                    greedy=True)
+    scores, correct = score_texts(work, s.config.data, rows, texts, 1)
+    out = {f"{prefix}reward": scores.total.mean().item(), f"{prefix}completion_length": sum(lengths) / len(lengths)}
+    if correct is not None:
+        out[f"{prefix}accuracy"] = correct.float().mean().item()
+        out[f"{prefix}accuracy_low"], out[f"{prefix}accuracy_high"] = wilson_interval(int(correct.sum()), len(correct))
+    return out
