@@ -1,7 +1,26 @@
-"""posttrain: post-training language models with reinforcement learning and preference optimization."""
+"""posttrain: post-training language models with reinforcement learning and preference optimization.
+
+From Python: ``posttrain.train(...)`` runs a training (:mod:`posttrain.training.api`); ``posttrain.algorithm``
+returns a preset; the ``register_*`` functions add presets and the pieces they name
+(:mod:`posttrain.algorithms.registry`); ``posttrain.functional`` holds the math as pure functions.
+"""
 
 __version__ = "0.1.0"
 
-from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm, algorithm  # noqa: E402
+from posttrain.algorithms.presets import (  # noqa: E402
+    ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm, algorithm, register_algorithm,
+)
+from posttrain.algorithms.registry import (  # noqa: E402
+    register_advantage, register_policy_loss, register_preference_loss,
+)
 
-__all__ = ["ALGORITHMS", "OnlineAlgorithm", "PreferenceAlgorithm", "algorithm", "__version__"]
+__all__ = ["ALGORITHMS", "OnlineAlgorithm", "PreferenceAlgorithm", "algorithm", "register_advantage",
+           "register_algorithm", "register_policy_loss", "register_preference_loss", "train", "__version__"]
+
+
+def __getattr__(name: str):
+    if name == "train":  # on first use: it imports the trainers (transformers), which `import posttrain` need not
+        from posttrain.training.api import train
+
+        return train
+    raise AttributeError(f"module 'posttrain' has no attribute {name!r}")

@@ -17,6 +17,9 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import hashlib
+import importlib.util
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field, fields
 from pathlib import Path
@@ -260,6 +263,10 @@ class RunConfig:
         "is set.", ("tensorboard",),
     )
     project: str = _help("Tracker project (W&B, trackio) and MLflow experiment name.", "posttrain")
+    plugin: tuple[str, ...] = _help(
+        "Python file(s) imported before anything else (repeatable): where a run's own presets, advantage "
+        "estimators and losses are registered (posttrain.register_algorithm, register_advantage, ...).", (),
+    )
     progress: bool = _help("Show a progress bar.", True)
 
     def __post_init__(self) -> None:
@@ -268,6 +275,8 @@ class RunConfig:
         for name in ("eval_every", "save_every", "log_samples_every"):
             _require(getattr(self, name) >= 0, name, f"got {getattr(self, name)}; use 0 (off) or more")
         _check_report_to(self.report_to)
+        for path in self.plugin:
+            _require(path.endswith(".py") and Path(path).is_file(), "plugin", f"{path!r} is not a Python file")
         if self.resume is not None:
             _require(Path(self.resume).is_dir(), "resume", f"run directory {self.resume!r} does not exist")
 
@@ -323,7 +332,8 @@ class Config:
                 self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
                 reward=tuple(_absolute_reward(spec) for spec in self.data.reward)),
             run=dataclasses.replace(self.run, output=absolute_path(self.run.output),
-                                    resume=absolute_path(self.run.resume)),
+                                    resume=absolute_path(self.run.resume),
+                                    plugin=tuple(absolute_path(path) for path in self.run.plugin)),
         )
 
     def to_flat(self) -> dict[str, Any]:
@@ -341,6 +351,8 @@ class Config:
         from posttrain.algorithms.presets import algorithm, setting_names
 
         flat = dict(flat)
+        plugins = flat.get("plugin") or ()
+        import_plugins([plugins] if isinstance(plugins, str) else plugins)  # before the names they register are looked up
         name = flat.pop("algorithm", "grpo")
         preset_fields = set(setting_names(algorithm(name)))  # raises on an unknown name
         sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
@@ -422,6 +434,25 @@ def unknown_field_hint(key: str, valid: Sequence[str]) -> str:
         return f" (renamed; now {RENAMED_FIELDS[key]})"
     close = difflib.get_close_matches(key, valid, n=1, cutoff=0.75)
     return f" (did you mean {close[0]!r}?)" if close else ""
+
+
+def import_plugins(paths: Sequence[str]) -> None:
+    """Import each Python file once per process (by its resolved path), running what it registers."""
+    for path in paths:
+        file = Path(path).resolve()
+        if not file.is_file() or file.suffix != ".py":
+            raise ConfigError(f"plugin: {path!r} is not a Python file")
+        name = f"posttrain_plugin_{file.stem}_{hashlib.sha1(str(file).encode()).hexdigest()[:8]}"
+        if name in sys.modules:
+            continue
+        spec = importlib.util.spec_from_file_location(name, file)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        try:
+            spec.loader.exec_module(module)
+        except Exception:
+            del sys.modules[name]
+            raise
 
 
 def absolute_path(value: str | None) -> str | None:

@@ -5,7 +5,10 @@ ratio level, clip scheme, aggregation, KL estimator and placement, sampling
 filters and reward shaping; an offline one (`PreferenceAlgorithm`) is a
 preference loss and its coefficients. The math lives in `posttrain.functional`:
 the methods here only hand a preset's fields to it. `ALGORITHMS` holds the
-presets of ALGORITHMS.md ("Presets"); `algorithm(name, **overrides)` returns one.
+presets of ALGORITHMS.md ("Presets"); `algorithm(name, **overrides)` returns one, and
+`register_algorithm(preset)` adds one. The estimator and the losses a preset names are looked up in
+the registries of `posttrain.algorithms.registry` (the built-in ones: `posttrain.algorithms.pieces`),
+so a preset can name a piece a user registered.
 
 Decisions where the spec is silent:
 
@@ -16,10 +19,7 @@ Decisions where the spec is silent:
    `eps_low`/`eps_high` = `None` means unbounded on that side.
 2. KL in the reward (token or sequence level) uses `k1`, as the spec defines
    the shaped reward; `k2`/`k3` are for the KL in the loss.
-3. Best-of-N's "advantages" are a 0/1 selection (1 on the kept best completion
-   of each prompt), and its loss is the NLL of the selected completions, so
-   the training loop needs no special case to train it.
-4. `reward_clip` also clips the greedy baseline, so both sides of
+3. `reward_clip` also clips the greedy baseline, so both sides of
    `r - r_greedy` live on the same scale.
 """
 
@@ -35,19 +35,23 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
+from posttrain.algorithms import pieces  # noqa: F401  (registers the built-in pieces before any preset is built)
+from posttrain.algorithms.registry import (ADVANTAGES, POLICY_LOSSES, PREFERENCE_INPUTS, PREFERENCE_LOSSES,
+                                           AdvantageEstimator)
 
-Advantage = Literal["gae", "greedy_baseline", "rloo", "group", "group_mean",
-                    "reinforce_pp", "reinforce_pp_baseline", "best_of_n"]
 Ratio = Literal["token", "sequence", "sequence_token"]
 Clip = Literal["ppo", "is_weight", "none"]
 Aggregation = Literal["sequence_mean", "token_mean", "constant"]
 KLPlacement = Literal["loss", "token_reward", "sequence_reward", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
-PreferenceLoss = Literal["dpo", "odpo", "simpo", "orpo", "kto"]
 
-SEQUENCE_ESTIMATORS = ("group", "group_mean", "rloo", "greedy_baseline")  # F.advantages: [B, G] -> [B, G]
-TOKEN_ESTIMATORS = ("gae", "reinforce_pp", "reinforce_pp_baseline")  # [N, T] token advantages
-GROUP_ESTIMATORS = ("group", "group_mean", "rloo", "reinforce_pp_baseline")  # compare within a prompt: G >= 2
+PREFERENCE_COEFFICIENTS = ("beta", "label_smoothing", "alpha", "gamma", "lam", "desirable_weight", "undesirable_weight")
+"""The PreferenceAlgorithm fields a preference loss may read; those its loss does not declare stay None."""
+
+
+def _estimators(**where: Any) -> list[str]:
+    """The registered advantage estimators whose attributes equal ``where``."""
+    return [name for name, e in ADVANTAGES.items() if all(getattr(e, k) == v for k, v in where.items())]
 
 Metrics = dict[str, Tensor]
 _REQUIRED = dataclasses.MISSING
@@ -71,8 +75,15 @@ def setting_names(cls: type | object) -> list[str]:
     return list(field_help(cls))
 
 
+_REGISTERED_BY = {"advantage": "register_advantage", "loss": "register_policy_loss"}
+_PLUGIN_HINT = "; posttrain.{} adds one (from the CLI: --plugin FILE.py imports the file that registers it)"
+
+
 def _choice_problems(obj: object, choices: dict[str, tuple]) -> list[str]:
+    registered_by = {**_REGISTERED_BY, **({"loss": "register_preference_loss"}
+                                          if isinstance(obj, PreferenceAlgorithm) else {})}
     return [f"{name}={getattr(obj, name)!r} is not one of {', '.join(map(repr, valid))}"
+            + (_PLUGIN_HINT.format(registered_by[name]) if name in registered_by else "")
             for name, valid in choices.items() if getattr(obj, name) not in valid]
 
 
@@ -87,6 +98,11 @@ def _require(who: str, why: str, **tensors: Tensor | None) -> None:
         raise ValueError(f"{who}: {why} needs {', '.join(missing)}")
 
 
+def _with_returns(result: Tensor | tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+    """An estimator's result as (advantages, value targets or None)."""
+    return result if isinstance(result, tuple) else (result, None)
+
+
 @dataclass(frozen=True)
 class OnlineAlgorithm:
     """An online RL algorithm (generate, score, update) as a choice of pieces."""
@@ -94,7 +110,7 @@ class OnlineAlgorithm:
     name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
     paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
     summary: str = _field("One line: what it changed with respect to its ancestor.", _REQUIRED)
-    advantage: Advantage = _field("Advantage estimator: gae, greedy_baseline (ReMax), rloo, group (GRPO), group_mean "
+    advantage: str = _field("Advantage estimator (a registered one; posttrain.register_advantage adds one): gae, greedy_baseline (ReMax), rloo, group (GRPO), group_mean "
                                   "(Dr.GRPO), reinforce_pp, reinforce_pp_baseline, best_of_n.", _REQUIRED)
     ratio: Ratio = _field("Importance ratio: token (PPO), sequence (GSPO) or sequence_token (GSPO-token).", "token")
     clip: Clip = _field("ppo (clipped surrogate), is_weight (CISPO: clip the detached IS weight) or none.", "ppo")
@@ -103,7 +119,8 @@ class OnlineAlgorithm:
     dual_clip: float | None = _field("Dual-clip c > 1 bounding losses of negative advantages (verl: 3); None = off.")
     aggregation: Aggregation = _field("Token losses to one number: sequence_mean, token_mean (over the optimizer "
                                       "step) or constant (sum / max_tokens, Dr.GRPO).", "sequence_mean")
-    loss: Literal["policy", "nll"] = _field("policy (surrogate) or nll (likelihood; best_of_n only).", "policy")
+    loss: str = _field("Policy loss (a registered one; posttrain.register_policy_loss adds one): policy (the "
+                       "clipped surrogate) or nll (likelihood; best_of_n only).", "policy")
     kl_placement: KLPlacement = _field("Where the KL to the reference goes: loss (GRPO), token_reward (PPO, "
                                        "REINFORCE++), sequence_reward (RLOO, ReMax) or none.", "none")
     kl_estimator: KLEstimator | None = _field("k1, k2 or k3 (Schulman 2020); k1 in a reward; None without a KL.")
@@ -157,28 +174,35 @@ class OnlineAlgorithm:
     @property
     def needs_value_model(self) -> bool:
         """A value head is trained alongside the policy (GAE)."""
-        return self.advantage == "gae"
+        return ADVANTAGES[self.advantage].needs_values
 
     @property
     def needs_greedy_baseline(self) -> bool:
         """Each prompt needs one greedy decode, scored, as the baseline (ReMax)."""
-        return self.advantage == "greedy_baseline"
+        return ADVANTAGES[self.advantage].needs_baseline
 
     @property
     def is_group_estimator(self) -> bool:
         """The advantage compares the G completions of a prompt, so G >= 2 is required."""
-        return self.advantage in GROUP_ESTIMATORS
+        return ADVANTAGES[self.advantage].compares_group
+
+    @property
+    def trains_on_best_only(self) -> bool:
+        """Only each group's selected best completion trains (best-of-N, RAFT): the others leave the batch."""
+        return self.advantage == "best_of_n"
 
     def __post_init__(self) -> None:
         if isinstance(self.binary_reward, list):  # YAML gives lists
             object.__setattr__(self, "binary_reward", tuple(self.binary_reward))
-        choices = {"advantage": get_args(Advantage), "ratio": get_args(Ratio), "clip": get_args(Clip),
-                   "aggregation": get_args(Aggregation), "loss": ("policy", "nll"),
+        choices = {"advantage": tuple(ADVANTAGES), "ratio": get_args(Ratio), "clip": get_args(Clip),
+                   "aggregation": get_args(Aggregation), "loss": tuple(POLICY_LOSSES),
                    "kl_placement": get_args(KLPlacement), "kl_estimator": (*get_args(KLEstimator), None)}
         _raise_if_problems(self, _choice_problems(self, choices) or self._problems())
 
     def _problems(self) -> list[str]:
         a, kl, br, est = self.advantage, self.kl_placement, self.binary_reward, self.kl_estimator
+        token_level, sequence_level, group = (_estimators(level="token"), _estimators(level="sequence"),
+                                              _estimators(compares_group=True))
         gae_ok = self.gamma is not None and self.lam is not None and 0 < self.gamma <= 1 and 0 <= self.lam <= 1
         rules = [
             (self.eps < 0, f"eps={self.eps} must be >= 0"),
@@ -202,10 +226,12 @@ class OnlineAlgorithm:
              f"kl_placement={kl!r} uses kl_estimator='k1'; for k2/k3 use kl_placement='loss'"),
             (kl == "none" and self.beta > 0,
              f"beta={self.beta} does nothing with kl_placement='none': set beta=0.0 or choose a kl_placement"),
-            (kl == "token_reward" and a not in TOKEN_ESTIMATORS, f"kl_placement='token_reward' needs a token-level "
-             f"estimator ({', '.join(TOKEN_ESTIMATORS)}); with {a!r} use 'sequence_reward' or 'loss'"),
-            (kl == "sequence_reward" and a not in SEQUENCE_ESTIMATORS, f"kl_placement='sequence_reward' needs a "
-             f"sequence-level estimator ({', '.join(SEQUENCE_ESTIMATORS)}); with {a!r} use 'token_reward' or 'loss'"),
+            (kl == "token_reward" and a not in token_level, f"kl_placement='token_reward' needs a token-level "
+             f"estimator ({', '.join(token_level)}); with {a!r} use 'sequence_reward' or 'loss'"),
+            (kl == "sequence_reward" and a not in sequence_level, f"kl_placement='sequence_reward' needs a "
+             f"sequence-level estimator ({', '.join(sequence_level)}); with {a!r} use 'token_reward' or 'loss'"),
+            (kl == "loss" and not POLICY_LOSSES[self.loss].takes_kl,
+             f"loss={self.loss!r} does not add a KL term: use another kl_placement, or a policy loss that takes it"),
             ((a == "best_of_n") != (self.loss == "nll"), "advantage='best_of_n' and loss='nll' go together"),
             (self.loss == "nll" and kl != "none", "loss='nll' (best_of_n) takes no KL: set kl_placement='none'"),
             (a == "gae" and not gae_ok, f"advantage='gae' needs gamma in (0, 1] and lam in [0, 1] (PPO: 1.0, "
@@ -215,8 +241,8 @@ class OnlineAlgorithm:
             (self.value_clip is not None and not self.value_clip > 0, f"value_clip={self.value_clip} must be > 0"),
             (self.min_reward is not None and a != "best_of_n", "min_reward applies to advantage='best_of_n' only"),
             (self.skip_ties and a != "best_of_n", "skip_ties applies to advantage='best_of_n' only"),
-            (self.dynamic_sampling and a not in GROUP_ESTIMATORS, "dynamic_sampling drops groups with equal rewards, "
-             f"which carry no signal only for a group estimator ({', '.join(GROUP_ESTIMATORS)})"),
+            (self.dynamic_sampling and a not in group, "dynamic_sampling drops groups with equal rewards, "
+             f"which carry no signal only for a group estimator ({', '.join(group)})"),
         ]
         return [message for broken, message in rules if broken]
 
@@ -240,43 +266,44 @@ class OnlineAlgorithm:
         if self.reward_clip is not None:  # REINFORCE++: rewards clipped to [-10, 10]
             rewards = rewards.clamp(-self.reward_clip, self.reward_clip)
             baseline = None if baseline is None else baseline.clamp(-self.reward_clip, self.reward_clip)
-        if self.advantage in TOKEN_ESTIMATORS:
-            return self._token_advantages(rewards, mask, logprobs, ref_logprobs, values)
-        if self.advantage == "best_of_n":
-            index, keep = F.best_of_n(rewards, min_reward=self.min_reward, skip_ties=self.skip_ties)
-            advantages = torch.nn.functional.one_hot(index, rewards.shape[1]).to(rewards.dtype) * keep[:, None]
-        else:
-            if self.kl_placement == "sequence_reward" and self.beta > 0:  # r_i - beta * sum_t k1[i, t]
-                _require(self.name, "KL in the sequence reward", mask=mask, logprobs=logprobs,
-                         ref_logprobs=ref_logprobs)
-                kl = F.kl_estimate(logprobs, ref_logprobs, "k1").masked_fill(~mask.bool(), 0.0)
-                rewards = rewards - self.beta * kl.sum(-1).view_as(rewards)
-            advantages = F.advantages(self.advantage, rewards, baseline=baseline, eps=self.eps)
+        estimator = ADVANTAGES[self.advantage]
+        if estimator.needs_baseline:
+            _require(self.name, f"advantage={self.advantage!r}", baseline=baseline)
+        if estimator.level == "token":
+            return self._token_advantages(estimator, rewards, mask, logprobs, ref_logprobs, values, baseline)
+        if self.kl_placement == "sequence_reward" and self.beta > 0:  # r_i - beta * sum_t k1[i, t]
+            _require(self.name, "KL in the sequence reward", mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+            kl = F.kl_estimate(logprobs, ref_logprobs, "k1").masked_fill(~mask.bool(), 0.0)
+            rewards = rewards - self.beta * kl.sum(-1).view_as(rewards)
+        advantages, returns = _with_returns(estimator.fn(
+            rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,
+            kl_coef=0.0))
+        if advantages.shape != rewards.shape:
+            raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} (level='sequence') returned shape "
+                             f"{tuple(advantages.shape)}; it must return [B, G] = {tuple(rewards.shape)}")
         if mask is None:
-            return advantages, None
+            return advantages, returns
         if advantages.numel() != mask.shape[0]:
             raise ValueError(f"{self.name}: mask has {mask.shape[0]} rows but rewards hold "
                              f"{advantages.numel()} completions; mask must be [B * G, T]")
-        return torch.where(mask.bool(), advantages.reshape(-1, 1), 0.0), None
+        return torch.where(mask.bool(), advantages.reshape(-1, 1), 0.0), returns
 
-    def _token_advantages(self, rewards: Tensor, mask: Tensor | None, logprobs: Tensor | None,
-                          ref_logprobs: Tensor | None, values: Tensor | None) -> tuple[Tensor, Tensor | None]:
+    def _token_advantages(self, estimator: AdvantageEstimator, rewards: Tensor, mask: Tensor | None,
+                          logprobs: Tensor | None, ref_logprobs: Tensor | None, values: Tensor | None,
+                          baseline: Tensor | None) -> tuple[Tensor, Tensor | None]:
         kl_coef = self.beta if self.kl_placement == "token_reward" else 0.0
         needed = {"mask": mask, **({"logprobs": logprobs, "ref_logprobs": ref_logprobs} if kl_coef > 0 else {}),
-                  **({"values": values} if self.advantage == "gae" else {})}
+                  **({"values": values} if estimator.needs_values else {})}
         _require(self.name, f"advantage={self.advantage!r}", **needed)
         if kl_coef == 0:  # no KL in the reward: the log-probs do not enter
             logprobs = ref_logprobs = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
-        if self.advantage == "gae":
-            token_rewards = F.kl_shaped_rewards(rewards.flatten(), logprobs, ref_logprobs, mask,
-                                                kl_coef=kl_coef, estimator="k1")
-            advantages, returns = F.gae(token_rewards, values, mask, gamma=self.gamma, lam=self.lam)
-            return F.whiten(advantages, mask, eps=self.eps), returns
-        with_baseline = self.advantage == "reinforce_pp_baseline"
-        advantages = F.reinforce_pp_advantages(
-            rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef, baseline=with_baseline,
-            group_size=rewards.shape[1] if with_baseline else None, eps=self.eps)
-        return advantages, None
+        advantages, returns = _with_returns(estimator.fn(
+            rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,
+            kl_coef=kl_coef))
+        if advantages.shape != mask.shape:
+            raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} (level='token') returned shape "
+                             f"{tuple(advantages.shape)}; it must return [N, T] = {tuple(mask.shape)}")
+        return advantages, returns
 
     def advantages(self, rewards: Tensor, **kwargs: Tensor | None) -> Tensor:
         """The advantages of `advantages_and_returns` (same arguments)."""
@@ -287,25 +314,17 @@ class OnlineAlgorithm:
         ref_logprobs: Tensor | None = None, *, normalizer: float | Tensor | None = None,
         max_tokens: int | None = None,
     ) -> tuple[Tensor, Metrics]:
-        """F.policy_loss with this preset's pieces (F.nll_loss for best_of_n).
+        """This preset's registered policy loss (F.policy_loss with its pieces; F.nll_loss for best_of_n).
 
         logprobs, old_logprobs, mask, ref_logprobs [N, T]; advantages [N] or [N, T].
         The KL enters only with kl_placement='loss' (then ref_logprobs is needed).
         normalizer: the optimizer step's denominator; max_tokens: for 'constant'.
         For best_of_n the loss covers the tokens of completions with advantage > 0.
         """
-        if self.loss == "nll":
-            selected = advantages.reshape(mask.shape[0], -1) > 0
-            return F.nll_loss(logprobs, (mask.bool() & selected).to(mask.dtype), aggregation=self.aggregation,
-                              normalizer=normalizer, max_tokens=max_tokens)
-        kl_in_loss = self.kl_placement == "loss" and self.beta > 0
-        if kl_in_loss:
+        if self.kl_placement == "loss" and self.beta > 0:
             _require(self.name, "KL in the loss", ref_logprobs=ref_logprobs)
-        return F.policy_loss(
-            logprobs, old_logprobs, advantages, mask, ratio=self.ratio, clip=self.clip, eps_low=self.eps_low,
-            eps_high=self.eps_high, dual_clip=self.dual_clip, aggregation=self.aggregation, max_tokens=max_tokens,
-            normalizer=normalizer, ref_logprobs=ref_logprobs if kl_in_loss else None,
-            kl_coef=self.beta if kl_in_loss else 0.0, kl_estimator=self.kl_estimator if kl_in_loss else "k3")
+        return POLICY_LOSSES[self.loss].fn(logprobs, old_logprobs, advantages, mask, self, ref_logprobs=ref_logprobs,
+                                           normalizer=normalizer, max_tokens=max_tokens)
 
     def value_loss(
         self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
@@ -319,23 +338,6 @@ class OnlineAlgorithm:
                             normalizer=normalizer, max_tokens=max_tokens)
 
 
-PREFERENCE_PARAMS = {  # the coefficients each loss uses; the others stay None
-    "dpo": ("beta", "label_smoothing"), "odpo": ("beta", "alpha"), "simpo": ("beta", "gamma"),
-    "orpo": ("lam",), "kto": ("beta", "desirable_weight", "undesirable_weight"),
-}
-_PAIR = ("chosen_logps", "rejected_logps")
-_PREFERENCE_INPUTS = {  # named like F's arguments, in F's order
-    "dpo": (*_PAIR, "ref_chosen_logps", "ref_rejected_logps"),
-    "odpo": (*_PAIR, "ref_chosen_logps", "ref_rejected_logps", "chosen_scores", "rejected_scores"),
-    "simpo": (*_PAIR, "chosen_lengths", "rejected_lengths"),
-    "orpo": (*_PAIR, "chosen_lengths", "rejected_lengths"),
-    "kto": ("logps", "ref_logps", "desirable", "kl_logps", "kl_ref_logps"),
-}
-_NLL_INPUTS = {"paired": ("chosen_logps", "chosen_lengths"), "unpaired": ("logps", "lengths", "desirable")}
-_ALL_PREFERENCE_INPUTS = sorted({name for names in (*_PREFERENCE_INPUTS.values(), *_NLL_INPUTS.values())
-                                 for name in names})
-
-
 @dataclass(frozen=True)
 class PreferenceAlgorithm:
     """An offline preference-optimisation loss and its coefficients; None = not used by this loss."""
@@ -343,7 +345,8 @@ class PreferenceAlgorithm:
     name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
     paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
     summary: str = _field("One line: what it changed with respect to its ancestor.", _REQUIRED)
-    loss: PreferenceLoss = _field("Preference loss: dpo, odpo, simpo, orpo or kto.", _REQUIRED)
+    loss: str = _field("Preference loss (a registered one; posttrain.register_preference_loss adds one): dpo, "
+                       "odpo, simpo, orpo or kto.", _REQUIRED)
     beta: float | None = _field("Reward scale (DPO, ODPO, KTO: 0.1; SimPO: 2.0).")
     label_smoothing: float | None = _field("DPO: assumed rate of flipped labels, in [0, 0.5).")
     alpha: float | None = _field("ODPO: offset scale, offset = alpha * log(score_w - score_l).")
@@ -358,33 +361,33 @@ class PreferenceAlgorithm:
     @property
     def needs_reference(self) -> bool:
         """A frozen reference model scores the completions (DPO, ODPO, KTO)."""
-        return self.loss in ("dpo", "odpo", "kto")
+        return PREFERENCE_LOSSES[self.loss].needs_reference
 
     @property
     def paired(self) -> bool:
         """Data are (chosen, rejected) pairs; KTO takes single examples labelled desirable or not."""
-        return self.loss != "kto"
+        return PREFERENCE_LOSSES[self.loss].paired
 
     @property
     def needs_scores(self) -> bool:
         """Each pair needs the scores of both completions (ODPO's offset)."""
-        return self.loss == "odpo"
+        return "chosen_scores" in PREFERENCE_LOSSES[self.loss].inputs
 
     def __post_init__(self) -> None:
-        problems = _choice_problems(self, {"loss": get_args(PreferenceLoss)})
+        problems = _choice_problems(self, {"loss": tuple(PREFERENCE_LOSSES)})
         if not problems:
-            used = PREFERENCE_PARAMS[self.loss]
+            used = PREFERENCE_LOSSES[self.loss].coefficients
             problems += [f"loss={self.loss!r} needs {p}" for p in used if getattr(self, p) is None]
-            problems += [f"{p} is not used by loss={self.loss!r} (it uses {', '.join(used)}): set it to None"
-                         for params in PREFERENCE_PARAMS.values() for p in params
-                         if p not in used and getattr(self, p) is not None]
+            problems += [f"{p} is not used by loss={self.loss!r} (it uses {', '.join(used) or 'none'}): set it to None"
+                         for p in PREFERENCE_COEFFICIENTS if p not in used and getattr(self, p) is not None]
+            if not PREFERENCE_LOSSES[self.loss].takes_rpo_alpha and self.rpo_alpha is not None:
+                problems.append(f"rpo_alpha: loss={self.loss!r} takes no rpo_alpha (ORPO's loss has its chosen NLL "
+                                "already, weighted 1); set rpo_alpha None")
         positive = ("beta", "desirable_weight", "undesirable_weight")
         problems += [f"{p}={getattr(self, p)} must be > 0" for p in positive
                      if getattr(self, p) is not None and not getattr(self, p) > 0]
         problems += [f"{p}={getattr(self, p)} must be >= 0" for p in ("alpha", "gamma", "lam", "rpo_alpha")
                      if getattr(self, p) is not None and getattr(self, p) < 0]
-        if self.loss == "orpo" and self.rpo_alpha is not None:
-            problems.append("rpo_alpha: ORPO's loss has its chosen NLL already (weighted 1); set rpo_alpha None")
         if self.label_smoothing is not None and not 0 <= self.label_smoothing < 0.5:
             problems.append(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
         _raise_if_problems(self, sorted(set(problems), key=problems.index))
@@ -398,31 +401,21 @@ class PreferenceAlgorithm:
         kl_logps, kl_ref_logps [B]. With ``rpo_alpha``: chosen_lengths (KTO: lengths) [B] too.
         Inputs this loss does not use are ignored, so a loop can pass everything it has.
         """
-        unknown = sorted(set(inputs) - set(_ALL_PREFERENCE_INPUTS))
+        unknown = sorted(set(inputs) - set(PREFERENCE_INPUTS))
         if unknown:
             raise ValueError(f"{self.name}: unknown input(s) {', '.join(unknown)}; "
-                             f"valid: {', '.join(_ALL_PREFERENCE_INPUTS)}")
-        needed = _PREFERENCE_INPUTS[self.loss]
-        _require(self.name, f"loss={self.loss!r}", **{n: inputs.get(n) for n in needed})
-        x = [inputs[n] for n in needed]
-        if self.loss == "dpo":
-            return self._with_nll(F.dpo_loss(*x, beta=self.beta, label_smoothing=self.label_smoothing), inputs)
-        if self.loss == "odpo":
-            return self._with_nll(F.dpo_loss(*x[:4], beta=self.beta, offset=F.odpo_offset(*x[4:], alpha=self.alpha)),
-                                  inputs)
-        if self.loss == "simpo":
-            return self._with_nll(F.simpo_loss(*x, beta=self.beta, gamma=self.gamma), inputs)
-        if self.loss == "orpo":
-            return F.orpo_loss(*x, lam=self.lam)
-        return self._with_nll(F.kto_loss(*x, beta=self.beta, desirable_weight=self.desirable_weight,
-                                         undesirable_weight=self.undesirable_weight), inputs)
+                             f"valid: {', '.join(sorted(PREFERENCE_INPUTS))}")
+        piece = PREFERENCE_LOSSES[self.loss]
+        _require(self.name, f"loss={self.loss!r}", **{n: inputs.get(n) for n in piece.inputs})
+        loss_and_metrics = piece.fn(self, **{n: inputs[n] for n in piece.inputs})
+        return self._with_nll(loss_and_metrics, inputs) if piece.takes_rpo_alpha else loss_and_metrics
 
     def _with_nll(self, loss_and_metrics: tuple[Tensor, Metrics], inputs: dict[str, Tensor]) -> tuple[Tensor, Metrics]:
         """The loss plus ``rpo_alpha`` times the chosen (KTO: desirable) completions' per-token NLL."""
         loss, metrics = loss_and_metrics
         if not self.rpo_alpha:
             return loss, metrics
-        names = _NLL_INPUTS["paired" if self.paired else "unpaired"]
+        names = ("chosen_logps", "chosen_lengths") if self.paired else ("logps", "lengths", "desirable")
         _require(self.name, "rpo_alpha", **{n: inputs.get(n) for n in names})
         nll = F.chosen_nll(*(inputs[n] for n in names))
         return loss + self.rpo_alpha * nll, {**metrics, "nll": nll.detach()}
@@ -572,3 +565,13 @@ def algorithm(name: str, **overrides: Any) -> OnlineAlgorithm | PreferenceAlgori
         if key not in valid:
             raise _unknown(f"unknown field {key!r} for {name!r} ({type(preset).__name__})", key, valid)
     return dataclasses.replace(preset, **overrides)
+
+
+def register_algorithm(preset: OnlineAlgorithm | PreferenceAlgorithm, *, replace: bool = False) -> None:
+    """Add ``preset`` to :data:`ALGORITHMS` under its name, so that ``algorithm(name)``, configs and the CLI's
+    ``--algorithm`` find it. A name already taken is an error unless ``replace``."""
+    if not isinstance(preset, (OnlineAlgorithm, PreferenceAlgorithm)):
+        raise TypeError(f"register_algorithm takes an OnlineAlgorithm or a PreferenceAlgorithm, got {type(preset).__name__}")
+    if preset.name in ALGORITHMS and not replace and ALGORITHMS[preset.name] != preset:
+        raise ValueError(f"algorithm {preset.name!r} is already registered; choose another name, or pass replace=True")
+    ALGORITHMS[preset.name] = preset

@@ -8,8 +8,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.algorithms.presets import (
-    ALGORITHMS, DESCRIPTIVE_FIELDS, PREFERENCE_PARAMS, OnlineAlgorithm, PreferenceAlgorithm, algorithm,
+    ALGORITHMS, DESCRIPTIVE_FIELDS, OnlineAlgorithm, PreferenceAlgorithm, algorithm,
 )
+from posttrain.algorithms.registry import PREFERENCE_LOSSES
 
 
 def _fmt(value: Any) -> str:
@@ -56,7 +57,7 @@ def format_presets_table() -> str:
                        _url(a.paper)])
     preference = [["preset", "loss", "coefficients", "reference", "paper"]]
     for p in (p for p in ALGORITHMS.values() if isinstance(p, PreferenceAlgorithm)):
-        coefficients = ", ".join(f"{name} {_fmt(getattr(p, name))}" for name in PREFERENCE_PARAMS[p.loss])
+        coefficients = ", ".join(f"{name} {_fmt(getattr(p, name))}" for name in PREFERENCE_LOSSES[p.loss].coefficients)
         preference.append([p.name, p.loss, coefficients, "yes" if p.needs_reference else "no", _url(p.paper)])
     return f"Online (RL) presets\n\n{_text_table(online)}\n\nPreference presets\n\n{_text_table(preference)}"
 

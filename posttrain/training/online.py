@@ -304,7 +304,7 @@ def train_step(s: OnlineSession) -> dict[str, float]:
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for generation and every pass before the update
         groups, metrics = collect_groups(s)
         t0 = time.perf_counter()
-        if alg.advantage == "best_of_n":  # RAFT: train on the best sample of each group
+        if alg.trains_on_best_only:  # best-of-N (RAFT): train on the best sample of each group
             groups = s.best_of_n(groups)
         if alg.overlong_filter:  # DAPO: truncated completions keep their reward but leave the loss
             comp = groups.completions

@@ -1,0 +1,150 @@
+"""The built-in pieces, registered exactly as a user's are (:mod:`.registry`).
+
+Each function only hands the preset's fields to :mod:`posttrain.functional`, where the math is.
+Decisions where the spec is silent:
+
+1. Best-of-N's "advantages" are a 0/1 selection (1 on the kept best completion of each prompt), and
+   its loss is the NLL of the selected completions, so the loop needs no special case to train it.
+2. KL in the token reward uses ``k1``, as the spec defines the shaped reward.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+from torch import Tensor
+
+import posttrain.functional as F
+from posttrain.algorithms.registry import register_advantage, register_policy_loss, register_preference_loss
+
+if TYPE_CHECKING:
+    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm
+
+Metrics = dict[str, Tensor]
+
+
+# -- advantage estimators -------------------------------------------------------------------------
+
+def _group_estimator(name: str):
+    def estimator(rewards: Tensor, preset: OnlineAlgorithm, **_: object) -> Tensor:
+        return F.advantages(name, rewards, eps=preset.eps)
+
+    estimator.__qualname__ = estimator.__name__ = name
+    return estimator
+
+
+for _name in ("group", "group_mean", "rloo"):  # GRPO, Dr.GRPO, RLOO: [B, G] -> [B, G] within each group
+    register_advantage(_name, compares_group=True)(_group_estimator(_name))
+
+
+@register_advantage("greedy_baseline", needs_baseline=True)
+def greedy_baseline(rewards: Tensor, preset: OnlineAlgorithm, *, baseline: Tensor | None, **_: object) -> Tensor:
+    """ReMax: each completion's reward minus its prompt's greedy completion's reward."""
+    return F.advantages("greedy_baseline", rewards, baseline=baseline, eps=preset.eps)
+
+
+@register_advantage("best_of_n")
+def best_of_n(rewards: Tensor, preset: OnlineAlgorithm, **_: object) -> Tensor:
+    """[B, G] 1 on each kept prompt's best completion, 0 elsewhere (decision 1)."""
+    index, keep = F.best_of_n(rewards, min_reward=preset.min_reward, skip_ties=preset.skip_ties)
+    return torch.nn.functional.one_hot(index, rewards.shape[1]).to(rewards.dtype) * keep[:, None]
+
+
+@register_advantage("gae", level="token", needs_values=True)
+def gae(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
+        values: Tensor, kl_coef: float, **_: object) -> tuple[Tensor, Tensor]:
+    """PPO: GAE on the KL-shaped token rewards, whitened; the returns (A + V, before whitening) train the
+    value head."""
+    token_rewards = F.kl_shaped_rewards(rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef,
+                                        estimator="k1")
+    advantages, returns = F.gae(token_rewards, values, mask, gamma=preset.gamma, lam=preset.lam)
+    return F.whiten(advantages, mask, eps=preset.eps), returns
+
+
+@register_advantage("reinforce_pp", level="token")
+def reinforce_pp(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
+                 kl_coef: float, **_: object) -> Tensor:
+    """REINFORCE++: discounted KL-shaped returns, whitened over the batch."""
+    return F.reinforce_pp_advantages(rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef,
+                                     baseline=False, eps=preset.eps)
+
+
+@register_advantage("reinforce_pp_baseline", level="token", compares_group=True)
+def reinforce_pp_baseline(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor,
+                          ref_logprobs: Tensor, kl_coef: float, **_: object) -> Tensor:
+    """REINFORCE++-baseline: the group's mean reward subtracted first."""
+    return F.reinforce_pp_advantages(rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef, baseline=True,
+                                     group_size=rewards.shape[1], eps=preset.eps)
+
+
+# -- policy losses -------------------------------------------------------------------------------
+
+@register_policy_loss("policy", takes_kl=True)
+def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+                      preset: OnlineAlgorithm, *, ref_logprobs: Tensor | None, normalizer: float | Tensor | None,
+                      max_tokens: int | None) -> tuple[Tensor, Metrics]:
+    """The PPO family's surrogate with the preset's ratio level, clip scheme and aggregation, plus the KL
+    when the preset places it in the loss."""
+    kl_in_loss = preset.kl_placement == "loss" and preset.beta > 0
+    return F.policy_loss(
+        logprobs, old_logprobs, advantages, mask, ratio=preset.ratio, clip=preset.clip, eps_low=preset.eps_low,
+        eps_high=preset.eps_high, dual_clip=preset.dual_clip, aggregation=preset.aggregation, max_tokens=max_tokens,
+        normalizer=normalizer, ref_logprobs=ref_logprobs if kl_in_loss else None,
+        kl_coef=preset.beta if kl_in_loss else 0.0, kl_estimator=preset.kl_estimator if kl_in_loss else "k3")
+
+
+@register_policy_loss("nll")
+def selected_nll(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor, preset: OnlineAlgorithm,
+                 *, ref_logprobs: Tensor | None, normalizer: float | Tensor | None,
+                 max_tokens: int | None) -> tuple[Tensor, Metrics]:
+    """Best-of-N (RAFT): the NLL of the completions with a positive advantage (the selected ones)."""
+    selected = advantages.reshape(mask.shape[0], -1) > 0
+    return F.nll_loss(logprobs, (mask.bool() & selected).to(mask.dtype), aggregation=preset.aggregation,
+                      normalizer=normalizer, max_tokens=max_tokens)
+
+
+# -- preference losses -----------------------------------------------------------------------------
+
+_PAIR = ("chosen_logps", "rejected_logps")
+_REF_PAIR = ("ref_chosen_logps", "ref_rejected_logps")
+_LENGTHS = ("chosen_lengths", "rejected_lengths")
+
+
+@register_preference_loss("dpo", inputs=(*_PAIR, *_REF_PAIR), coefficients=("beta", "label_smoothing"))
+def dpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
+        ref_rejected_logps: Tensor, **_: Tensor) -> tuple[Tensor, Metrics]:
+    return F.dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=preset.beta,
+                      label_smoothing=preset.label_smoothing)
+
+
+@register_preference_loss("odpo", inputs=(*_PAIR, *_REF_PAIR, "chosen_scores", "rejected_scores"),
+                          coefficients=("beta", "alpha"))
+def odpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
+         ref_rejected_logps: Tensor, chosen_scores: Tensor, rejected_scores: Tensor,
+         **_: Tensor) -> tuple[Tensor, Metrics]:
+    offset = F.odpo_offset(chosen_scores, rejected_scores, alpha=preset.alpha)
+    return F.dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=preset.beta,
+                      offset=offset)
+
+
+@register_preference_loss("simpo", inputs=(*_PAIR, *_LENGTHS), coefficients=("beta", "gamma"))
+def simpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, chosen_lengths: Tensor,
+          rejected_lengths: Tensor, **_: Tensor) -> tuple[Tensor, Metrics]:
+    return F.simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta=preset.beta,
+                        gamma=preset.gamma)
+
+
+@register_preference_loss("orpo", inputs=(*_PAIR, *_LENGTHS), coefficients=("lam",), takes_rpo_alpha=False)
+def orpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, chosen_lengths: Tensor,
+         rejected_lengths: Tensor, **_: Tensor) -> tuple[Tensor, Metrics]:
+    """ORPO's loss holds the chosen NLL already (weighted 1), so ``rpo_alpha`` does not apply."""
+    return F.orpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, lam=preset.lam)
+
+
+@register_preference_loss("kto", inputs=("logps", "ref_logps", "desirable", "kl_logps", "kl_ref_logps"),
+                          coefficients=("beta", "desirable_weight", "undesirable_weight"))
+def kto(preset: PreferenceAlgorithm, *, logps: Tensor, ref_logps: Tensor, desirable: Tensor, kl_logps: Tensor,
+        kl_ref_logps: Tensor, **_: Tensor) -> tuple[Tensor, Metrics]:
+    return F.kto_loss(logps, ref_logps, desirable, kl_logps, kl_ref_logps, beta=preset.beta,
+                      desirable_weight=preset.desirable_weight, undesirable_weight=preset.undesirable_weight)
