@@ -279,9 +279,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             config = resolve_config(args)
         except ValueError as error:  # an unknown preset, field or value: say which, no traceback
             raise ConfigError(str(error)) from error
-        from posttrain.training.api import train
+        from posttrain.training.api import run
 
-        train(config)
+        run(config)
         return 0
     except _user_errors() as error:
         print(f"posttrain: error: {error}", file=sys.stderr)

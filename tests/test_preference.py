@@ -17,6 +17,7 @@ from torch.nn.functional import log_softmax
 
 import posttrain.functional as F
 import posttrain.training.preference as preference
+import posttrain.training.setup as setup
 from posttrain.algorithms.presets import ALGORITHMS, PreferenceAlgorithm
 from posttrain.config import Config, ConfigError, OptimConfig
 from posttrain.tracking.metrics import read_metrics
@@ -142,12 +143,20 @@ def test_reference_free_presets_never_create_a_reference(name, tiny_model_dir, p
     def no_copy(model):
         raise AssertionError(f"{name} made a reference model")
 
-    monkeypatch.setattr(preference, "reference_model", no_copy)
+    monkeypatch.setattr(setup, "reference_model", no_copy)
     s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, precompute_reference=True))
     assert s.ref is None and s.ref_logps is None and s.test_ref_logps is None
     assert [v for v in vars(s).values() if isinstance(v, torch.nn.Module)] == [s.policy]  # one model
     assert math.isfinite(train_step(s)["loss"])
-    assert 0 <= evaluate(s)["eval/pairwise_accuracy"] <= 1
+    # held-out accuracy by the policy's own score of each pair (ties count half), worked out from
+    # manual log-probs: SimPO beta * pi / |y|, ORPO the log odds of a = pi / |y|
+    pairs = [(i, i) for i in range(len(s.test))]
+    logps = manual_logps(s.policy, s.test, pairs)
+    lengths = torch.stack([torch.tensor([float(len(c)) for c in column]) for column in s.test.completion_ids])
+    a = logps / lengths
+    score = s.preset.beta * a if name == "simpo" else a - torch.log(-torch.expm1(a))
+    wins = (score[0] > score[1]).float() + 0.5 * (score[0] == score[1]).float()
+    assert evaluate(s)["eval/pairwise_accuracy"] == pytest.approx(wins.mean().item())
 
 
 @pytest.mark.parametrize("name", ["dpo", "kto"])

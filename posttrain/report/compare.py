@@ -233,12 +233,12 @@ def train_and_measure(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
 
     from posttrain.tracking.metrics import read_metrics
-    from posttrain.training.api import train
+    from posttrain.training.api import run
 
     torch.set_num_threads(spec["threads"])
     config = Config.from_flat(spec["config"])
     started = time.perf_counter()
-    run_dir = Path(train(config)["run_dir"])
+    run_dir = Path(run(config)["run_dir"])
     segment = {
         "wall_seconds": time.perf_counter() - started,
         "peak_rss_mib": peak_rss_mib(),

@@ -1,23 +1,165 @@
-"""``posttrain.train(config)``: route a config to the online or the preference trainer."""
+"""``posttrain.train(...)``: training from Python, with what TRL users pass.
+
+The CLI builds a :class:`~posttrain.config.Config` from flags and calls :func:`train` with it; from
+Python the same function also takes a model object (or a path or built-in name), a dataset (rows, a
+Hugging Face ``Dataset``, a pandas ``DataFrame``, or a file), reward callables with TRL's signature
+``fn(prompts, completions, **columns) -> list[float]``, a preset name and any config field or preset
+setting as keyword arguments. It returns the run directory and the held-out metrics before and after.
+
+Decisions:
+
+1. **Rows are written to the run directory** (``RUN_DIR/inputs/train.jsonl`` and ``eval.jsonl``) and
+   the saved ``config.yaml`` names those files, so a run started from Python resumes and reproduces
+   from the CLI like any other.
+2. **Reward callables defined in a file** are recorded in ``config.yaml`` as ``FILE.py:NAME`` for the
+   same reason; others (lambdas, closures, functions of an interactive session) are called all the
+   same, but a resume from the CLI must be given them again (``--reward``).
+"""
 
 from __future__ import annotations
 
+import inspect
+import json
+import time
+from collections.abc import Callable, Iterable, Mapping
+from pathlib import Path
 from typing import Any
 
+from torch import nn
+
 from posttrain.algorithms.presets import PreferenceAlgorithm
+from posttrain.config import Config, ConfigError, load_yaml
 from posttrain.parallel.allocator import keep_freed_memory
-from posttrain.config import Config
+from posttrain.training.setup import Inputs
 
 
-def train(config: Config) -> dict[str, Any]:
-    """Run training as configured; returns the run directory and the held-out metrics before/after."""
+def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, model: str | nn.Module | None = None,
+          tokenizer: Any = None, algorithm: str | None = None, train_dataset: Any = None, eval_dataset: Any = None,
+          reward_funcs: Callable | str | Iterable[Callable | str] | None = None, **fields: Any) -> dict[str, Any]:
+    """Train a model; returns ``{"run_dir": Path, "before": {...}, "after": {...}}`` (held-out metrics).
+
+    Args:
+        config: a :class:`Config`, a flat mapping of fields, or a YAML file (``posttrain train --config``'s);
+            the keyword arguments below override it.
+        model: a local model directory, a ``.gguf`` file, a built-in name, or a ``transformers`` causal LM
+            object (then ``tokenizer`` too).
+        algorithm: a preset name (``posttrain.ALGORITHMS``; ``posttrain.register_algorithm`` adds one).
+        train_dataset, eval_dataset: a file (JSONL, JSON, Parquet, CSV, ``hf:NAME``) or rows: a list of
+            dicts, a Hugging Face ``Dataset`` or a pandas ``DataFrame``. Online presets read ``prompt`` and
+            whatever columns the rewards take; preference presets ``prompt``, ``chosen``, ``rejected``.
+        reward_funcs: callables with TRL's signature, or ``FILE.py:FUNCTION`` specs, one or several.
+        **fields: any config field or preset setting, e.g. ``max_steps=50``, ``learning_rate=1e-5``,
+            ``beta=0.04``, ``lora_r=16`` (``posttrain train --help`` lists them).
+    """
+    if isinstance(config, Config):
+        if not (fields or model is not None or tokenizer is not None or algorithm is not None
+                or train_dataset is not None or eval_dataset is not None or reward_funcs is not None):
+            return run(config)
+        flat = config.to_flat()
+    elif isinstance(config, (str, Path)):
+        flat = load_yaml(config)
+    else:
+        flat = dict(config or {})
+    flat.update(fields)
+    if algorithm is not None:
+        flat["algorithm"] = algorithm
+    inputs = Inputs()
+    if isinstance(model, nn.Module):
+        inputs = Inputs(model=model, tokenizer=tokenizer)
+        flat["model"] = getattr(model.config, "name_or_path", None) or None
+    elif model is not None:
+        flat["model"] = str(model)
+    if train_dataset is not None or eval_dataset is not None:
+        output = Path(flat.get("output") or Path("runs") / f"{flat.get('algorithm', 'grpo')}-{time.strftime('%Y%m%d-%H%M%S')}")
+        flat["output"] = str(output)
+        for key, dataset, name in (("dataset", train_dataset, "train"), ("eval_dataset", eval_dataset, "eval")):
+            if dataset is not None:
+                flat[key] = dataset_path(dataset, output / "inputs" / f"{name}.jsonl", f"{name}_dataset")
+    funcs = _as_list(reward_funcs)
+    weights = list(flat.pop("reward_weights", None) or [])
+    if weights and len(weights) != len(funcs) + len(flat.get("reward", ())):
+        raise ConfigError(f"reward_weights: {len(weights)} weight(s) for {len(funcs) + len(flat.get('reward', ()))} "
+                          "reward function(s); give one per function")
+    # the config's own specs come last: the order load_workload calls them in, weights alike
+    given = [*funcs, *flat.get("reward", ())]
+    weights = weights or [1.0] * len(given)
+    in_memory, recorded = [], []
+    for fn, weight in zip(given, weights):
+        spec = fn if isinstance(fn, str) else reward_spec(fn) if callable(fn) else None
+        if spec is None and not callable(fn):
+            raise ConfigError(f"reward_funcs: {fn!r} is neither a callable nor a FILE.py:FUNCTION spec")
+        (recorded if spec is not None else in_memory).append((spec or fn, weight))
+    if given:
+        flat["reward"] = [spec for spec, _ in recorded]
+        flat["reward_weights"] = [w for _, w in recorded] if in_memory or any(w != 1.0 for w in weights) else []
+    if in_memory:
+        inputs = Inputs(model=inputs.model, tokenizer=inputs.tokenizer, reward_funcs=tuple(fn for fn, _ in in_memory),
+                        reward_weights=tuple(w for _, w in in_memory))
+    return run(Config.from_flat(flat), inputs)
+
+
+def run(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
+    """Route a config to the online or the preference trainer and run it."""
     keep_freed_memory()  # about a third less CPU time per step on CPU (posttrain/parallel/allocator.py)
     if isinstance(config.preset(), PreferenceAlgorithm):
         from posttrain.training.preference import train_preference
 
-        return train_preference(config)
+        return train_preference(config, inputs)
     from posttrain.training.online import train_step
     from posttrain.training.runner import run_training
     from posttrain.training.session import OnlineSession, evaluate
 
-    return run_training(OnlineSession.create(config), config, train_step, evaluate)
+    return run_training(OnlineSession.create(config, inputs), config, train_step, evaluate)
+
+
+def dataset_path(dataset: Any, path: Path, field: str) -> str:
+    """A file name as it is; rows (a list of dicts, a ``datasets.Dataset``, a pandas ``DataFrame``) written to
+    ``path`` as JSONL first."""
+    if isinstance(dataset, (str, Path)):
+        return str(dataset)
+    if hasattr(dataset, "to_dict") and hasattr(dataset, "columns"):  # a pandas DataFrame
+        rows = dataset.to_dict("records")
+    elif isinstance(dataset, Iterable) and not isinstance(dataset, Mapping):
+        rows = list(dataset)
+    else:
+        raise ConfigError(f"{field}: expected a file name or rows (a list of dicts, a datasets.Dataset, a pandas "
+                          f"DataFrame), got {type(dataset).__name__}")
+    if not rows:
+        raise ConfigError(f"{field}: the dataset has no rows")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    lines = []
+    for number, row in enumerate(rows, start=1):
+        if not isinstance(row, Mapping):
+            raise ConfigError(f"{field}: row {number} is a {type(row).__name__}, not a mapping of column to value")
+        try:
+            lines.append(json.dumps(dict(row), default=_plain, ensure_ascii=False))
+        except TypeError as error:
+            raise ConfigError(f"{field}: row {number} cannot be saved as JSON ({error})") from None
+    path.write_text("\n".join(lines) + "\n", encoding="utf-8")
+    return str(path)
+
+
+def reward_spec(fn: Callable) -> str | None:
+    """``FILE.py:NAME`` of a function defined at the top level of a module file, else None: a lambda, a
+    closure, a callable object, or a function of ``__main__`` (loading a script again would run it)."""
+    name = getattr(fn, "__name__", "")
+    if (not inspect.isfunction(fn) or fn.__qualname__ != name or not name.isidentifier()
+            or fn.__module__ == "__main__" or fn.__globals__.get(name) is not fn):
+        return None
+    file = inspect.getsourcefile(fn)
+    return f"{Path(file).resolve()}:{name}" if file and file.endswith(".py") and Path(file).is_file() else None
+
+
+def _plain(value: Any) -> Any:
+    """NumPy scalars and arrays as Python values (what a Dataset or DataFrame row may hold)."""
+    if hasattr(value, "tolist"):
+        return value.tolist()
+    raise TypeError(f"{type(value).__name__} is not JSON serializable")
+
+
+def _as_list(value: Any) -> list[Any]:
+    if value is None:
+        return []
+    if isinstance(value, str) or callable(value):
+        return [value]
+    return list(value)

@@ -70,14 +70,13 @@ from torch import Tensor
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.algorithms.presets import PreferenceAlgorithm
-from posttrain.config import Config, ConfigError, absolute_path
+from posttrain.config import Config, ConfigError
+from posttrain.training.setup import Inputs, build_optimization, fingerprint, load_policy, model_name, start_processes
 from posttrain.training.guards import NoLearningSignal, UpdateCheck
 from posttrain.data.prompts import PromptSampler, encode_prompt
 from posttrain.tracking.stats import wilson_interval
-from posttrain.models.loading import load_model_and_tokenizer
-from posttrain.models.modeling import checkpoint_layers, collate, forward
-from posttrain.models.lora import apply_lora, reference_model
-from posttrain.training.optim import apply_gradients, build_optimizer
+from posttrain.models.modeling import collate, forward
+from posttrain.training.optim import apply_gradients
 from posttrain.data.preference import (
     PreferenceExamples, PreferenceTask, encode, load_rows, pairs_from_samples, unpair,
 )
@@ -105,7 +104,6 @@ class PreferenceSession:
     step: int = 0
     bad_steps: int = 0
     fingerprint: dict[str, Any] = field(default_factory=dict)
-    value_head: None = None  # the runner's protocol: no value head here
     last_batch: list[int] = field(default_factory=list)
     last_inputs: dict[str, Tensor] = field(default_factory=dict)
     update_check: UpdateCheck = field(init=False)  # an optimizer step that moves no weight is an error
@@ -116,7 +114,7 @@ class PreferenceSession:
         self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
 
     @classmethod
-    def create(cls, config: Config) -> "PreferenceSession":
+    def create(cls, config: Config, inputs: Inputs = Inputs()) -> "PreferenceSession":
         preset = config.preset()
         if not isinstance(preset, PreferenceAlgorithm):
             raise ConfigError(f"algorithm: {preset.name} is an online preset; the preference trainer runs "
@@ -127,25 +125,18 @@ class PreferenceSession:
             raise ConfigError("eval_tasks: only the online trainer scores other tasks during a run; for a preference "
                               "run, score its final_model/ with posttrain eval --task ...")
         data = config.data
+        if inputs.reward_funcs:
+            raise ConfigError("reward_funcs: preference presets learn from chosen/rejected pairs, not rewards; "
+                              "an online preset (grpo, rloo, ...) takes reward functions")
         train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task, paired=preset.paired,
                                                 needs_scores=preset.needs_scores)
         test_rows = test_rows[:data.eval_size]
         from_policy = config.preference.pairs_from == "policy"
         validate(config, preset, None if from_policy else len(train_rows), task)
-        fsdp.check(config)
-        offload.check(config.model.offload_reference, preset.needs_reference, preset.name)
-        distributed.init(config.model.device)
-        distributed.seed(config.run.seed)
-        model_name = config.model.model or (task.source.default_model if task else None)
-        if model_name is None:
-            raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
-        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device,
-                                                 mixed_precision=config.model.mixed_precision)
-        if config.model.lora_r:
-            policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
-        policy.eval()  # no dropout (decision 2); gradients flow all the same
-        if config.model.gradient_checkpointing:
-            checkpoint_layers(policy)
+        start_processes(config, needs_reference=preset.needs_reference, name=preset.name)
+        name = model_name(config, task.source.default_model if task else None, inputs)
+        policy, tokenizer, ref = load_policy(config, name, inputs, needs_reference=preset.needs_reference,
+                                             train_mode=False)  # no dropout (decision 2); gradients flow the same
         pc = config.preference
         lengths = dict(max_length=pc.max_length, max_prompt_length=pc.max_prompt_length)
         train = None if from_policy else encode(
@@ -160,7 +151,6 @@ class PreferenceSession:
             _say("the built-in pairs are synthetic (the right scratchpad against one with a slip): they teach "
                  "ranking and can lower task accuracy; to improve the task itself, train on the policy's own "
                  "samples: --pairs-from policy --rpo-alpha 1 (ORPO: no --rpo-alpha)")
-        ref = reference_model(policy, config.model.offload_reference) if preset.needs_reference else None
         chunk = config.optim.micro_batch_size  # sequences per no-grad forward pass
         pad = tokenizer.pad_token_id
         with offload.resident(ref):
@@ -168,11 +158,7 @@ class PreferenceSession:
             test_ref_logps = dataset_logps(ref, test, pad, chunk)[0] if ref is not None and test is not None else None
         if ref_logps is not None and preset.paired:
             ref = None  # everything it would score is scored: free it (decision 5)
-        if fsdp.requested(config):
-            policy = fsdp.shard(policy)  # after the reference copy, before the optimizer sees the parameters
-        trainable = [p for p in policy.parameters() if p.requires_grad]
-        optimizer, scheduler = build_optimizer(trainable, config.optim, config.run.max_steps)  # one per step
-        distributed.broadcast_parameters(trainable)  # e.g. LoRA's random init: every process starts from rank 0's
+        policy, optimizer, scheduler = build_optimization(config, policy, [], optimizer_steps=config.run.max_steps)
         generator = None
         if task is not None:
             from posttrain.training.session import eos_token_ids
@@ -182,8 +168,7 @@ class PreferenceSession:
             generator = make_generator("hf", policy, tokenizer, sampling, eos_token_ids(policy, tokenizer))
         return cls(config, preset, policy, tokenizer, ref, optimizer, scheduler, train, test, task, generator,
                    PromptSampler(0 if train is None else len(train), config.run.seed), ref_logps, test_ref_logps,
-                   fingerprint={"model": absolute_path(model_name), "algorithm": preset.name,
-                                "parameters": sum(p.numel() for p in policy.parameters())},
+                   fingerprint=fingerprint(name, preset.name, policy),
                    prompt_sampler=PromptSampler(len(task.source.train), config.run.seed) if from_policy else None)
 
     @property
@@ -196,6 +181,10 @@ class PreferenceSession:
         return max(1, self.config.optim.micro_batch_size // (2 if self.preset.paired else 1))
 
     # -- the runner's protocol -----------------------------------------------------------------
+
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """None: the reference stays the starting model, and there is no value head."""
+        return {}
 
     def trainer_state(self) -> dict[str, Any]:
         state = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
@@ -514,6 +503,6 @@ def generation_accuracy(s: PreferenceSession, rows: list[dict[str, Any]]) -> int
     return sum(s.task.source.correct([r["prompt"] for r in rows], texts, **columns))
 
 
-def train_preference(config: Config) -> dict[str, Any]:
+def train_preference(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
     """Train a preference preset as configured; returns the run directory and held-out metrics before/after."""
-    return run_training(PreferenceSession.create(config), config, train_step, evaluate)
+    return run_training(PreferenceSession.create(config, inputs), config, train_step, evaluate)

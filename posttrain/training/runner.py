@@ -20,9 +20,8 @@ import sys
 import time
 from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable, TypeVar
 
-import torch
 
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
@@ -34,6 +33,9 @@ from posttrain.config import Config, save_yaml
 from posttrain.tracking.metrics import MetricsLogger, NullLogger
 from posttrain.models.lora import merged_for_saving
 from posttrain.tracking.plots import plot_run
+from posttrain.training.setup import Trainer
+
+T = TypeVar("T", bound=Trainer)
 
 
 def open_run_dir(config: Config) -> Path:
@@ -70,21 +72,11 @@ def new_run_dir(config: Config) -> Path:
     return path
 
 
-def checkpoint_modules(session: Any) -> dict[str, torch.nn.Module]:
-    """The modules besides the policy that a checkpoint must hold for an exact resume."""
-    modules = {}
-    if getattr(session, "value_head", None) is not None:
-        modules["value_head"] = session.value_head
-    if getattr(session, "ref", None) is not None and session.config.optim.ref_refresh_every:
-        modules["reference"] = session.ref
-    return modules
-
-
-def save(session: Any, run_dir: Path) -> Path:
+def save(session: Trainer, run_dir: Path) -> Path:
     """Rank 0 writes the checkpoint; every process calls this (it gathers their surplus groups)."""
     extra_state = session.extra_state()
     sharded = fsdp.is_sharded(session.policy)  # FSDP: every process gathers the full tensors for rank 0
-    modules = checkpoint_modules(session)
+    modules = session.checkpoint_modules()
     with offload.resident(modules.get("reference")):  # an offloaded reference: its weights, for the file
         return distributed.on_main(
             save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
@@ -96,19 +88,20 @@ def save(session: Any, run_dir: Path) -> Path:
         )
 
 
-def evaluate_on_main(evaluate, session: Any, limit: int | None = None) -> dict[str, float]:
+def evaluate_on_main(evaluate: Callable[[T, int | None], dict[str, float]], session: T,
+                     limit: int | None = None) -> dict[str, float]:
     """Rank 0 evaluates (under FSDP with the full parameters, gathered by every process) the first
     ``limit`` held-out prompts (None: all); every process gets its metrics."""
     with fsdp.full_parameters(session.policy):
         return distributed.on_main(evaluate, session, limit)
 
 
-def restore(session: Any, run_dir: Path) -> int:
+def restore(session: Trainer, run_dir: Path) -> int:
     """Load the latest complete checkpoint of ``run_dir`` into the session; return its step."""
     path = latest_checkpoint(run_dir)
     if path is None:
         raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
-    modules = checkpoint_modules(session)
+    modules = session.checkpoint_modules()
     with offload.resident(modules.get("reference"), write=True):  # an offloaded reference keeps what is loaded
         state = load_checkpoint(path, model=session.policy, optimizer=session.optimizer, scheduler=session.scheduler,
                                 extra_modules=modules, expected_fingerprint=session.fingerprint)
@@ -119,8 +112,10 @@ def restore(session: Any, run_dir: Path) -> int:
     return session.step
 
 
-def run_training(session: Any, config: Config, train_step, evaluate) -> dict[str, Any]:
-    """Drive ``train_step`` to ``max_steps`` with evaluation, logging and checkpoints."""
+def run_training(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
+                 evaluate: Callable[[T, int | None], dict[str, float]]) -> dict[str, Any]:
+    """Drive ``train_step(session)`` to ``max_steps`` with ``evaluate(session, limit)`` every ``eval_every``
+    steps (the first ``limit`` held-out prompts; None: all), logging and checkpoints."""
     run = config.run
     run_dir = distributed.on_main(open_run_dir, config)
     start = restore(session, run_dir) if run.resume else 0

@@ -20,15 +20,14 @@ from torch import Tensor
 import posttrain.functional as F
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.algorithms.presets import OnlineAlgorithm
-from posttrain.config import Config, ConfigError, DataConfig, absolute_path
+from posttrain.config import Config, ConfigError, DataConfig
 from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
 from posttrain.tracking.stats import wilson_interval
 from posttrain.data.prompts import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
 from posttrain.training.groups import Groups
-from posttrain.training.optim import apply_gradients, build_optimizer
-from posttrain.models.loading import load_model_and_tokenizer
-from posttrain.models.modeling import ValueHead, batched_logprobs, checkpoint_layers
-from posttrain.models.lora import apply_lora, reference_model
+from posttrain.training.optim import apply_gradients
+from posttrain.training.setup import Inputs, build_optimization, fingerprint, load_policy, model_name, start_processes
+from posttrain.models.modeling import ValueHead, batched_logprobs
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.data.scoring import RewardPolicy, Scores, score
@@ -48,8 +47,8 @@ class Workload:
     final_answer: Callable[[str], str | None] | None = None  # the task's answer parser (posttrain eval's maj@K)
 
 
-def load_workload(config: Config) -> Workload:
-    """The task or dataset named by the config, with its reward functions; checks the rows."""
+def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
+    """The task or dataset named by the config, with its reward functions (``inputs``' first); checks the rows."""
     from posttrain.data.rewards import load_reward_function
     from posttrain.data.tasks import get_task
 
@@ -60,20 +59,22 @@ def load_workload(config: Config) -> Workload:
         test_rows = read_rows(data.eval_dataset) if data.eval_dataset else []
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
-        if not data.reward:
-            raise ConfigError("reward: a --dataset needs at least one --reward FILE.py:FUNCTION")
+        if not data.reward and not inputs.reward_funcs:
+            raise ConfigError("reward: a --dataset needs at least one --reward FILE.py:FUNCTION (from Python: "
+                              "reward_funcs=[...])")
         task = None
     else:
         task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
         train_rows, test_rows = list(task.train), list(task.test)
-    if data.reward:
-        fns = [load_reward_function(spec) for spec in data.reward]
-        weights = list(data.reward_weights) or [1.0] * len(fns)
+    if data.reward or inputs.reward_funcs:
+        fns = [*inputs.reward_funcs, *(load_reward_function(spec) for spec in data.reward)]
+        weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
+                   *(data.reward_weights or [1.0] * len(data.reward))]
     else:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
     budget = config.rollout.max_new_tokens or (task.max_new_tokens if task else None)
     if budget is None:
-        raise ConfigError("max_new_tokens: set the completion token budget for a --dataset run")
+        raise ConfigError("max_new_tokens: set the completion token budget for a dataset run")
     return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
                     task.correct if task else None, budget, task.default_model if task else None,
                     task.final_answer if task else None)
@@ -192,53 +193,37 @@ class OnlineSession:
     # -- construction ---------------------------------------------------------------------
 
     @classmethod
-    def create(cls, config: Config) -> "OnlineSession":
+    def create(cls, config: Config, inputs: Inputs = Inputs()) -> "OnlineSession":
         alg = config.preset()
         if not isinstance(alg, OnlineAlgorithm):
             raise ConfigError(f"algorithm: {alg.name} is an offline preference preset; the online trainer "
                               "runs online presets (posttrain train routes it to the preference trainer)")
-        work = load_workload(config)
+        work = load_workload(config, inputs)
         validate(config, alg, work)
         eval_workloads = load_eval_workloads(config, work.max_new_tokens)  # their errors before the model loads
-        fsdp.check(config)
-        offload.check(config.model.offload_reference, alg.needs_reference, alg.name)
-        distributed.init(config.model.device)
-        distributed.seed(config.run.seed)
-        model_name = config.model.model or work.default_model
-        if model_name is None:
-            raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
         if config.model.lora_r and config.optim.ref_refresh_every:
             raise ConfigError("ref_refresh_every: with LoRA the reference is the policy with its adapters off "
                               "and cannot be refreshed; set ref_refresh_every 0, or lora_r 0 to train all weights")
-        policy, tokenizer = load_model_and_tokenizer(model_name, dtype=config.model.dtype, device=config.model.device,
-                                                 mixed_precision=config.model.mixed_precision)
-        if config.model.lora_r:
-            policy = apply_lora(policy, config.model)  # base weights frozen; the reference is the base model
-        policy.train()
-        ref = reference_model(policy, config.model.offload_reference) if alg.needs_reference else None
-        if config.model.gradient_checkpointing:  # after the copy: the reference never runs with gradient
-            checkpoint_layers(policy)
+        start_processes(config, needs_reference=alg.needs_reference, name=alg.name)
+        name = model_name(config, work.default_model, inputs)
+        policy, tokenizer, ref = load_policy(config, name, inputs, needs_reference=alg.needs_reference,
+                                             train_mode=True)
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
-        if fsdp.requested(config):
-            policy = fsdp.shard(policy)  # after the reference copy, before the optimizer sees the parameters
-        trainable = [p for p in policy.parameters() if p.requires_grad]
-        params = trainable + (list(value_head.parameters()) if value_head else [])
-        optimizer_steps = config.run.max_steps * alg.num_epochs * alg.mini_batches
-        optimizer, scheduler = build_optimizer(params, config.optim, optimizer_steps)
-        distributed.broadcast_parameters(params)  # e.g. LoRA's random init: every process starts from rank 0's
+        policy, optimizer, scheduler = build_optimization(
+            config, policy, list(value_head.parameters()) if value_head else [],
+            optimizer_steps=config.run.max_steps * alg.num_epochs * alg.mini_batches)
         eos_ids = eos_token_ids(policy, tokenizer)
         r = config.rollout
-        params_ = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
+        params = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler,
-            make_generator(r.backend, policy, tokenizer, params_, eos_ids, model_path=policy.config.name_or_path,
+            make_generator(r.backend, policy, tokenizer, params, eos_ids, model_path=policy.config.name_or_path,
                            seed=config.run.seed + distributed.rank()),
             [encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}")
              for number, row in enumerate(work.train_rows, start=1)],
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
             eos_ids,
-            fingerprint={"model": absolute_path(model_name), "algorithm": alg.name,
-                         "parameters": sum(p.numel() for p in policy.parameters())},
+            fingerprint=fingerprint(name, alg.name, policy),
             eval_workloads=eval_workloads,
         )
 
@@ -314,6 +299,15 @@ class OnlineSession:
         return grad_norm
 
     # -- checkpoint state --------------------------------------------------------------------
+
+    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
+        """PPO's value head, and a reference that is refreshed during the run (it is no longer the start)."""
+        modules: dict[str, torch.nn.Module] = {}
+        if self.value_head is not None:
+            modules["value_head"] = self.value_head
+        if self.ref is not None and self.config.optim.ref_refresh_every:
+            modules["reference"] = self.ref
+        return modules
 
     def trainer_state(self) -> dict[str, Any]:
         """JSON-able state for an exact resume (weights and optimizer are saved separately)."""

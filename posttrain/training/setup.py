@@ -1,0 +1,141 @@
+"""What every trainer sets up the same way, and the protocol the run around a loop relies on.
+
+A trainer's session is built in three shared steps, in this order, around what is its own (data,
+value head, precomputed reference log-probs):
+
+1. :func:`start_processes`: the checks that need no model, then process group and seeds;
+2. :func:`load_policy`: the model and tokenizer (loaded from the config's ``model``, or the objects a
+   Python caller passed), LoRA adapters, the frozen reference (a copy, or the base model under LoRA),
+   then activation checkpointing (after the copy: the reference never runs with gradient);
+3. :func:`build_optimization`: FSDP sharding (after the reference copy, before the optimizer sees the
+   parameters), the optimizer and its schedule, and every process starting from rank 0's trainable
+   weights (LoRA's random initialisation differs per process otherwise).
+
+:class:`Trainer` is what :func:`posttrain.training.runner.run_training` needs of a session between
+steps: checkpoints, resume, samples.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from posttrain.config import Config, ConfigError, absolute_path
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.lora import apply_lora, reference_model
+from posttrain.models.modeling import checkpoint_layers, resolve_device, use_mixed_precision
+from posttrain.parallel import distributed, fsdp, offload
+from posttrain.training.optim import build_optimizer
+
+
+@dataclass(frozen=True)
+class Inputs:
+    """Objects a Python caller hands over instead of names in the config (:func:`posttrain.train`).
+
+    ``model`` with its ``tokenizer`` replaces loading ``config.model.model``; ``reward_funcs`` (TRL's
+    signature) are called before the config's ``reward`` files, weighted by ``reward_weights``. Datasets are never objects here:
+    :func:`posttrain.train` writes rows it is given to the run directory, so the config names them and
+    the run can be resumed.
+    """
+
+    model: nn.Module | None = None
+    tokenizer: Any = None
+    reward_funcs: tuple[Callable[..., Any], ...] = ()
+    reward_weights: tuple[float, ...] = ()
+    """One per ``reward_funcs`` entry; empty: 1.0 each."""
+
+
+class Trainer(Protocol):
+    """A trainer's session, as the run around its loop sees it."""
+
+    config: Config
+    policy: nn.Module
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    step: int
+    fingerprint: dict[str, Any]
+    """What a checkpoint must match to be resumed into this session: model, algorithm, parameter count."""
+
+    def checkpoint_modules(self) -> dict[str, nn.Module]:
+        """Modules besides the policy that a checkpoint holds for an exact resume (a value head, a
+        reference that is refreshed), by name."""
+        ...
+
+    def trainer_state(self) -> dict[str, Any]:
+        """JSON-able state for an exact resume (weights and optimizer are saved separately)."""
+        ...
+
+    def extra_state(self) -> dict[str, Any]:
+        """Tensor state for an exact resume; every process calls it."""
+        ...
+
+    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        ...
+
+    def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
+        """The last step's samples, for ``samples.jsonl``."""
+        ...
+
+
+def start_processes(config: Config, *, needs_reference: bool, name: str) -> None:
+    """The checks that need no model (FSDP's, offloading's), then the process group and the seeds."""
+    fsdp.check(config)
+    offload.check(config.model.offload_reference, needs_reference, name)
+    distributed.init(config.model.device)
+    distributed.seed(config.run.seed)
+
+
+def model_name(config: Config, default: str | None, inputs: Inputs) -> str:
+    """The model a run trains: the config's, else the task's built-in one (an object: its name or path)."""
+    if inputs.model is not None:
+        return getattr(getattr(inputs.model, "config", None), "name_or_path", None) or type(inputs.model).__name__
+    name = config.model.model or default
+    if name is None:
+        raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
+    return name
+
+
+def load_policy(config: Config, name: str, inputs: Inputs, *, needs_reference: bool,
+                train_mode: bool) -> tuple[nn.Module, Any, nn.Module | None]:
+    """(policy, tokenizer, frozen reference or None), in the module docstring's order."""
+    m = config.model
+    if inputs.model is not None:
+        if inputs.tokenizer is None:
+            raise ConfigError("tokenizer: a model object needs its tokenizer (posttrain.train(model, tokenizer=...))")
+        policy, tokenizer = inputs.model.to(resolve_device(m.device)), inputs.tokenizer
+        if tokenizer.pad_token_id is None:  # as loading does: padding needs an id, and EOS ends every completion
+            tokenizer.pad_token = tokenizer.eos_token
+        if m.mixed_precision == "bf16":
+            use_mixed_precision(policy)
+    else:
+        policy, tokenizer = load_model_and_tokenizer(name, dtype=m.dtype, device=m.device,
+                                                     mixed_precision=m.mixed_precision)
+    if m.lora_r:
+        policy = apply_lora(policy, m)  # base weights frozen; the reference is the base model
+    policy.train(train_mode)
+    reference = reference_model(policy, m.offload_reference) if needs_reference else None
+    if m.gradient_checkpointing:
+        checkpoint_layers(policy)
+    return policy, tokenizer, reference
+
+
+def build_optimization(config: Config, policy: nn.Module, extra: list[nn.Parameter],
+                       optimizer_steps: int) -> tuple[nn.Module, torch.optim.Optimizer, Any]:
+    """(policy, sharded under FSDP; optimizer; scheduler) over the policy's trainable parameters and ``extra``."""
+    if fsdp.requested(config):
+        policy = fsdp.shard(policy)
+    params = [p for p in policy.parameters() if p.requires_grad] + extra
+    optimizer, scheduler = build_optimizer(params, config.optim, optimizer_steps)
+    distributed.broadcast_parameters(params)
+    return policy, optimizer, scheduler
+
+
+def fingerprint(name: str, algorithm: str, policy: nn.Module) -> dict[str, Any]:
+    """What a checkpoint must match to be resumed: the model, the algorithm, the parameter count."""
+    return {"model": absolute_path(name), "algorithm": algorithm,
+            "parameters": sum(p.numel() for p in policy.parameters())}
