@@ -33,7 +33,7 @@ def accuracy_by_template(s: OnlineSession, rows: list[dict]) -> tuple[float, dic
     from posttrain.data.prompts import as_completion, encode_prompt
 
     completions = s.generator.generate([encode_prompt(s.tokenizer, r["prompt"]) for r in rows], num_samples=1, greedy=True)
-    texts = s.decode(completions)
+    texts = s.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
     right = s.work.correct(prompts=[r["prompt"] for r in rows],
                            completions=[as_completion(r["prompt"], t) for r, t in zip(rows, texts)],
                            answer=[r["answer"] for r in rows])

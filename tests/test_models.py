@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.modeling import batched_logprobs
 from posttrain.models import loading
-from posttrain.training.online import train_step
+from posttrain.training.online import reference_logprobs, train_step
 from posttrain.data.rewards import math_answer
 from posttrain.rollout.completions import completion_mask
 from posttrain.training.session import OnlineSession
@@ -195,7 +195,7 @@ def test_lora_grpo_trains_only_the_adapters_against_the_base_model(tiny_model_di
     # The reference is the base model: its log-probs equal a fresh copy's, the policy's do not.
     g = s.last_groups
     comp = g.completions
-    ref = s.reference_logprobs(g)
+    ref = reference_logprobs(s, g)
     expected, _ = batched_logprobs(base, g.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                                    micro_batch_size=64)
     assert torch.allclose(ref, expected, atol=1e-6)

@@ -11,6 +11,7 @@ import torch
 from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm
 from posttrain.config import Config
 from posttrain.models.modeling import collate, forward
+from posttrain.training import online
 from posttrain.training.online import has_signal, mini_batch_rows, train_step
 from posttrain.training.runner import run_training
 from posttrain.training.session import OnlineSession, evaluate
@@ -37,8 +38,8 @@ def recompute_loss(s: OnlineSession, policy, value_head) -> torch.Tensor:
     with torch.no_grad():
         out = forward(policy, batch, value_head=value_head)
     t = out.logprobs.shape[1]
-    ref = s.reference_logprobs(g) if s.ref is not None else None
-    baseline = s.greedy_rewards(g.indices) if alg.needs_greedy_baseline else None
+    ref = online.reference_logprobs(s, g) if s.ref is not None else None
+    baseline = online.greedy_rewards(s, g.indices) if alg.needs_greedy_baseline else None
     adv, returns = alg.advantages_and_returns(g.rewards, mask=comp.mask, logprobs=g.old_logprobs,
                                               ref_logprobs=ref, values=g.old_values, baseline=baseline)
     old = g.old_logprobs[:, :t] if g.old_logprobs is not None else out.logprobs
@@ -126,29 +127,49 @@ def test_dapo_overlong_penalty_enters_the_reward(tiny_model_dir, reward_file):
 def test_overlong_filter_takes_truncated_completions_out_of_the_loss(tiny_model_dir, reward_file):
     # A budget of 4 tokens: a random model rarely ends that early, so most completions are truncated.
     config = make_config(tiny_model_dir, reward_file, "dapo", binary_reward=None, dynamic_sampling=False,
-                         overlong_filter=True, max_new_tokens=4)
+                         overlong_filter=True, max_new_tokens=4, mini_batches=1)  # one update: pre-update loss
     s = OnlineSession.create(config)
+    policy = copy.deepcopy(s.policy)
     metrics = train_step(s)
     g = s.last_groups
-    assert g.completions.truncated.any()
-    assert torch.all(g.completions.mask[g.completions.truncated] == 0)
-    if g.completions.truncated.all():
-        assert metrics["loss"] == 0.0 and metrics["grad_norm"] == 0.0
+    truncated = g.completions.truncated
+    assert truncated.any() and not truncated.all()  # some to drop, some to keep
+    assert torch.all(g.completions.mask[truncated] == 0)
+    # The step's loss is the policy loss of the completions that ended, alone (token mean over their
+    # tokens), with the advantages of their groups, which count the truncated completions' rewards.
+    kept = (~truncated).nonzero().squeeze(1)
+    comp = g.completions
+    batch = collate([g.prompt_ids[int(i)] for i in kept], comp.completion_ids[kept], comp.mask[kept], s.pad_id,
+                    s.device)
+    assert batch.mask.sum() > 0
+    with torch.no_grad():
+        logprobs = forward(policy, batch).logprobs
+    advantages = s.alg.advantages(g.rewards, mask=torch.ones_like(comp.mask))[kept, :logprobs.shape[1]]
+    expected, _ = s.alg.policy_loss(logprobs, logprobs, advantages, batch.mask, max_tokens=s.max_new_tokens)
+    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
 
 
 def test_remax_decodes_greedily_once_per_prompt(tiny_model_dir, reward_file):
     s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "remax"))
+    generate, greedy_calls = s.generator.generate, []
+
+    def recording(prompt_ids, *, num_samples, greedy=False):
+        if greedy:
+            greedy_calls.append((len(prompt_ids), num_samples))
+        return generate(prompt_ids, num_samples=num_samples, greedy=greedy)
+
+    s.generator.generate = recording
     for _ in range(2):
         train_step(s)
         s.step += 1
-    assert s.greedy_decodes == 2 * 4
+    assert greedy_calls == [(4, 1), (4, 1)]  # each step: its 4 prompts, one greedy completion each
 
 
-def test_best_of_n_trains_on_the_best_sample_of_each_group(tiny_model_dir, reward_file):
+def test_best_of_n_trains_on_the_best_sample_of_each_group(tiny_model_dir, reward_file, monkeypatch):
     s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "best_of_n", seed=3))
     sampled = []
-    select = s.best_of_n
-    s.best_of_n = lambda groups: sampled.append(groups) or select(groups)
+    select = online.best_of_n
+    monkeypatch.setattr(online, "best_of_n", lambda s, groups: sampled.append(groups) or select(s, groups))
     torch.manual_seed(3)
     metrics = train_step(s)
     g, rewards = s.last_groups, sampled[0].rewards  # [B, G] as sampled
@@ -178,7 +199,7 @@ def test_micro_batching_gives_the_same_gradient(name, tiny_model_dir, reward_fil
         train_step(s)
         grads.append(captured)
     assert any(g.abs().max() > 0 for g in grads[0])
-    for a, b in zip(*grads):
+    for a, b in zip(*grads, strict=True):  # as many gradients captured either way: none compared vacuously
         assert torch.allclose(a, b, rtol=1e-4, atol=1e-8)
 
 

@@ -16,7 +16,7 @@ from posttrain.config import Config
 from posttrain.data.prompts import encode_prompt
 from posttrain.models.modeling import batched_logprobs
 from posttrain.models.loading import load_model_and_tokenizer, resolve_model_path
-from posttrain.training.online import train_step
+from posttrain.training.online import reference_logprobs, train_step
 from posttrain.rollout.completions import SamplingParams
 from posttrain.rollout.generators import HFGenerator
 from posttrain.training.session import OnlineSession, eos_token_ids
@@ -98,4 +98,4 @@ def test_grpo_with_lora_on_gsm_trains_only_the_adapters(tmp_path):
     base = AutoModelForCausalLM.from_pretrained(resolve_model_path("smollm2-135m")).eval()
     expected, _ = batched_logprobs(base, g.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                                    micro_batch_size=8)
-    assert torch.allclose(s.reference_logprobs(g), expected, atol=1e-5)
+    assert torch.allclose(reference_logprobs(s, g), expected, atol=1e-5)

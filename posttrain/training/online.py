@@ -36,17 +36,27 @@ from torch import Tensor
 
 import posttrain.functional as F
 from posttrain.functional._value import explained_variance
-from posttrain.parallel import distributed, fsdp
+from posttrain.data.scoring import Scores
+from posttrain.parallel import distributed, fsdp, offload
 from posttrain.training.guards import has_signal, step_has_signal
-from posttrain.models.modeling import collate, forward
+from posttrain.models.modeling import batched_logprobs, collate, forward
 from posttrain.rollout.completions import Completions
 from posttrain.training.groups import Groups, cat_rows
-from posttrain.training.session import OnlineSession
+from posttrain.training.session import OnlineSession, score_texts
 
 
 # ---------------------------------------------------------------------------------------
 # 1-4: sample, generate, score, shape, filter
 # ---------------------------------------------------------------------------------------
+
+
+def decode(s: OnlineSession, completions: Completions) -> list[str]:
+    return s.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
+
+
+def score_rows(s: OnlineSession, rows: list[dict], texts: list[str], g: int) -> tuple[Scores, Tensor | None]:
+    """Score ``len(rows) * g`` completions (row i's samples at i*g .. i*g + g - 1)."""
+    return score_texts(s.work, s.config.data, rows, texts, g)
 
 
 def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, float], dict[str, int]]:
@@ -57,9 +67,9 @@ def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, flo
     prompt_ids = [s.encoded_prompts[i] for i in indices]
     t0 = time.perf_counter()
     completions = s.generator.generate(prompt_ids, num_samples=g)
-    texts = s.decode(completions)
+    texts = decode(s, completions)
     t1 = time.perf_counter()
-    scores, correct = s.score_rows(rows, texts, g)
+    scores, correct = score_rows(s, rows, texts, g)
     s.reward_watch.update(scores.terms, scores.failures)
     rewards = scores.total
     if alg.binary_reward is not None:  # DAPO: +1 for a correct answer, -1 otherwise
@@ -106,7 +116,7 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
         if alg.dynamic_sampling:
             groups = groups.select(signal)
         if s.needs_rollout_logprobs:  # (an empty selection costs no forward pass)
-            groups.old_logprobs, groups.old_values = s.rollout_logprobs(groups)
+            groups.old_logprobs, groups.old_values = rollout_logprobs(s, groups)
         kept.append(groups)
         have += len(groups.indices)
     if not distributed.any_true(have > 0):
@@ -162,6 +172,49 @@ def rollout_metrics(groups: Groups) -> dict[str, float]:
 # ---------------------------------------------------------------------------------------
 # 5-7: log-probs, advantages, update
 # ---------------------------------------------------------------------------------------
+
+
+def rollout_logprobs(s: OnlineSession, groups: Groups) -> tuple[Tensor, Tensor | None]:
+    """[N, T] the sampling policy's log-probs of the groups' tokens, and its values (PPO) or None."""
+    comp = groups.completions
+    return batched_logprobs(s.policy, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
+                            micro_batch_size=s.config.optim.micro_batch_size,
+                            temperature=s.config.rollout.temperature, value_head=s.value_head)
+
+
+def reference_logprobs(s: OnlineSession, groups: Groups) -> Tensor:
+    """[N, T] the reference model's log-probs of the groups' tokens."""
+    comp = groups.completions
+    with offload.resident(s.ref):
+        logprobs, _ = batched_logprobs(s.ref, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
+                                       micro_batch_size=s.config.optim.micro_batch_size,
+                                       temperature=s.config.rollout.temperature)
+    return logprobs
+
+
+def greedy_rewards(s: OnlineSession, indices: list[int]) -> Tensor:
+    """ReMax's baseline: the raw reward of one greedy decode per prompt, [B]."""
+    if not indices:  # this process holds no group this step (reward_errors=skip dropped them)
+        return torch.zeros(0)
+    completions = s.generator.generate([s.encoded_prompts[i] for i in indices], num_samples=1, greedy=True)
+    scores, _ = score_rows(s, [s.train_rows[i] for i in indices], decode(s, completions), 1)
+    return scores.total
+
+
+def best_of_n(s: OnlineSession, groups: Groups) -> Groups:
+    """RAFT: each group's highest-reward sample (ties: the first); groups below min_reward, and (skip_ties)
+    groups whose samples all tie, dropped."""
+    index, keep = F.best_of_n(groups.rewards, min_reward=s.alg.min_reward, skip_ties=s.alg.skip_ties)
+    return groups.pick(index).select(keep)
+
+
+def maybe_refresh_reference(s: OnlineSession) -> None:
+    """Copy the policy into the reference every ``ref_refresh_every`` steps."""
+    every = s.config.optim.ref_refresh_every
+    if s.ref is not None and every and (s.step + 1) % every == 0:
+        state = fsdp.full_state_dict(s.policy)
+        with offload.resident(s.ref, write=True):
+            s.ref.load_state_dict(state)
 
 
 def step_normalizer(mask: Tensor, aggregation: str) -> Tensor:
@@ -305,12 +358,12 @@ def train_step(s: OnlineSession) -> dict[str, float]:
         groups, metrics = collect_groups(s)
         t0 = time.perf_counter()
         if alg.trains_on_best_only:  # best-of-N (RAFT): train on the best sample of each group
-            groups = s.best_of_n(groups)
+            groups = best_of_n(s, groups)
         if alg.overlong_filter:  # DAPO: truncated completions keep their reward but leave the loss
             comp = groups.completions
             groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
-        ref = s.reference_logprobs(groups) if alg.needs_reference else None
-        baseline = s.greedy_rewards(groups.indices) if alg.needs_greedy_baseline else None
+        ref = reference_logprobs(s, groups) if alg.needs_reference else None
+        baseline = greedy_rewards(s, groups.indices) if alg.needs_greedy_baseline else None
     t1 = time.perf_counter()
     advantages, returns, stats = step_advantages(s, groups, ref, baseline)
     metrics.update(stats)
@@ -322,6 +375,6 @@ def train_step(s: OnlineSession) -> dict[str, float]:
     t2 = time.perf_counter()  # training = the reference/greedy passes + the update (forward, backward, steps)
     metrics.update(distributed.reduce_values({"time/training": t2 - t0, "time/update": t2 - t1}, max))
     metrics["lr"] = lr
-    s.maybe_refresh_reference()
+    maybe_refresh_reference(s)
     s.last_groups = groups
     return metrics

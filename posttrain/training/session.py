@@ -17,8 +17,7 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-import posttrain.functional as F
-from posttrain.parallel import distributed, fsdp, offload
+from posttrain.parallel import distributed
 from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig
 from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
@@ -27,7 +26,7 @@ from posttrain.data.prompts import PromptSampler, as_completion, check_prompt_ro
 from posttrain.training.groups import Groups
 from posttrain.training.optim import apply_gradients
 from posttrain.training.setup import Inputs, build_optimization, fingerprint, load_policy, model_name, start_processes
-from posttrain.models.modeling import ValueHead, batched_logprobs
+from posttrain.models.modeling import ValueHead
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.data.scoring import RewardPolicy, Scores, score
@@ -177,7 +176,6 @@ class OnlineSession:
     surplus: Any = None  # dynamic sampling's groups with signal waiting for the next step
     last_groups: Any = None
     bad_steps: int = 0
-    greedy_decodes: int = 0  # prompts decoded greedily for ReMax's baseline (a test counts them)
     fingerprint: dict[str, Any] = field(default_factory=dict)
     eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
     # the guards against runs that learn nothing (posttrain.training.guards)
@@ -255,42 +253,6 @@ class OnlineSession:
         kl_in_reward = a.needs_reference and a.kl_placement != "loss"
         return a.needs_old_logprobs or kl_in_reward or a.needs_value_model
 
-    def decode(self, completions: Completions) -> list[str]:
-        return self.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
-
-    def score_rows(self, rows: list[dict], texts: list[str], g: int) -> tuple[Scores, Tensor | None]:
-        """Score ``len(rows) * g`` completions (row i's samples at i*g .. i*g + g - 1)."""
-        return score_texts(self.work, self.config.data, rows, texts, g)
-
-    def rollout_logprobs(self, groups) -> tuple[Tensor, Tensor | None]:
-        comp = groups.completions
-        return batched_logprobs(self.policy, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=self.pad_id,
-                                micro_batch_size=self.config.optim.micro_batch_size,
-                                temperature=self.config.rollout.temperature, value_head=self.value_head)
-
-    def reference_logprobs(self, groups) -> Tensor:
-        comp = groups.completions
-        with offload.resident(self.ref):
-            logprobs, _ = batched_logprobs(self.ref, groups.prompt_ids, comp.completion_ids, comp.mask,
-                                           pad_id=self.pad_id, micro_batch_size=self.config.optim.micro_batch_size,
-                                           temperature=self.config.rollout.temperature)
-        return logprobs
-
-    def greedy_rewards(self, indices: list[int]) -> Tensor:
-        """ReMax's baseline: the raw reward of one greedy decode per prompt, [B]."""
-        if not indices:  # this process holds no group this step (reward_errors=skip dropped them)
-            return torch.zeros(0)
-        completions = self.generator.generate([self.encoded_prompts[i] for i in indices], num_samples=1, greedy=True)
-        self.greedy_decodes += len(indices)
-        scores, _ = self.score_rows([self.train_rows[i] for i in indices], self.decode(completions), 1)
-        return scores.total
-
-    def best_of_n(self, groups):
-        """RAFT: each group's highest-reward sample (ties: the first); groups below min_reward, and (skip_ties)
-        groups whose samples all tie, dropped."""
-        index, keep = F.best_of_n(groups.rewards, min_reward=self.alg.min_reward, skip_ties=self.alg.skip_ties)
-        return groups.pick(index).select(keep)
-
     def optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped, not applied."""
         before, lr = self.update_check.before_step(), self.scheduler.get_last_lr()[0]
@@ -343,14 +305,6 @@ class OnlineSession:
                 row["correct"] = bool(g.correct[i])
             rows.append(row)
         return rows
-
-    def maybe_refresh_reference(self) -> None:
-        every = self.config.optim.ref_refresh_every
-        if self.ref is not None and every and (self.step + 1) % every == 0:
-            state = fsdp.full_state_dict(self.policy)
-            with offload.resident(self.ref, write=True):
-                self.ref.load_state_dict(state)
-
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """EOS ids from the generation config (chat models end turns with their own token) and tokenizer."""
