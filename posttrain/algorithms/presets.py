@@ -5,7 +5,7 @@ ratio level, clip scheme, aggregation, KL estimator and placement, sampling
 filters and reward shaping; an offline one (`PreferenceAlgorithm`) is a
 preference loss and its coefficients. The math lives in `posttrain.functional`:
 the methods here only hand a preset's fields to it. `ALGORITHMS` holds the
-presets of ALGORITHMS.md ("Presets"); `algorithm(name, **overrides)` returns one, and
+presets of docs/algorithms.md ("Presets"); `algorithm(name, **overrides)` returns one, and
 `register_algorithm(preset)` adds one. The estimator and the losses a preset names are looked up in
 the registries of `posttrain.algorithms.registry` (the built-in ones: `posttrain.algorithms.pieces`),
 so a preset can name a piece a user registered.
@@ -421,7 +421,7 @@ class PreferenceAlgorithm:
         return loss + self.rpo_alpha * nll, {**metrics, "nll": nll.detach()}
 
 
-# Presets (ALGORITHMS.md, "Presets"). Unset fields take the defaults above: PPO's
+# Presets (docs/algorithms.md, "Presets"). Unset fields take the defaults above: PPO's
 # token-level clipped surrogate with eps 0.2 / 0.2, no KL, one epoch.
 _GROUP_NO_KL = dict(advantage="group", kl_placement="none", beta=0.0)
 _REWARD_KL = dict(kl_placement="token_reward", kl_estimator="k1", beta=0.01)

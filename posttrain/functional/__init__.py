@@ -2,7 +2,7 @@
 
 `import posttrain.functional as F` gives every estimator and loss as a small,
 typed, pure function (no model, no I/O, no `.item()` in the math), usable from
-any training loop. The exact formulas are those of `ALGORITHMS.md`; each module
+any training loop. The exact formulas are those of `docs/algorithms.md`; each module
 docstring says where, if anywhere, it departs from the paper.
 
 Conventions:

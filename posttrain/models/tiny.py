@@ -7,7 +7,7 @@ soon as greedy accuracy on a fixed subset of held-out prompts first
 reaches the recipe's target. RL needs a policy that is sometimes right:
 below about 10% almost no sampled group has reward variance and GRPO
 stalls; supervised training crosses the whole 10-50% band in about 10
-seconds, hence stopping on accuracy rather than on time (docs: FACTS.md).
+seconds, hence stopping on accuracy rather than on time.
 
 The build is deterministic given the recipe's seed on one machine (same
 torch version and thread count): weights, batch order and the stopping

@@ -6,7 +6,7 @@ frees its logits, activations and gradients (tens to hundreds of MiB each) every
 each time the kernel zero-fills the pages again on first touch. Measured on SmolLM2-135M
 (forward + backward + AdamW, 16 x 48 tokens, 2 cores): 306k minor page faults and 23-36 CPU
 seconds per step by default, 83k and 17.4 s with :func:`keep_freed_memory` (+8% peak RSS,
-3.80 -> 4.09 GB). That is what preloading jemalloc buys too (FACTS.md), without a preload.
+3.80 -> 4.09 GB). That is what preloading jemalloc buys too, without a preload.
 
 It changes a process-wide setting, so the library never calls it on import: ``posttrain.training.api``
 (the CLI and ``posttrain compare``'s runs) calls it once before loading a model. Set
