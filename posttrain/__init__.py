@@ -8,10 +8,16 @@ returns a preset; the ``register_*`` functions add presets and the pieces they n
 __version__ = "0.1.0"
 
 from posttrain.algorithms.presets import (  # noqa: E402
-    ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm, algorithm, register_algorithm,
+    ALGORITHMS,
+    OnlineAlgorithm,
+    PreferenceAlgorithm,
+    algorithm,
+    register_algorithm,
 )
 from posttrain.algorithms.registry import (  # noqa: E402
-    register_advantage, register_policy_loss, register_preference_loss,
+    register_advantage,
+    register_policy_loss,
+    register_preference_loss,
 )
 
 __all__ = ["ALGORITHMS", "OnlineAlgorithm", "PreferenceAlgorithm", "algorithm", "register_advantage",

@@ -20,9 +20,22 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+from posttrain.config import (
+    SECTIONS,
+    Config,
+    ConfigError,
+    load_yaml,
+    unknown_field_hint,
+    upgrade_saved_config,
+)
 from posttrain.report import compare as compare_module
-from posttrain.report.compare import TARGET_HELP, compare_command, names, parse_seeds, report_command
-from posttrain.config import SECTIONS, Config, ConfigError, load_yaml, unknown_field_hint, upgrade_saved_config
+from posttrain.report.compare import (
+    TARGET_HELP,
+    compare_command,
+    names,
+    parse_seeds,
+    report_command,
+)
 
 
 def _parse_value(text: str) -> Any:
@@ -78,7 +91,11 @@ def _strip_none(annotation: Any) -> Any:
 
 
 def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
-    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm, field_help
+    from posttrain.algorithms.presets import (
+        OnlineAlgorithm,
+        PreferenceAlgorithm,
+        field_help,
+    )
 
     group = parser.add_argument_group("algorithm options (override the preset's defaults; "
                                       "posttrain algorithms NAME lists a preset's settings)")
@@ -202,10 +219,10 @@ def _run_config(run_dir: str) -> Path:
 
 def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that explain a problem with the user's input: printed as one line, no traceback."""
-    from posttrain.training.checkpoint import CheckpointError
     from posttrain.data.prompts import DataError
-    from posttrain.training.guards import NoLearningSignal, WeightsNotUpdated
     from posttrain.data.scoring import RewardError
+    from posttrain.training.checkpoint import CheckpointError
+    from posttrain.training.guards import NoLearningSignal, WeightsNotUpdated
 
     return (ConfigError, DataError, RewardError, CheckpointError, NoLearningSignal, WeightsNotUpdated,
             FileNotFoundError, FileExistsError)
@@ -240,7 +257,13 @@ def _unrecognized(tokens: Sequence[str]) -> str:
 
 
 def eval_command(args: argparse.Namespace) -> int:
-    from posttrain.training.evaluation import EvalSpec, evaluate_model, format_results, write_completions, write_results
+    from posttrain.training.evaluation import (
+        EvalSpec,
+        evaluate_model,
+        format_results,
+        write_completions,
+        write_results,
+    )
 
     tasks = args.task or ([] if args.dataset else ["addition"])
     spec = EvalSpec(tasks=tasks, dataset=args.dataset, reward=args.reward, reward_weights=args.reward_weights,
@@ -265,7 +288,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     hf_logging.disable_progress_bar()  # our own progress bar is the one to watch
     try:
         if args.command == "algorithms":
-            from posttrain.algorithms.tables import format_presets_table, format_side_by_side
+            from posttrain.algorithms.tables import (
+                format_presets_table,
+                format_side_by_side,
+            )
 
             print(format_side_by_side(args.names) if args.names else format_presets_table())
             return 0

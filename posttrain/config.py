@@ -27,6 +27,9 @@ from typing import Any
 
 import yaml
 
+from posttrain.algorithms.presets import ALGORITHMS, algorithm, setting_names
+from posttrain.tracking.metrics import TRACKERS
+
 
 def _help(text: str, default: Any = None, **kw: Any) -> Any:
     return field(default=default, metadata={"help": text}, **kw)
@@ -283,8 +286,6 @@ class RunConfig:
 
 def _check_report_to(report_to: tuple[str, ...]) -> None:
     """Every name a tracker of ``posttrain.tracking.metrics.TRACKERS``, or ``none`` alone."""
-    from posttrain.tracking.metrics import TRACKERS  # the registry: a tracker a user adds there is valid here too
-
     valid = f"use one or more of {', '.join(TRACKERS)}, or none alone"
     _require(isinstance(report_to, tuple), "report_to", f"got {report_to!r}; {valid}, as a tuple")
     for name in report_to:
@@ -317,8 +318,6 @@ class Config:
     run: RunConfig = field(default_factory=RunConfig)
 
     def preset(self):  # -> OnlineAlgorithm | PreferenceAlgorithm
-        from posttrain.algorithms.presets import algorithm
-
         return algorithm(self.algorithm, **self.overrides)
 
     def with_absolute_paths(self) -> "Config":
@@ -348,8 +347,6 @@ class Config:
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "Config":
         """Build from a flat mapping; a key that is neither a config nor an algorithm field is an error."""
-        from posttrain.algorithms.presets import algorithm, setting_names
-
         flat = dict(flat)
         plugins = flat.get("plugin") or ()
         import_plugins([plugins] if isinstance(plugins, str) else plugins)  # before the names they register are looked up
@@ -398,8 +395,6 @@ saved configs and resumed runs unambiguous."""
 
 def _unknown_field(key: str, algorithm_name: str, valid: Sequence[str]) -> ConfigError:
     """The error for a key that is no field of this config: a setting of other presets says whose it is."""
-    from posttrain.algorithms.presets import ALGORITHMS, setting_names
-
     owners = [name for name, preset in ALGORITHMS.items() if key in setting_names(preset)]
     users = [name for name in owners if getattr(ALGORITHMS[name], key) is not None]  # None: a setting not in use
     owners = users or owners

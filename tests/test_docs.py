@@ -737,8 +737,9 @@ def doc_outcomes(tmp_path_factory) -> Callable[[str], dict[str, list[Outcome]]]:
         plugin_source = "\n\n".join(block.code for block in BLOCKS if block.path == path and not block.not_run
                                     and "posttrain.register_" in block.code)
         workspace = Workspace(tmp_path_factory.mktemp("workspace"), plugin_source)
-        return {block.id: check_shell_block(block, workspace) for block in SHELL_BLOCKS
-                if block.path == path and not block.not_run}
+        with registries_restored():  # a --plugin the commands import registers pieces: they do not outlive the check
+            return {block.id: check_shell_block(block, workspace) for block in SHELL_BLOCKS
+                    if block.path == path and not block.not_run}
 
     return outcomes
 

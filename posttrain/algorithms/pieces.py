@@ -16,7 +16,11 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain.algorithms.registry import register_advantage, register_policy_loss, register_preference_loss
+from posttrain.algorithms.registry import (
+    register_advantage,
+    register_policy_loss,
+    register_preference_loss,
+)
 
 if TYPE_CHECKING:
     from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm

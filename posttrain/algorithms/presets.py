@@ -36,8 +36,13 @@ from torch import Tensor
 
 import posttrain.functional as F
 from posttrain.algorithms import pieces  # noqa: F401  (registers the built-in pieces before any preset is built)
-from posttrain.algorithms.registry import (ADVANTAGES, POLICY_LOSSES, PREFERENCE_INPUTS, PREFERENCE_LOSSES,
-                                           AdvantageEstimator)
+from posttrain.algorithms.registry import (
+    ADVANTAGES,
+    POLICY_LOSSES,
+    PREFERENCE_INPUTS,
+    PREFERENCE_LOSSES,
+    AdvantageEstimator,
+)
 
 Ratio = Literal["token", "sequence", "sequence_token"]
 Clip = Literal["ppo", "is_weight", "none"]

@@ -8,7 +8,11 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.algorithms.presets import (
-    ALGORITHMS, DESCRIPTIVE_FIELDS, OnlineAlgorithm, PreferenceAlgorithm, algorithm,
+    ALGORITHMS,
+    DESCRIPTIVE_FIELDS,
+    OnlineAlgorithm,
+    PreferenceAlgorithm,
+    algorithm,
 )
 from posttrain.algorithms.registry import PREFERENCE_LOSSES
 

@@ -37,7 +37,13 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.data.prompts import DataError, encode_prompt, is_chat, read_rows, require_chat_template
+from posttrain.data.prompts import (
+    DataError,
+    encode_prompt,
+    is_chat,
+    read_rows,
+    require_chat_template,
+)
 from posttrain.data.tasks.task import PreferenceTask
 
 PAIR_COLUMNS = ("chosen", "rejected")

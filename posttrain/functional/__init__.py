@@ -26,7 +26,14 @@ from ._aggregate import aggregate
 from ._kl import kl_estimate
 from ._logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
 from ._policy import nll_loss, policy_loss
-from ._preference import chosen_nll, dpo_loss, kto_loss, odpo_offset, orpo_loss, simpo_loss
+from ._preference import (
+    chosen_nll,
+    dpo_loss,
+    kto_loss,
+    odpo_offset,
+    orpo_loss,
+    simpo_loss,
+)
 from ._returns import discounted_returns, gae, kl_shaped_rewards, whiten
 from ._shaping import best_of_n, overlong_penalty
 from ._value import value_loss

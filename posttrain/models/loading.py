@@ -36,6 +36,9 @@ from typing import Any
 import torch
 
 from posttrain.config import ConfigError
+from posttrain.models.modeling import DTYPES, resolve_device, use_mixed_precision
+from posttrain.models.tiny import BUILTIN_MODELS, cache_root, ensure_tiny_model
+from posttrain.parallel.distributed import say
 
 GGUF_INSTALL = "pip install 'gguf>=0.10,<1'  (or: pip install 'posttrain[smollm2]')"
 ALIASES: dict[str, tuple[str, str, str]] = {
@@ -48,8 +51,6 @@ _HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*/[\w.-]+")
 
 def resolve_model_path(name: str, cache_dir: str | Path | None = None) -> Path:
     """The local Hugging Face directory for the spec ``name`` (built or converted on first use)."""
-    from posttrain.models.tiny import BUILTIN_MODELS, ensure_tiny_model
-
     if name in BUILTIN_MODELS:
         return ensure_tiny_model(name, cache_dir)
     if name in ALIASES:
@@ -94,8 +95,6 @@ def alias_file(alias: str) -> Path:
 
 def gguf_cache_dir(gguf_file: Path, cache_dir: str | Path | None = None) -> Path:
     """``<cache>/models/gguf-<stem>-<key>``, the key a hash of the file's resolved path, size and mtime."""
-    from posttrain.models.tiny import cache_root
-
     stat = gguf_file.stat()
     key = hashlib.sha256(f"{gguf_file.resolve()}|{stat.st_size}|{stat.st_mtime_ns}".encode()).hexdigest()[:16]
     return cache_root(cache_dir) / "models" / f"gguf-{gguf_file.stem}-{key}"
@@ -168,8 +167,6 @@ def launched_mixed_precision(configured: str) -> str:
         raise ConfigError("mixed_precision: the accelerate config asks for fp16, which posttrain does not run "
                           "(it needs loss scaling); set mixed_precision to bf16 or no in the accelerate config")
     if launched == "bf16" and configured != "bf16":
-        from posttrain.parallel.distributed import say
-
         say("mixed precision bf16, from the accelerate config (the run's config says mixed_precision no)")
         return "bf16"
     return configured
@@ -182,8 +179,6 @@ def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str =
     and tokenizer for the spec ``name``; the tokenizer always has a pad token (the EOS token when it
     defines none: masks come from the first EOS, never from the pad id, so the two may coincide)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    from posttrain.models.modeling import DTYPES, resolve_device, use_mixed_precision
 
     target = resolve_device(device)
     mixed_precision = launched_mixed_precision(mixed_precision)

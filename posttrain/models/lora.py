@@ -27,7 +27,8 @@ import torch
 from torch import nn
 
 from posttrain.config import ConfigError, ModelConfig
-from posttrain.models.modeling import autocast_dtype
+from posttrain.models.modeling import autocast_dtype, decoder_body, frozen_copy
+from posttrain.parallel.offload import offload
 
 LORA_INSTALL = "pip install 'posttrain[lora]'  (or: pip install 'peft>=0.13,<1')"
 
@@ -62,8 +63,6 @@ def keep_autocast_inputs(model: nn.Module) -> None:
     weights' dtype before the adapter product: the decoder stack runs under autocast, which casts both
     operands back to bfloat16 for the product, so the cast is two copies of the activation for nothing.
     Layers outside the autocast region see float32 inputs already."""
-    from posttrain.models.modeling import decoder_body
-
     for module in decoder_body(model).modules():
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False
@@ -107,9 +106,6 @@ class AdaptersDisabled:
 def reference_model(policy: nn.Module, offloaded: bool = False) -> Any:
     """The reference for ``policy``: its adapter-free base model under LoRA, else a frozen copy;
     ``offloaded``: the copy's weights kept out of memory between passes (:mod:`posttrain.parallel.offload`)."""
-    from posttrain.models.modeling import frozen_copy
-    from posttrain.parallel.offload import offload
-
     if is_lora(policy):
         return AdaptersDisabled(policy)
     return offload(frozen_copy(policy)) if offloaded else frozen_copy(policy)

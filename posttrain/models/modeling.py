@@ -23,7 +23,9 @@ import torch.utils.checkpoint
 from torch import Tensor, nn
 
 import posttrain.functional as F
+from posttrain.config import ConfigError
 from posttrain.models.architecture import cache_unsupported_reason, is_supported_class
+from posttrain.parallel.allocator import bound_kernel_caches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -58,8 +60,6 @@ def checkpoint_layers(model: nn.Module) -> int:
     whatever the mode. Raises ConfigError when the model has no decoder layers to wrap.
     """
     from transformers.modeling_layers import GradientCheckpointingLayer
-
-    from posttrain.config import ConfigError
 
     layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
     if not layers:
@@ -96,9 +96,9 @@ def decoder_body(model: nn.Module) -> nn.Module:
 
 FLOAT32_SDPA = "posttrain_sdpa_float32"
 """The attention implementation :func:`use_mixed_precision` gives a CPU model that used ``"sdpa"``:
-transformers' SDPA attention with autocast off, on float32 inputs. Measured on SmolLM2 (2 cores), one
-GRPO batch's forward+backward: 1.75-1.77 s against 1.93-2.03 with the attention in bfloat16, the same
-log-prob error against float32. transformers does not save it in the model's config."""
+transformers' SDPA attention with autocast off, on float32 inputs: on a CPU a training batch's
+forward+backward runs faster than with the attention in bfloat16, for the same log-prob error against
+float32 (benchmarks/RESULTS.md). transformers does not save it in the model's config."""
 
 
 def _register_float32_sdpa() -> None:
@@ -132,8 +132,8 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
     keeps it, bound to the copy. :class:`posttrain.rollout.decode_step.FusedDecoder` reads the dtype and casts its
     prepared weights once per ``decode`` call. Calling it again is a no-op.
 
-    On a CPU, attention stays float32 (:data:`FLOAT32_SDPA`: PyTorch's SDPA kernel runs 2.4x slower in
-    bfloat16 on a training batch, 4-5x at one query row), and oneDNN's caches of compiled kernels are
+    On a CPU, attention stays float32 (:data:`FLOAT32_SDPA`: PyTorch's SDPA kernel runs slower in
+    bfloat16, on a training batch and more so at one query row), and oneDNN's caches of compiled kernels are
     capped (:func:`posttrain.parallel.allocator.bound_kernel_caches`).
     """
     body = decoder_body(model)
@@ -145,8 +145,6 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
     body.posttrain_autocast_dtype = dtype
     body.forward = _autocast_forward.__get__(body)
     if next(body.parameters()).device.type == "cpu":
-        from posttrain.parallel.allocator import bound_kernel_caches
-
         bound_kernel_caches()
         base = unwrapped(model)
         if getattr(base.config, "_attn_implementation", None) == "sdpa":
@@ -235,12 +233,10 @@ def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: 
     """Whether running ``prompts`` distinct prompts once beats running all ``rows`` whole.
 
     Sharing saves ``(rows - prompts) * prompt_width`` token positions but costs a second pass through
-    the layers, gathering the cached keys and values, and GEMMs with fewer rows. Measured on SmolLM2
-    (forward + backward, 2 cores): 16 rows sharing 4 prompts of 13 tokens, 32-token completions,
-    saves 156 of 720 positions and 7% of the time; 8 rows sharing 4 prompts of 13 tokens, 18-token
-    completions (a DPO step), saves 52 of 248 and takes 14% longer; 75-token prompts save 43%. On
-    the 3.2M benchmark model a DPO step's 8 rows sharing 4 prompts of 48 tokens (118-token
-    completions) save 192 of 1328 positions and 7-10% of the step's time.
+    the layers, gathering the cached keys and values, and GEMMs with fewer rows. It pays when it saves
+    many positions (long prompts, many rows per prompt) and costs time when it saves few (a DPO step's
+    two rows per short prompt), so it is done only when it saves at least 128 positions and a tenth
+    of the micro-batch's. Measurements: benchmarks/RESULTS.md.
     """
     saved = (rows - prompts) * prompt_width
     return saved >= max(128, 0.1 * rows * (prompt_width + completion_width))
@@ -271,8 +267,8 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
                   position_ids=batch.position_ids[first, :p], use_cache=True)
     cache = DynamicCache()
     for i, layer in enumerate(prompt.cache.layers):
-        # index_select, not indexing: its backward is index_add_, where indexing's (index_put_ with
-        # accumulate) ran about 1 ms per layer on the benchmark model's DPO step, a tenth of its backward
+        # index_select, not indexing: its backward is index_add_, far cheaper than indexing's
+        # (index_put_ with accumulate) on a training step (benchmarks/RESULTS.md)
         cache.update(layer.keys.index_select(0, owner), layer.values.index_select(0, owner), i)
     first_token = prompt.last_hidden_state[:, -1:].index_select(0, owner)  # predicts completion token 0
     if width == 1:

@@ -3,10 +3,10 @@
 With glibc's defaults every allocation above a (dynamic, at most 32 MiB) threshold is a fresh
 ``mmap`` and every free an ``munmap``: a training step of a 135M-parameter model allocates and
 frees its logits, activations and gradients (tens to hundreds of MiB each) every micro-batch, and
-each time the kernel zero-fills the pages again on first touch. Measured on SmolLM2-135M
-(forward + backward + AdamW, 16 x 48 tokens, 2 cores): 306k minor page faults and 23-36 CPU
-seconds per step by default, 83k and 17.4 s with :func:`keep_freed_memory` (+8% peak RSS,
-3.80 -> 4.09 GB). That is what preloading jemalloc buys too, without a preload.
+each time the kernel zero-fills the pages again on first touch. :func:`keep_freed_memory` keeps the
+freed memory in the process instead: most of those page faults and much of a step's CPU time go, for
+a slightly higher peak RSS (benchmarks/RESULTS.md has the figures). That is what preloading jemalloc
+buys too, without a preload.
 
 It changes a process-wide setting, so the library never calls it on import: ``posttrain.training.api``
 (the CLI and ``posttrain compare``'s runs) calls it once before loading a model. Set
@@ -52,12 +52,11 @@ def bound_kernel_caches() -> None:
     ``ONEDNN_PRIMITIVE_CACHE_CAPACITY``) at :data:`KERNEL_CACHE_CAPACITY` entries, unless set already.
 
     Float32 products go to MKL; bfloat16 ones to oneDNN, which compiles a kernel for every new shape
-    and keeps up to 1024 of them in each cache, about 0.6-0.9 MB each with AVX512-BF16 (measured: a 576 x
-    1536 weight over 300 row counts, +270 MB) and about 1.1 MB with AMX (128 x 64 over 1600 row counts: +803
-    MB, +161 MB capped). Training batches change shape every micro-batch, so a run grows
-    by up to a few GB; the built-in task's default run in mixed precision peaked at 1.30 GB against
-    0.74 in float32. At 128 entries a miss costs one compilation (about 0.5 ms). Both variables are
-    read when oneDNN first runs, so this acts only before the process's first oneDNN product.
+    and keeps up to 1024 of them in each cache, each holding its own memory. Training batches change
+    shape every micro-batch, so uncapped caches keep growing over a run, and a mixed-precision run
+    peaks well above the same run in float32. Capped, a miss costs one compilation. The figures per
+    CPU are in benchmarks/RESULTS.md. Both variables are read when oneDNN first runs, so this acts only
+    before the process's first oneDNN product.
     """
     for name in ("LRU_CACHE_CAPACITY", "ONEDNN_PRIMITIVE_CACHE_CAPACITY"):
         os.environ.setdefault(name, str(KERNEL_CACHE_CAPACITY))

@@ -43,8 +43,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-from posttrain.parallel import distributed
 from posttrain.config import Config, ConfigError
+from posttrain.parallel import distributed
 
 try:  # torch >= 2.6
     from torch.distributed.fsdp import FSDPModule, fully_shard

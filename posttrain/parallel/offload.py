@@ -20,12 +20,10 @@ optimizer step freed it), and the gradient then takes over the memory the weight
 ``--offload-optimizer`` (:class:`OffloadedAdamW`): AdamW stepped one parameter at a time, each
 parameter's moments read in before its step and written out after, its gradient freed once applied.
 
-Measured on SmolLM2 (GRPO, 4 x 4 x 32 tokens, ``benchmarks/memory.py``): peak RSS 3.74 GB by default,
-3.26 with the reference offloaded, 2.51 with both (0.55x TRL's 4.52 GB) for 7.33 against 6.63 s a
-step; 2.24 GB with micro-batches of 4 and gradient checkpointing too. The reference costs one read of
-0.5 GB a step (about 65 ms from the page cache), the moments a read and a write of 1 GB (about 350
-ms). The math is untouched: the same bytes come back, and log-probs, updates and checkpoints are
-bit-identical to resident state's (tested).
+Each offload lowers a step's peak memory for some time per step: the reference costs one read of its
+weights a step, the moments a read and a write of theirs. ``benchmarks/memory.py`` measures it;
+benchmarks/RESULTS.md has the figures. The math is untouched: the same bytes come back, and
+log-probs, updates and checkpoints are bit-identical to resident state's (tested).
 """
 
 from __future__ import annotations
@@ -58,9 +56,9 @@ class FileStore:
 
     Read, not memory-mapped, and one allocation per tensor: the reference is read while the
     gradient's memory is free, and tensors of the gradient's very shapes take it over, so the pass
-    adds nothing to the peak. The pages of a map would count on top of that free memory (measured
-    on SmolLM2 with the reference offloaded: 3.26 GB at the peak, against 2.76-2.96 read), and a
-    single 0.5 GB buffer fits none of the free blocks (3.45 GB).
+    adds nothing to the peak. The pages of a map would count on top of that free memory, and a
+    single buffer for all the tensors fits none of the free blocks: both peak higher
+    (benchmarks/RESULTS.md).
     """
 
     def __init__(self, directory: str | None = None):

@@ -44,9 +44,9 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from collections.abc import Sequence
 from typing import Any
 
 import yaml
@@ -124,8 +124,8 @@ def read_resources(run_dir: Path) -> dict[str, Any] | None:
 
 def run_state(job: Job) -> str:
     """``done``, ``resume`` or ``new`` (decision 3)."""
-    from posttrain.training.checkpoint import FINAL_MODEL_DIR, latest_checkpoint
     from posttrain.tracking.metrics import METRICS_FILE
+    from posttrain.training.checkpoint import FINAL_MODEL_DIR, latest_checkpoint
 
     resources = read_resources(job.run_dir)
     if (resources is not None and (job.run_dir / FINAL_MODEL_DIR).is_dir()

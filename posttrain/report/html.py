@@ -50,10 +50,33 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
-from posttrain.report.runs import (FIGURES, FIGURES_DIR, HEADLINE_KEYS, REPORT_FILE, SUMMARY_FILE, TAIL_STEPS, Column, Run,
-                                   behaviour_columns, best_rows, cell, colours, default_target, draw_figure,
-                                   group_runs, headline_key, load_run, summary_columns, summary_markdown)
-
+from posttrain.algorithms.presets import (
+    ALGORITHMS,
+    OnlineAlgorithm,
+    PreferenceAlgorithm,
+    algorithm,
+)
+from posttrain.report.runs import (
+    FIGURES,
+    FIGURES_DIR,
+    HEADLINE_KEYS,
+    REPORT_FILE,
+    SUMMARY_FILE,
+    TAIL_STEPS,
+    Column,
+    Run,
+    behaviour_columns,
+    best_rows,
+    cell,
+    colours,
+    default_target,
+    draw_figure,
+    group_runs,
+    headline_key,
+    load_run,
+    summary_columns,
+    summary_markdown,
+)
 
 CSS = """
 body { font: 15px/1.5 system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif; max-width: 1180px;
@@ -135,8 +158,6 @@ def target_html(groups: Mapping[str, Sequence[Run]], key: str | None, target: fl
 
 def settings_html(runs: Sequence[Run]) -> str:
     """The fields every run shares (a chosen few) and every field that differs beyond algorithm and seed."""
-    from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm
-
     kinds = {type(ALGORITHMS.get(run.algorithm)) for run in runs}
     per_kind = {OnlineAlgorithm: ("prompts_per_step", "group_size", "max_new_tokens", "temperature"),
                 PreferenceAlgorithm: ("pairs_per_step",)}
@@ -156,8 +177,6 @@ def settings_html(runs: Sequence[Run]) -> str:
 
 def presets_html(groups: Mapping[str, Sequence[Run]]) -> str:
     """The preset fields (overrides applied) whose values differ between the algorithms."""
-    from posttrain.algorithms.presets import ALGORITHMS, algorithm
-
     presets = {}
     for name, runs in groups.items():
         if name in ALGORITHMS:

@@ -16,6 +16,7 @@ from typing import Any
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
+from posttrain.algorithms.presets import ALGORITHMS
 from posttrain.config import load_yaml
 from posttrain.tracking.metrics import read_metrics
 from posttrain.tracking.plots import _series, line_through
@@ -142,8 +143,6 @@ def find_runs(paths: Sequence[str | os.PathLike]) -> list[Path]:
 
 def group_runs(runs: Sequence[Run], order: Sequence[str] | None = None) -> dict[str, list[Run]]:
     """Algorithm -> its runs by seed; algorithms in ``order``, then in the preset registry's order."""
-    from posttrain.algorithms.presets import ALGORITHMS
-
     rank = {name: i for i, name in enumerate([*(order or []), *ALGORITHMS])}
     names = sorted({run.algorithm for run in runs}, key=lambda n: (rank.get(n, len(rank)), n))
     return {name: sorted((r for r in runs if r.algorithm == name), key=lambda r: r.seed) for name in names}

@@ -9,13 +9,13 @@ which SmolLM2 and the embedded tiny model are) a decode step is instead :meth:`F
    ``[(H + 2 * KV) * D, hidden]``, the gate and up projections another ``[2 * I, hidden]``: four
    GEMMs per layer instead of seven.
 2. **Weights laid out for few rows, on CPU.** At batch 16 a decode step is GEMMs with 16 rows, where
-   MKL's ``linear`` reaches 40-80 GFLOP/s (37 on the 49152-row LM head). Each weight is prepared
+   MKL's ``linear`` on the weight as stored is slow, the LM head included. Each weight is prepared
    once per :func:`posttrain.rollout.generation.decode` call for the kernel :func:`choose_kernel` picks:
-   oneDNN with the weight reordered (80-120 GFLOP/s, 99 on the LM head) for large weights, MKL on a
+   oneDNN with the weight reordered (faster at these row counts) for large weights, MKL on a
    transposed copy (``x @ W.T`` with ``W.T`` contiguous) for small float32 ones (how small depends on
    the CPU's vendor: MKL's tuned kernels run on Intel CPUs only).
-   ``benchmarks/generation.py`` has the step times. Elsewhere (a GPU, a dtype neither takes) it is
-   ``F.linear`` on the fused weights.
+   ``benchmarks/generation.py`` has the step times, benchmarks/RESULTS.md the kernels' throughput.
+   Elsewhere (a GPU, a dtype neither takes) it is ``F.linear`` on the fused weights.
 3. **LoRA folded in.** Under ``peft`` LoRA adapters each projection runs ``W + (alpha / r) B A``,
    summed once per ``decode`` call (:func:`effective_weight`), instead of the adapter's two extra
    skinny GEMMs per projection through PEFT's module forward at every step.
@@ -46,6 +46,7 @@ from torch import Tensor
 
 from posttrain.models.architecture import SUPPORTED, is_supported_class
 from posttrain.models.modeling import autocast_dtype, unwrapped
+
 
 def unsupported_reason(model) -> str | None:
     """Why the fused step cannot run ``model`` (None: it can); the decode loop then runs the model's forward.
@@ -130,7 +131,7 @@ decode-kernel sections)."""
 TRANSPOSED_MAX_ELEMENTS = {"GenuineIntel": 2**19, "AuthenticAMD": 2**17}
 """Float32 weights under this size (by CPU vendor; other vendors take Intel's) use MKL on a transposed
 copy, the larger ones oneDNN on a reordered copy. ``F.linear`` hands MKL the weight as ``[out, in]``;
-``x @ W.T`` with ``W.T`` stored contiguous as ``[in, out]`` runs 1.5-2x faster on small weights at
+``x @ W.T`` with ``W.T`` stored contiguous as ``[in, out]`` runs faster on small weights at
 16 rows on Intel, while above the threshold oneDNN stays ahead. MKL runs its tuned kernels on Intel
 CPUs only, so on AMD oneDNN wins from a smaller size. Measurements per vendor, kernel and whole
 decode call: benchmarks/RESULTS.md ("the decode kernel by CPU vendor")."""
@@ -288,7 +289,7 @@ class FusedDecoder:
             value = qkv[:, (h + kv) * d :].view(n, kv, 1, d)
             keys, values = kv_cache.update(key, value)
             # Under mixed precision the query and the cache are float32 (the rotation promotes; the cache
-            # keeps the wider dtype): SDPA's CPU kernel at one query row runs 4-5x slower in bfloat16.
+            # keeps the wider dtype): SDPA's CPU kernel at one query row runs slower in bfloat16.
             attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask_N11S,
                                                       scale=self.scale, enable_gqa=kv != h)
             hidden = hidden + layer.out(attended.reshape(n, h * d))

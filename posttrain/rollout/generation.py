@@ -43,6 +43,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from posttrain.models.architecture import cache_unsupported_reason
+from posttrain.rollout import decode_step
 
 
 def sampling_distribution(
@@ -155,7 +156,7 @@ def preallocated_cache(config, repeats: int, capacity: int) -> Cache:
     return Cache(layers=[PreallocatedLayer(repeats, capacity) for _ in DynamicCache(config=config).layers])
 
 
-@torch.inference_mode()  # no autograd bookkeeping at all: 5-8% of a small model's decode call (measured)
+@torch.inference_mode()  # no autograd bookkeeping at all (what that saves: benchmarks/RESULTS.md)
 def decode(
     model,
     cache: Cache,
@@ -177,12 +178,10 @@ def decode(
     ids_PL, attention_PL: [P, L] left-padded prompts and their attention mask, on the model's device.
     cache: an empty :func:`preallocated_cache` with ``repeats=num_samples`` and capacity >= L + T.
     """
-    from posttrain.rollout.decode_step import FusedDecoder, unsupported_reason
-
     device, g = ids_PL.device, num_samples
     width = ids_PL.shape[1]
     positions_PL = (attention_PL.cumsum(-1) - 1).masked_fill(attention_PL == 0, 1)  # as generate does
-    fused = None if unsupported_reason(model) else FusedDecoder(
+    fused = None if decode_step.unsupported_reason(model) else decode_step.FusedDecoder(
         model, rows=len(ids_PL) * g, positions=int(positions_PL.max()) + max_new_tokens + 1)
     out = model(input_ids=ids_PL, attention_mask=attention_PL, position_ids=positions_PL, cache=cache,
                 use_cache=True, logits_to_keep=1)

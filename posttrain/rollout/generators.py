@@ -21,7 +21,12 @@ import torch
 from torch import Tensor
 
 from posttrain.models.modeling import left_pad
-from posttrain.rollout.completions import Completions, Generator, SamplingParams, to_completions
+from posttrain.rollout.completions import (
+    Completions,
+    Generator,
+    SamplingParams,
+    to_completions,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -76,7 +81,11 @@ class FastGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
-        from posttrain.rollout.generation import decode, preallocated_cache, unsupported_reason
+        from posttrain.rollout.generation import (
+            decode,
+            preallocated_cache,
+            unsupported_reason,
+        )
 
         if self.fallback_reason is None:
             self.fallback_reason = unsupported_reason(self.model.config) or ""

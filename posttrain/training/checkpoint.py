@@ -52,6 +52,7 @@ import torch
 from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
 
+from posttrain.models.lora import is_lora
 from posttrain.parallel import fsdp
 
 CHECKPOINTS_DIR = "checkpoints"
@@ -349,8 +350,6 @@ def _load_model_weights(model: nn.Module, path: Path) -> None:
     """Full weights into a plain model; under LoRA (a ``peft`` model, which ``save_pretrained``
     writes as ``adapter_model.safetensors`` only) the adapter weights, checked key by key the same
     way: the frozen base weights come from the model the run was started from."""
-    from posttrain.models.lora import is_lora
-
     if not is_lora(model):
         _load_strict(model, _read_model_weights(path), path)
         return

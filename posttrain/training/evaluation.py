@@ -21,13 +21,19 @@ import torch
 
 from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
 from posttrain.data.prompts import encode_prompt
-from posttrain.parallel.distributed import say
-from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.data.rewards import extract_answer
+from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.parallel.distributed import say
 from posttrain.rollout.completions import SamplingParams
 from posttrain.rollout.generators import generate_texts, make_generator
-from posttrain.training.session import Workload, eos_token_ids, load_workload, score_texts
 from posttrain.tracking.stats import summarise
+from posttrain.training.session import (
+    Workload,
+    eos_token_ids,
+    load_workload,
+    score_texts,
+)
+
 
 @dataclass
 class EvalSpec:

@@ -35,15 +35,14 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain.functional._value import explained_variance
 from posttrain.data.scoring import Scores
-from posttrain.parallel import distributed, fsdp, offload
-from posttrain.training.guards import has_signal, step_has_signal
+from posttrain.functional._value import explained_variance
 from posttrain.models.modeling import batched_logprobs, collate, forward
+from posttrain.parallel import distributed, fsdp, offload
 from posttrain.rollout.completions import Completions
 from posttrain.training.groups import Groups, cat_rows
+from posttrain.training.guards import has_signal, step_has_signal
 from posttrain.training.session import OnlineSession, score_texts
-
 
 # ---------------------------------------------------------------------------------------
 # 1-4: sample, generate, score, shape, filter

@@ -18,8 +18,8 @@ from collections.abc import Iterable
 
 import torch
 
-from posttrain.parallel import distributed, fsdp
 from posttrain.config import OptimConfig
+from posttrain.parallel import distributed, fsdp
 from posttrain.parallel.offload import OffloadedAdamW
 
 
@@ -51,9 +51,8 @@ def build_optimizer(params: Iterable[torch.nn.Parameter], optim: OptimConfig, to
     count), so callers pass the run's optimizer steps, not its training steps.
     """
     params = list(params)
-    # The fused kernel: one pass over each tensor instead of a dozen foreach passes (SmolLM2's 135M
-    # parameters on 2 CPU cores: 88 ms a step against 300 with posttrain.parallel.allocator's setting, 821
-    # without); transformers' Trainer uses it too.
+    # The fused kernel: one pass over each tensor instead of a dozen foreach passes, a much faster
+    # optimizer step on a CPU (benchmarks/RESULTS.md); transformers' Trainer uses it too.
     # It refuses FSDP's sharded parameters beside plain step counters: those keep foreach.
     fused = not any(fsdp.is_sharded_parameter(p) for p in params)
     adamw = OffloadedAdamW if optim.offload_optimizer else torch.optim.AdamW  # fsdp.check refuses FSDP + offload

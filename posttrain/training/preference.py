@@ -67,22 +67,35 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.parallel import distributed, fsdp, offload
-from posttrain.parallel.distributed import say as _say
 from posttrain.algorithms.presets import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
-from posttrain.training.setup import Inputs, build_optimization, fingerprint, load_policy, model_name, start_processes
-from posttrain.training.guards import NoLearningSignal, UpdateCheck
-from posttrain.data.prompts import PromptSampler, encode_prompt
-from posttrain.tracking.stats import wilson_interval
-from posttrain.models.modeling import collate, forward
-from posttrain.training.optim import apply_gradients
 from posttrain.data.preference import (
-    PreferenceExamples, PreferenceTask, encode, load_rows, pairs_from_samples, unpair,
+    PreferenceExamples,
+    PreferenceTask,
+    encode,
+    load_rows,
+    pairs_from_samples,
+    unpair,
 )
+from posttrain.data.prompts import PromptSampler, encode_prompt
+from posttrain.models.modeling import collate, forward
+from posttrain.parallel import distributed, fsdp, offload
+from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
 from posttrain.rollout.generators import generate_texts, make_generator
+from posttrain.tracking.stats import wilson_interval
+from posttrain.training.guards import NoLearningSignal, UpdateCheck
+from posttrain.training.optim import apply_gradients
 from posttrain.training.runner import run_training
+from posttrain.training.session import eos_token_ids
+from posttrain.training.setup import (
+    Inputs,
+    build_optimization,
+    fingerprint,
+    load_policy,
+    model_name,
+    start_processes,
+)
 
 
 @dataclass
@@ -161,8 +174,6 @@ class PreferenceSession:
         policy, optimizer, scheduler = build_optimization(config, policy, [], optimizer_steps=config.run.max_steps)
         generator = None
         if task is not None:
-            from posttrain.training.session import eos_token_ids
-
             r = config.rollout
             sampling = SamplingParams(r.max_new_tokens or task.source.max_new_tokens, r.temperature, r.top_p, r.top_k)
             generator = make_generator("hf", policy, tokenizer, sampling, eos_token_ids(policy, tokenizer))

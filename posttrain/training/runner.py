@@ -22,17 +22,21 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-
+from posttrain.config import Config, save_yaml
+from posttrain.models.lora import merged_for_saving
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
+from posttrain.tracking.metrics import MetricsLogger, NullLogger
+from posttrain.tracking.plots import plot_run
 from posttrain.training.checkpoint import (
-    CheckpointError, checkpoint_step, latest_checkpoint, load_checkpoint, load_extra_state, save_checkpoint,
+    CheckpointError,
+    checkpoint_step,
+    latest_checkpoint,
+    load_checkpoint,
+    load_extra_state,
+    save_checkpoint,
     save_final_model,
 )
-from posttrain.config import Config, save_yaml
-from posttrain.tracking.metrics import MetricsLogger, NullLogger
-from posttrain.models.lora import merged_for_saving
-from posttrain.tracking.plots import plot_run
 from posttrain.training.setup import Trainer
 
 T = TypeVar("T", bound=Trainer)

@@ -17,19 +17,35 @@ from typing import Any, Callable
 import torch
 from torch import Tensor
 
-from posttrain.parallel import distributed
 from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig
-from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
-from posttrain.tracking.stats import wilson_interval
-from posttrain.data.prompts import PromptSampler, as_completion, check_prompt_rows, encode_prompt, read_rows
-from posttrain.training.groups import Groups
-from posttrain.training.optim import apply_gradients
-from posttrain.training.setup import Inputs, build_optimization, fingerprint, load_policy, model_name, start_processes
+from posttrain.data.prompts import (
+    PromptSampler,
+    as_completion,
+    check_prompt_rows,
+    encode_prompt,
+    read_rows,
+)
+from posttrain.data.rewards import load_reward_function
+from posttrain.data.scoring import RewardPolicy, Scores, score
+from posttrain.data.tasks import get_task
+from posttrain.data.tasks.task import REASONING_GYM_PREFIX
 from posttrain.models.modeling import ValueHead
+from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.generators import generate_texts, make_generator
-from posttrain.data.scoring import RewardPolicy, Scores, score
+from posttrain.tracking.stats import wilson_interval
+from posttrain.training.groups import Groups
+from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
+from posttrain.training.optim import apply_gradients
+from posttrain.training.setup import (
+    Inputs,
+    build_optimization,
+    fingerprint,
+    load_policy,
+    model_name,
+    start_processes,
+)
 
 
 @dataclass
@@ -48,9 +64,6 @@ class Workload:
 
 def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     """The task or dataset named by the config, with its reward functions (``inputs``' first); checks the rows."""
-    from posttrain.data.rewards import load_reward_function
-    from posttrain.data.tasks import get_task
-
     data = config.data
     if data.dataset is not None:
         train_rows = read_rows(data.dataset)
@@ -82,11 +95,11 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
 def eval_label(task: str) -> str:
     """The metric name of an ``eval_tasks`` entry: a built-in task's name, or a reasoning-gym spec's
     families joined by ``+`` (``reasoning-gym:gsm_symbolic`` -> ``gsm_symbolic``)."""
-    from posttrain.data.tasks.task import REASONING_GYM_PREFIX
-
     if not task.startswith(REASONING_GYM_PREFIX):
         return task
-    from posttrain.data.tasks.reasoning_gym import parse_spec
+    from posttrain.data.tasks.reasoning_gym import (
+        parse_spec,  # the optional reasoning-gym package
+    )
 
     return "+".join(c.family for c in parse_spec(task))
 
@@ -94,8 +107,6 @@ def eval_label(task: str) -> str:
 def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Workload]:
     """The ``eval_tasks`` by label: each task's held-out rows (up to ``eval_size``), rewards and check,
     generated with the run's token budget."""
-    from posttrain.data.tasks import get_task
-
     data = config.data
     workloads: dict[str, Workload] = {}
     for spec in data.eval_tasks:

@@ -27,7 +27,11 @@ from torch import nn
 from posttrain.config import Config, ConfigError, absolute_path
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
-from posttrain.models.modeling import checkpoint_layers, resolve_device, use_mixed_precision
+from posttrain.models.modeling import (
+    checkpoint_layers,
+    resolve_device,
+    use_mixed_precision,
+)
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.training.optim import build_optimizer
 

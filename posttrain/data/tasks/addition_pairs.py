@@ -28,8 +28,9 @@ from __future__ import annotations
 
 import random
 
+from posttrain.data.tasks.addition import DELIMITER
+from posttrain.data.tasks.addition import make_task as make_addition_task
 from posttrain.data.tasks.task import PreferenceTask
-from posttrain.data.tasks.addition import DELIMITER, make_task as make_addition_task
 
 
 def wrong_scratchpad(a: int, b: int, rng: random.Random) -> tuple[str, int]:

@@ -5,8 +5,7 @@ drawn from a seeded ``random.Random``; it takes 1-3 arithmetic operations and it
 whole number (divisions are built from their quotient, so they come out even). Half of the
 problems come from four easy templates (one small addition or multiplication), so that a
 135M-parameter instruct model solves some of them: RL needs a starting policy that is sometimes
-right (measured: SmolLM2-135M-Instruct answers 21.5% of the 200 held-out problems greedily,
-32% of the easy ones, 11% of the others).
+right (SmolLM2-135M-Instruct's greedy accuracy, overall and on each half: benchmarks/RESULTS.md).
 
 Prompts are chat messages (one user turn: the problem and an instruction to end with
 "The answer is N."); the chat template renders them for the model. The split is deterministic:
@@ -145,7 +144,7 @@ def packs(rng: random.Random) -> Problem:
 
 
 EASY: tuple[Callable[[random.Random], Problem], ...] = (gain, combine, twice, total_cost)
-"""One small operation: SmolLM2-135M-Instruct solves about half of these greedily."""
+"""One small operation: the templates SmolLM2-135M-Instruct solves most often (benchmarks/RESULTS.md)."""
 HARDER: tuple[Callable[[random.Random], Problem], ...] = (loss, distance, sharing, change, ages, reading, saving, packs)
 """1-3 operations: it solves few of these; they are what RL has to teach."""
 EASY_SHARE = 0.5

@@ -70,7 +70,12 @@ from reasoning_gym.dataset import ProceduralDataset
 from reasoning_gym.factory import DATASETS, register_dataset
 
 from posttrain.config import ConfigError
-from posttrain.data.rewards import RewardFn, completion_text, extract_answer, parse_number
+from posttrain.data.rewards import (
+    RewardFn,
+    completion_text,
+    extract_answer,
+    parse_number,
+)
 from posttrain.data.tasks import gsm
 from posttrain.data.tasks.task import REASONING_GYM_PREFIX, Task
 
