@@ -70,7 +70,10 @@ def test_preference_rows_from_python(tmp_path, tiny_model_dir):
     result = posttrain.train(model=str(tiny_model_dir), algorithm="dpo", train_dataset=pairs, eval_dataset=pairs,
                              max_steps=2, pairs_per_step=2, eval_size=4, report_to="none", progress=False,
                              output=str(tmp_path / "run"))
-    assert 0.0 <= result["after"]["eval/pairwise_accuracy"] <= 1.0
+    # the 4 Python pairs were scored against the reference: before training, the policy is the reference,
+    # so every pair's implicit reward margin is 0: all ties, counted half
+    before = result["before"]
+    assert (before["eval/pairwise_accuracy"], before["eval/reward_margin"]) == (0.5, 0.0)
     assert (result["run_dir"] / "inputs" / "eval.jsonl").exists()
     with pytest.raises(ConfigError, match="reward_funcs: preference presets learn from chosen/rejected pairs"):
         posttrain.train(model=str(tiny_model_dir), algorithm="dpo", train_dataset=pairs, reward_funcs=lambda *a, **k: [],

@@ -10,16 +10,20 @@ from torch import nn
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
 
 import posttrain.training.checkpoint as ckpt
+from posttrain.training import setup
 from posttrain.training.checkpoint import (
     CheckpointError,
     checkpoint_path,
     latest_checkpoint,
     load_checkpoint,
-    model_fingerprint,
     save_checkpoint,
     save_final_model,
 )
 
+
+def fingerprint(model, algorithm: str) -> dict:
+    """What a run stores and checks on resume (the trainers' own fingerprint)."""
+    return setup.fingerprint(model.config.name_or_path, algorithm, model)
 
 def tiny_llama(seed: int, *, layers: int = 1, tied: bool = False, name: str = "tiny-llama") -> LlamaForCausalLM:
     torch.manual_seed(seed)
@@ -55,7 +59,7 @@ def make_training(seed: int, **kw):
 
 
 def save(run_dir, step, model, **kw):
-    kw.setdefault("trainer_state", {"fingerprint": model_fingerprint(model, "grpo")})
+    kw.setdefault("trainer_state", {"fingerprint": fingerprint(model, "grpo")})
     return save_checkpoint(run_dir, step, model=model, **kw)
 
 
@@ -63,14 +67,14 @@ def test_round_trip_restores_everything_and_resumed_equals_uninterrupted(tmp_pat
     model, optimizer, scheduler = make_training(seed=0)
     train_step(model, optimizer, scheduler)
     train_step(model, optimizer, scheduler)
-    state = {"epoch": 1, "data_position": 7, "fingerprint": model_fingerprint(model, "grpo")}
+    state = {"epoch": 1, "data_position": 7, "fingerprint": fingerprint(model, "grpo")}
     path = save_checkpoint(tmp_path, 2, model=model, tokenizer=tiny_tokenizer(), optimizer=optimizer,
                            scheduler=scheduler, trainer_state=state)
     draws_after_save = (torch.rand(3), random.random(), np.random.rand())
 
     resumed, resumed_optimizer, resumed_scheduler = make_training(seed=1)  # different initial weights
     trainer_state = load_checkpoint(path, model=resumed, optimizer=resumed_optimizer, scheduler=resumed_scheduler,
-                                    expected_fingerprint=model_fingerprint(resumed, "grpo"))
+                                    expected_fingerprint=fingerprint(resumed, "grpo"))
 
     assert trainer_state == {"step": 2, **state}
     assert path == tmp_path / "checkpoints" / "step_000002"
@@ -183,14 +187,13 @@ def test_fingerprint_mismatch_says_what_differs(tmp_path):
     other = tiny_llama(1, name="tiny-b")
     before = other.lm_head.weight.clone()
     with pytest.raises(CheckpointError) as error:
-        load_checkpoint(path, model=other, expected_fingerprint=model_fingerprint(other, "dpo"))
+        load_checkpoint(path, model=other, expected_fingerprint=fingerprint(other, "dpo"))
     assert str(error.value) == (
         f"checkpoint {path} was made with model tiny-a / algorithm grpo; this run uses model tiny-b / algorithm dpo"
     )
     assert torch.equal(other.lm_head.weight, before)  # nothing restored
-    assert model_fingerprint(model, "grpo") == {
-        "model": "tiny-a", "architecture": "LlamaForCausalLM",
-        "num_parameters": sum(p.numel() for p in model.parameters()), "algorithm": "grpo",
+    assert fingerprint(model, "grpo") == {
+        "model": "tiny-a", "algorithm": "grpo", "parameters": sum(p.numel() for p in model.parameters()),
     }
 
 

@@ -120,7 +120,7 @@ def test_run_state(tmp_path):
     assert run_state(longer) == "new"  # asked for more steps, but no checkpoint to extend from
 
 
-def test_seeds_are_a_count_or_a_list_that_adds_seeds_to_a_comparison(tmp_path):
+def test_seeds_are_a_count_or_a_list_that_adds_seeds_to_a_comparison(tmp_path, capsys):
     def seeds(*flags):
         parsed = build_parser().parse_args(["compare", "--algorithms", "grpo", "--output", str(tmp_path), *flags])
         return [job.seed for job in plan(parsed.algorithms, parsed.seeds, flat_from_args(parsed), tmp_path)]
@@ -133,5 +133,7 @@ def test_seeds_are_a_count_or_a_list_that_adds_seeds_to_a_comparison(tmp_path):
         seeds("--seeds", "1,1")
     with pytest.raises(ConfigError, match="seeds: got 0; use 1 or more"):
         seeds("--seeds", "0")
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as exit_info:  # argparse's usage error, for this flag and this reason
         seeds("--seeds", "two")
+    assert exit_info.value.code == 2
+    assert "argument --seeds: 'two' is neither a count of seeds nor a list" in capsys.readouterr().err

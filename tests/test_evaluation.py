@@ -71,7 +71,12 @@ def test_summarise_by_hand():
     assert m["pass@1"] == pytest.approx((0.5 + 0 + 1) / 3)
     assert m["pass@2"] == pytest.approx((1 + 0 + 1) / 3)
     assert m["maj@2"] == pytest.approx(2 / 3)
-    assert m["pass@1_low"] <= m["pass@1"] <= m["pass@1_high"]
+    assert (m["maj@2_low"], m["maj@2_high"]) == pytest.approx(wilson_interval(2, 3))
+    # pass@k's intervals are normal over the 3 problems: pass@1 per problem (0.5, 0, 1), sample std 0.5,
+    # half-width 1.96 * 0.5 / sqrt(3) = 0.566: clipped to [0, 1] on both sides; pass@2 per problem
+    # (1, 0, 1), std sqrt(1/3), half-width 1.96 * sqrt(1/3) / sqrt(3) = 1.96 / 3: [2/3 - 0.653, 1]
+    assert (m["pass@1_low"], m["pass@1_high"]) == (0.0, 1.0)
+    assert (m["pass@2_low"], m["pass@2_high"]) == pytest.approx(((2 - 1.959964) / 3, 1.0), abs=1e-6)
 
 
 def test_eval_scores_a_custom_dataset_and_a_task_in_one_call(tiny_model_dir, reward_file, tmp_path, capsys):
@@ -89,13 +94,15 @@ def test_eval_scores_a_custom_dataset_and_a_task_in_one_call(tiny_model_dir, rew
     assert custom["problems"] == 5 and custom["accuracy"] == 1.0 and custom["pass@1"] == 1.0
     assert custom["pass@3"] == 1.0
     assert (custom["accuracy_low"], custom["accuracy_high"]) == pytest.approx(wilson_interval(5, 5))
-    addition = results["addition"]  # a random model: the interval still brackets the estimate
-    assert addition["problems"] == 5 and addition["accuracy_low"] <= addition["accuracy"] <= addition["accuracy_high"]
-    assert addition["pass@1"] <= addition["pass@3"]
+    addition = results["addition"]  # a random model does not add: no greedy or sampled completion is right
+    assert addition["problems"] == 5 and addition["accuracy"] == addition["pass@3"] == addition["maj@3"] == 0.0
     records = [json.loads(line) for line in (tmp_path / "completions.jsonl").read_text().splitlines()]
     assert [r["task"] for r in records] == ["addition"] * 5 + [str(dataset)] * 5
     assert records[5]["prompt"] == "0+0=" and records[5]["correct"] and records[5]["reward"] == 1.0
-    assert sum(r["correct"] for r in records[:5]) / 5 == addition["accuracy"]
+    right = sum(r["correct"] for r in records[:5])
+    assert right / 5 == addition["accuracy"]
+    # Wilson's interval of the greedy count over the 5 problems: (0, 0.434) for 0 of 5, not a normal (0, 0)
+    assert (addition["accuracy_low"], addition["accuracy_high"]) == pytest.approx(wilson_interval(right, 5))
     printed = capsys.readouterr().out
     assert "on addition (5 problems)" in printed and "pass@3" in printed and "95% CI" in printed
 

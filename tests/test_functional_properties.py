@@ -101,8 +101,8 @@ def preference_batches(draw):
 def _assert_finite_loss_and_grads(loss, inputs):
     loss.backward()
     assert torch.isfinite(loss)
-    for x in inputs:
-        assert x.grad is None or torch.isfinite(x.grad).all()
+    for x in inputs:  # every input reaches the loss: a missing gradient is a detached input, not a pass
+        assert x.grad is not None and torch.isfinite(x.grad).all()
 
 
 @SETTINGS

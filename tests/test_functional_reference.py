@@ -209,8 +209,11 @@ def random_policy_case(seed, old_noise):
     return logp, old, ref, adv, mask
 
 
-# (eps_low, eps_high, spread of old - logp): spreads chosen so that every clip branch is hit
-EPS_CASES = [(0.2, 0.2, 1.0), (0.2, 0.28, 0.5), (None, 4.0, 1.5), (3e-4, 4e-4, 0.003)]
+# (eps_low, eps_high, spread of old - logp): spreads chosen so that every clip branch is hit (the test
+# checks it); seed 6's case holds a sequence whose ratio exceeds dual_clip with A < 0: no other case's
+# sequence ratio reaches the dual clip
+EPS_CASES = [(0.2, 0.2, 1.0), (0.2, 0.28, 0.5), (None, 4.0, 1.5), (3e-4, 4e-4, 0.003), (0.2, 0.2, 2.0)]
+SEEDS = [0, 1, 2, 3, 6]
 POLICY_COMBOS = [
     (ratio, clip, dual, aggregation)
     for ratio, (clip, dual), aggregation in itertools.product(
@@ -223,21 +226,27 @@ POLICY_COMBOS = [
 
 @pytest.mark.parametrize("ratio, clip, dual_clip, aggregation", POLICY_COMBOS)
 def test_policy_loss_matches_reference(ratio, clip, dual_clip, aggregation):
-    kl_cases = [(0.0, "k3"), (0.1, "k1"), (0.05, "k2"), (0.2, "k3")]
+    kl_cases = [(0.0, "k3"), (0.1, "k1"), (0.05, "k2"), (0.2, "k3"), (0.1, "k3")]
+    clipped = dual_clipped = 0.0
     for seed, (eps_low, eps_high, old_noise), (kl_coef, kl_estimator) in zip(
-        range(4), EPS_CASES, kl_cases, strict=True
+        SEEDS, EPS_CASES, kl_cases, strict=True
     ):
         logp, old, ref, adv, mask = random_policy_case(seed, old_noise)
         kwargs = dict(ratio=ratio, clip=clip, eps_low=eps_low, eps_high=eps_high, dual_clip=dual_clip,
                       aggregation=aggregation, max_tokens=7, kl_coef=kl_coef, kl_estimator=kl_estimator)
         x = logp.clone().requires_grad_()
-        ours, _ = F.policy_loss(x, old, adv, mask, ref_logprobs=ref, **kwargs)
+        ours, metrics = F.policy_loss(x, old, adv, mask, ref_logprobs=ref, **kwargs)
         ours.backward()
         y = logp.clone().requires_grad_()
         expected = ref_policy_loss(y, old, adv, mask, ref=ref, **kwargs)
         expected.backward()
         torch.testing.assert_close(ours, expected, **TOL)
         torch.testing.assert_close(x.grad, y.grad, **TOL)
+        clipped = max(clipped, float(metrics["clip_fraction"]))
+        dual_clipped = max(dual_clipped, float(metrics.get("dual_clip_fraction", 0.0)))
+    # the cases reach the branches compared: a clip bound acted somewhere, and the dual clip where set
+    assert clipped > 0 or clip == "none"
+    assert dual_clipped > 0 or dual_clip is None
 
 
 @pytest.mark.parametrize("estimator", ["group", "group_mean", "rloo"])

@@ -90,7 +90,8 @@ def test_stores_give_back_every_dtype_and_shape_exactly(store):
     s = store()
     s.write(tensors)
     back = s.read(torch.device("cpu"))
-    assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b) for a, b in zip(tensors, back))
+    assert all(a.dtype == b.dtype and a.shape == b.shape and torch.equal(a, b)
+               for a, b in zip(tensors, back, strict=True))  # every tensor back, none dropped
 
 
 def test_a_truncated_file_is_an_error_that_says_so():

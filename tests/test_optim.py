@@ -24,7 +24,11 @@ from posttrain.training.online import train_step
 def test_lr_multiplier_by_hand(schedule, expected):
     got = [lr_multiplier(k, warmup_steps=2, total_steps=6, schedule=schedule) for k in range(6)]
     assert got == pytest.approx(expected)
-    assert lr_multiplier(6, warmup_steps=2, total_steps=6, schedule=schedule) >= 0  # past the end: 0, never negative
+    # past the end (step 6, and step 9 well beyond it): constant stays at 1, linear and cosine stay at 0
+    # (an unclamped progress would give linear -0.75 and a cosine rising again to 0.85 at step 9)
+    end = {"constant": 1.0, "linear": 0.0, "cosine": 0.0}[schedule]
+    past = [lr_multiplier(k, warmup_steps=2, total_steps=6, schedule=schedule) for k in (6, 9)]
+    assert past == pytest.approx([end, end], abs=1e-12)
 
 
 def test_lr_multiplier_without_warmup_starts_at_one_and_never_reaches_zero():

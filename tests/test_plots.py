@@ -1,6 +1,7 @@
 import math
 
 import pytest
+from matplotlib.figure import Figure
 from matplotlib.image import imread
 
 from posttrain.tracking.metrics import MetricsLogger
@@ -15,7 +16,7 @@ def write_metrics(run_dir, rows):
             logger.log(step, metrics)
 
 
-def test_main_curves_are_drawn_one_panel_per_logged_group(tmp_path):
+def test_main_curves_are_drawn_one_panel_per_logged_group(tmp_path, monkeypatch):
     rows = [
         (step, {
             "reward/mean": step / 20, "loss": math.nan if step == 7 else 1 / step, "entropy": 2.0 - step / 20,
@@ -26,10 +27,27 @@ def test_main_curves_are_drawn_one_panel_per_logged_group(tmp_path):
     ]
     rows.append((20, {"eval/accuracy": 0.5}))
     write_metrics(tmp_path, rows)
+    figures = []
+    savefig = Figure.savefig
+    monkeypatch.setattr(Figure, "savefig", lambda figure, *a, **k: figures.append(figure) or savefig(figure, *a, **k))
     out = plot_run(tmp_path)
     assert out == tmp_path / "curves.png" and out.read_bytes()[:8] == PNG_SIGNATURE
     # 5 panels (reward, eval accuracy, entropy, length, loss): 3 columns x 2 rows of 500 x 340 px at dpi 100
     assert imread(out).shape[:2] == (680, 1500)
+    # the size alone holds for 4 to 6 panels: the panels themselves, in order, each with its logged keys
+    # (a point series and its line per key); no KL or clip fraction panel, nothing for "unplotted"
+    (figure,) = figures
+    panels = {ax.get_title(): [line.get_label() for line in ax.get_lines() if not line.get_label().startswith("_")]
+              for ax in figure.axes if ax.get_visible()}
+    assert panels == {
+        "Reward: mean over sampled completions": ["reward/mean"],
+        "Eval accuracy on held-out prompts": ["eval/accuracy"],
+        "Policy entropy: mean token entropy (nats)": ["entropy"],
+        "Completion length (tokens): mean, correct, incorrect":
+            ["completion_length/mean", "completion_length/correct", "completion_length/incorrect"],
+        "Training loss": ["loss"],
+    }
+    assert list(panels) == [ax.get_title() for ax in figure.axes[:5]]
 
 
 def test_a_single_point_and_chosen_keys(tmp_path):

@@ -151,9 +151,12 @@ def test_an_estimator_of_the_wrong_shape_is_named(clean_registries):
 PLUGIN = textwrap.dedent('''
     import posttrain
 
+    CALLS = []  # the rewards of each call (the test reads them)
+
     @posttrain.register_advantage("sign_of_centered", compares_group=True)
     def sign_of_centered(rewards, preset, **inputs):
         """+1 above the group's mean reward, -1 below, 0 at it."""
+        CALLS.append(rewards.clone())
         return (rewards - rewards.mean(dim=1, keepdim=True)).sign()
 ''')
 
@@ -173,6 +176,9 @@ def test_the_cli_trains_with_a_plugins_estimator(tmp_path, tiny_model_dir, rewar
     assert main(args) == 0
     assert load_yaml(run / "config.yaml")["plugin"] == [str(plugin)]
     assert registry.ADVANTAGES["sign_of_centered"].compares_group
+    # the steps' advantages came from the plugin: once per step, on its 2 prompts x 4 samples
+    calls = registry.ADVANTAGES["sign_of_centered"].fn.__globals__["CALLS"]
+    assert [tuple(rewards.shape) for rewards in calls] == [(2, 4), (2, 4)]
 
 
 def test_an_unknown_piece_without_its_plugin_says_how_to_add_it(tmp_path, capsys):

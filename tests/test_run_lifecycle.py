@@ -15,6 +15,7 @@ from posttrain.cli import main
 from posttrain.config import Config
 from posttrain.data.prompts import DataError
 from posttrain.tracking.metrics import read_metrics
+from posttrain.tracking.stats import wilson_interval
 from posttrain.training.online import train_step
 from posttrain.training.runner import run_training
 from posttrain.training.session import OnlineSession, evaluate
@@ -154,7 +155,12 @@ def test_evaluations_during_training_score_the_subset_and_the_last_one_every_pro
     run_training(OnlineSession.create(config), config, train_step, counting_evaluate)
     assert scored == [8, 3, 3, 8]
     rows = [row for row in read_metrics(tmp_path / "run") if "eval/accuracy" in row]
-    assert all(row["eval/accuracy_low"] <= row["eval/accuracy"] <= row["eval/accuracy_high"] for row in rows)
+    assert [row["step"] for row in rows] == [0, 1, 2, 3]
+    # each interval is Wilson's over the prompts that evaluation scored: 3 for the subset, 8 for the full
+    for row, n in zip(rows, scored, strict=True):
+        right = round(row["eval/accuracy"] * n)
+        assert row["eval/accuracy"] == pytest.approx(right / n)
+        assert (row["eval/accuracy_low"], row["eval/accuracy_high"]) == pytest.approx(wilson_interval(right, n))
 
 
 def test_eval_tasks_score_other_tasks_at_every_evaluation(tiny_model_dir, reward_file, tmp_path):
@@ -170,7 +176,8 @@ def test_eval_tasks_score_other_tasks_at_every_evaluation(tiny_model_dir, reward
     for row in rows:
         assert row["eval/addition/accuracy"] == row["eval/accuracy"]
         assert row["eval/addition/completion_length"] == row["eval/completion_length"]
-        assert row["eval/addition/accuracy_low"] <= row["eval/addition/accuracy"] <= row["eval/addition/accuracy_high"]
+        assert (row["eval/addition/accuracy_low"], row["eval/addition/accuracy_high"]) == (
+            row["eval/accuracy_low"], row["eval/accuracy_high"])
 
 
 def test_eval_tasks_errors_name_the_field(tiny_model_dir, reward_file):

@@ -72,8 +72,8 @@ def test_reference_solutions_get_full_reward():
     prompts = [r["prompt"] for r in rows]
     solutions = [r["solution"] for r in rows]
     columns = {k: [r[k] for r in rows] for k in rows[0] if k != "prompt"}
-    for fn in task.reward_funcs:
-        assert fn(prompts, solutions, **columns) == [1.0] * len(rows)
+    # one reward function (a loop over none would check nothing), and it gives every reference full reward
+    assert [fn(prompts, solutions, **columns) for fn in task.reward_funcs] == [[1.0] * len(rows)]
     assert all(task.correct(prompts, solutions, **columns))
     assert task.reward_weights == (1.0,) and task.default_model == "tiny-addition"
 

@@ -8,7 +8,7 @@
 - ``optimizer.pt``, ``scheduler.pt`` (state dicts);
 - ``trainer_state.json``: ``{"step": 40, **trainer_state}``; the caller's dict holds the epoch,
   data-order position, running metrics, the run's config and a ``fingerprint``
-  (see ``model_fingerprint``);
+  (:func:`posttrain.training.setup.fingerprint`: model, algorithm, parameter count);
 - ``extra_state.pt``: tensors and containers of them that are not module weights (e.g. dynamic
   sampling's surplus groups), loaded back with ``load_extra_state``;
 - ``rng.pt``: Python ``random``, NumPy, torch CPU and (when present) CUDA generator states;
@@ -72,17 +72,6 @@ class CheckpointError(RuntimeError):
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
     return Path(run_dir) / CHECKPOINTS_DIR / f"step_{step:06d}"
-
-
-def model_fingerprint(model: nn.Module, algorithm: str) -> dict[str, Any]:
-    """What a resumed run must share with the run that saved: store it as
-    ``trainer_state["fingerprint"]`` and pass it back as ``expected_fingerprint``."""
-    return {
-        "model": model.config.name_or_path,
-        "architecture": type(model).__name__,
-        "num_parameters": sum(p.numel() for p in model.parameters()),
-        "algorithm": algorithm,
-    }
 
 
 def save_checkpoint(
