@@ -144,6 +144,8 @@ class PreferenceSession:
         train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task, paired=preset.paired,
                                                 needs_scores=preset.needs_scores)
         test_rows = test_rows[:data.eval_size]
+        if task is not None:
+            _say(f"task {data.task}: {task.description} ({len(train_rows)} training pairs, {len(test_rows)} held out)")
         from_policy = config.preference.pairs_from == "policy"
         validate(config, preset, None if from_policy else len(train_rows), task)
         start_processes(config, needs_reference=preset.needs_reference, name=preset.name)

@@ -101,14 +101,16 @@ def evaluate_on_main(evaluate: Callable[[T, int | None], dict[str, float]], sess
 
 
 def restore(session: Trainer, run_dir: Path) -> int:
-    """Load the latest complete checkpoint of ``run_dir`` into the session; return its step."""
-    path = latest_checkpoint(run_dir)
+    """Load the latest intact checkpoint of ``run_dir`` into the session; return its step. A checkpoint whose
+    files fail their sha256 (a disk error, a copy cut short) is skipped with a warning for the one before it."""
+    path = latest_checkpoint(run_dir, verify=True)
     if path is None:
         raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
     modules = session.checkpoint_modules()
     with offload.resident(modules.get("reference"), write=True):  # an offloaded reference keeps what is loaded
         state = load_checkpoint(path, model=session.policy, optimizer=session.optimizer, scheduler=session.scheduler,
-                                extra_modules=modules, expected_fingerprint=session.fingerprint)
+                                extra_modules=modules, expected_fingerprint=session.fingerprint,
+                                verify=False)  # latest_checkpoint has just checked every file's hash
     session.step = state["step"]
     session.load_trainer_state(state, load_extra_state(path))
     if not distributed.is_main():  # the checkpoint holds rank 0's generators: the others start new streams

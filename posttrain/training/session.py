@@ -78,6 +78,8 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     else:
         task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
         train_rows, test_rows = list(task.train), list(task.test)
+        distributed.say(f"task {data.task}: {task.description} ({len(train_rows)} training prompts, "
+                        f"{len(test_rows)} held out)")
     if data.reward or inputs.reward_funcs:
         fns = [*inputs.reward_funcs, *(load_reward_function(spec) for spec in data.reward)]
         weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
