@@ -208,14 +208,19 @@ class TokenBatch:
         return self.input_ids.shape[1] - self.completion_ids.shape[1]
 
 
-def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device) -> TokenBatch:
+def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device,
+            present: Tensor | None = None) -> TokenBatch:
     """Concatenate left-padded prompts with right-padded completions (trimmed to the longest), and
-    note which rows share a prompt (a GRPO group's samples, a preference pair's two answers)."""
-    width = max(int(mask.sum(-1).max()), 1)
-    completion_ids, mask = completion_ids[:, :width], mask[:, :width]
+    note which rows share a prompt (a GRPO group's samples, a preference pair's two answers).
+
+    ``mask`` [n, T] marks the tokens scored (the policy's); ``present`` [n, T] every token attention sees,
+    inserted ones included (multi-turn episodes; default: ``mask``)."""
+    present = mask if present is None else present
+    width = max(int(present.sum(-1).max()), 1)
+    completion_ids, mask, present = completion_ids[:, :width], mask[:, :width], present[:, :width]
     prompts, prompt_attention = left_pad(prompt_ids, pad_id)
     input_ids = torch.cat([prompts, completion_ids], 1)
-    attention = torch.cat([prompt_attention, mask.long()], 1)
+    attention = torch.cat([prompt_attention, present.long()], 1)
     position_ids = (attention.cumsum(-1) - 1).clamp(min=0)
     index: dict[tuple[int, ...], int] = {}
     owner = [index.setdefault(tuple(p.tolist()), len(index)) for p in prompt_ids]
@@ -352,15 +357,18 @@ def batched_logprobs(
     micro_batch_size: int,
     temperature: float = 1.0,
     value_head: ValueHead | None = None,
+    present: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None)."""
+    """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None), 0 outside ``mask``
+    (``present``: every token attention sees, as in :func:`collate`)."""
     device = next(model.parameters()).device
     total, width = completion_ids.shape
     logprobs = torch.zeros(total, width)
     values = torch.zeros(total, width) if value_head is not None else None
     for start in range(0, total, micro_batch_size):
         rows = slice(start, start + micro_batch_size)
-        batch = collate(prompt_ids[rows], completion_ids[rows], mask[rows], pad_id, device)
+        batch = collate(prompt_ids[rows], completion_ids[rows], mask[rows], pad_id, device,
+                        None if present is None else present[rows])
         out = forward(model, batch, temperature=temperature, value_head=value_head)
         t = out.logprobs.shape[1]
         logprobs[rows, :t] = out.logprobs.float().cpu()

@@ -27,20 +27,58 @@ class Completions:
     """``N = len(prompts) * num_samples`` completions, right-padded.
 
     completion_ids: [N, T] token ids, ``pad`` after the end.
-    mask:           [N, T] 1.0 for completion tokens (the EOS token included), 0.0 for padding.
+    mask:           [N, T] 1.0 for the tokens the policy generated (the EOS token included), 0.0 for
+                    padding and inserted tokens: what the loss, the KL and every token count see.
     truncated:      [N] bool, True when the budget ran out before EOS.
     sampling_logprobs: [N, T] the sampling engine's log-probs of the tokens (vLLM only; a
                     diagnostic, the trainer recomputes the log-probs it trains with), else None.
+    inserted:       [N, T] bool, the tokens a tool or an environment inserted between the policy's turns
+                    (multi-turn episodes): context the policy reads and never trains on. None: one turn.
     """
 
     completion_ids: Tensor
     mask: Tensor
     truncated: Tensor
     sampling_logprobs: Tensor | None = None
+    inserted: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
+        """[N] the tokens the policy generated."""
         return self.mask.sum(-1).long()
+
+    @property
+    def present(self) -> Tensor:
+        """[N, T] 1.0 on every token of the completion, the policy's and the inserted ones (what attention
+        sees), 0.0 on padding."""
+        return self.mask if self.inserted is None else torch.maximum(self.mask, self.inserted.to(self.mask.dtype))
+
+    def rows(self, index: Tensor) -> "Completions":
+        """The completions of rows ``index`` (a [n] long tensor)."""
+        return Completions(*(None if t is None else t[index] for t in (
+            self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted)))
+
+    @staticmethod
+    def cat(parts: list["Completions"]) -> "Completions":
+        """The rows of every part, right-padded to the widest (inserted: False where a part has none)."""
+        inserted = None
+        if any(p.inserted is not None for p in parts):
+            inserted = cat_rows([p.inserted if p.inserted is not None else torch.zeros_like(p.mask, dtype=torch.bool)
+                                 for p in parts])
+        logprobs = cat_rows([p.sampling_logprobs for p in parts]) if all(
+            p.sampling_logprobs is not None for p in parts) else None
+        return Completions(cat_rows([p.completion_ids for p in parts]), cat_rows([p.mask for p in parts]),
+                           cat_rows([p.truncated for p in parts]), logprobs, inserted)
+
+
+def cat_rows(parts: list[Tensor | None]) -> Tensor | None:
+    """Concatenate along rows, right-padding [n, T] tensors with 0 to the widest; None stays None."""
+    if parts[0] is None:
+        return None
+    if parts[0].dim() == 1:
+        return torch.cat(parts)
+    width = max(p.shape[1] for p in parts)
+    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
 class Generator(Protocol):

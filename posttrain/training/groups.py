@@ -9,7 +9,7 @@ import torch
 from torch import Tensor
 
 from posttrain.parallel import distributed
-from posttrain.rollout.completions import Completions
+from posttrain.rollout.completions import Completions, cat_rows
 
 
 @dataclass
@@ -38,7 +38,7 @@ class Groups:
         return Groups(
             [i for i, k in zip(self.indices, keep.tolist()) if k],
             [self.prompt_ids[int(r)] for r in rows],
-            Completions(comp.completion_ids[rows], comp.mask[rows], comp.truncated[rows]),
+            comp.rows(rows),
             [self.texts[int(r)] for r in rows],
             self.rewards[keep],
             {k: v[rows] for k, v in self.terms.items()},
@@ -52,11 +52,7 @@ class Groups:
         return Groups(
             sum((p.indices for p in parts), []),
             sum((p.prompt_ids for p in parts), []),
-            Completions(
-                cat_rows([p.completions.completion_ids for p in parts]),
-                cat_rows([p.completions.mask for p in parts]),
-                cat_rows([p.completions.truncated for p in parts]),
-            ),
+            Completions.cat([p.completions for p in parts]),
             sum((p.texts for p in parts), []),
             cat_rows([p.rewards for p in parts]),
             {k: cat_rows([p.terms[k] for p in parts]) for k in parts[0].terms},
@@ -72,7 +68,7 @@ class Groups:
         return Groups(
             list(self.indices),
             [self.prompt_ids[int(r)] for r in rows],
-            Completions(comp.completion_ids[rows], comp.mask[rows], comp.truncated[rows]),
+            comp.rows(rows),
             [self.texts[int(r)] for r in rows],
             self.rewards.gather(1, sample.unsqueeze(1)),
             {k: v[rows] for k, v in self.terms.items()},
@@ -92,13 +88,3 @@ class Groups:
         keep = torch.zeros(len(self.indices), dtype=torch.bool)
         keep[distributed.shard(range(len(self.indices)))] = True
         return self.select(keep) if keep.any() else None
-
-
-def cat_rows(parts: list[Tensor | None]) -> Tensor | None:
-    """Concatenate along rows, right-padding [n, T] tensors with 0 to the widest; None stays None."""
-    if parts[0] is None:
-        return None
-    if parts[0].dim() == 1:
-        return torch.cat(parts)
-    width = max(p.shape[1] for p in parts)
-    return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])

@@ -28,6 +28,7 @@ detached current ones (ratio exactly 1, no extra forward pass).
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 
@@ -178,7 +179,7 @@ def rollout_logprobs(s: OnlineSession, groups: Groups) -> tuple[Tensor, Tensor |
     comp = groups.completions
     return batched_logprobs(s.policy, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                             micro_batch_size=s.config.optim.micro_batch_size,
-                            temperature=s.config.rollout.temperature, value_head=s.value_head)
+                            temperature=s.config.rollout.temperature, value_head=s.value_head, present=comp.present)
 
 
 def reference_logprobs(s: OnlineSession, groups: Groups) -> Tensor:
@@ -187,7 +188,7 @@ def reference_logprobs(s: OnlineSession, groups: Groups) -> Tensor:
     with offload.resident(s.ref):
         logprobs, _ = batched_logprobs(s.ref, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                                        micro_batch_size=s.config.optim.micro_batch_size,
-                                       temperature=s.config.rollout.temperature)
+                                       temperature=s.config.rollout.temperature, present=comp.present)
     return logprobs
 
 
@@ -321,7 +322,7 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     """Forward, loss and backward for one micro-batch; returns its metrics."""
     alg, comp = s.alg, groups.completions
     batch = collate([groups.prompt_ids[int(r)] for r in rows], comp.completion_ids[rows], comp.mask[rows],
-                    s.pad_id, s.device)
+                    s.pad_id, s.device, comp.present[rows])
     out = forward(s.policy, batch, temperature=s.config.rollout.temperature, with_entropy=True,
                   value_head=s.value_head)
     t = out.logprobs.shape[1]
@@ -360,7 +361,7 @@ def train_step(s: OnlineSession) -> dict[str, float]:
             groups = best_of_n(s, groups)
         if alg.overlong_filter:  # DAPO: truncated completions keep their reward but leave the loss
             comp = groups.completions
-            groups.completions = Completions(comp.completion_ids, comp.mask * ~comp.truncated[:, None], comp.truncated)
+            groups.completions = dataclasses.replace(comp, mask=comp.mask * ~comp.truncated[:, None])
         ref = reference_logprobs(s, groups) if alg.needs_reference else None
         baseline = greedy_rewards(s, groups.indices) if alg.needs_greedy_baseline else None
     t1 = time.perf_counter()
