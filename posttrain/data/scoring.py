@@ -18,28 +18,20 @@ pure-Python rewards).
 from __future__ import annotations
 
 import math
-import multiprocessing
 import numbers
-import traceback
 from dataclasses import dataclass
 from typing import Any, Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from posttrain.data import isolation
+
 RewardFn = Callable[..., list]
 
 
 class RewardError(RuntimeError):
     """A reward function failed or returned something unusable."""
-
-
-class _CallFailed(Exception):
-    """One reward call failed; ``detail`` says how (a traceback, a timeout, a bad value)."""
-
-    def __init__(self, detail: str):
-        super().__init__(detail)
-        self.detail = detail
 
 
 @dataclass(frozen=True)
@@ -105,7 +97,7 @@ def _score_one(fn: RewardFn, name: str, prompts: list, completions: list, column
     n = len(completions)
     try:
         returned = _call(fn, prompts, completions, columns, policy.timeout)
-    except _CallFailed as whole:
+    except isolation.CallFailed as whole:
         return _score_one_by_one(fn, name, prompts, completions, columns, policy, whole.detail)
     if not _has_length(returned, n):  # the batch is wrong, not one sample: say so, whatever the policy
         raise RewardError(f"reward function {name!r} returned {_describe_count(returned)} for {n} completions; "
@@ -128,7 +120,7 @@ def _score_one_by_one(fn: RewardFn, name: str, prompts: list, completions: list,
         try:
             returned = _call(fn, prompts[i:i + 1], completions[i:i + 1], one, policy.timeout)
             problem = None if _has_length(returned, 1) else f"returned {_describe_count(returned)} for 1 completion"
-        except _CallFailed as error:
+        except isolation.CallFailed as error:
             problem = error.detail
         if problem is None:
             value, problems = _checked(returned)
@@ -180,41 +172,9 @@ def _checked(values: Sequence[Any]) -> tuple[Tensor, dict[int, str]]:
 
 def _call(fn: RewardFn, prompts: list, completions: list, columns: dict[str, list], timeout: float) -> Any:
     kwargs = {"prompts": prompts, "completions": completions, **columns}
-    if timeout <= 0:
-        try:
-            return fn(**kwargs)
-        except Exception:
-            raise _CallFailed(traceback.format_exc()) from None
-    return _call_in_worker(fn, kwargs, timeout)
+    return isolation.call(fn, kwargs, timeout=timeout, limit_name="reward_timeout", convert=_as_list)
 
 
-def _call_in_worker(fn: RewardFn, kwargs: dict[str, Any], timeout: float) -> Any:
-    """Run ``fn(**kwargs)`` in a forked child (nothing is pickled but the result); kill it at ``timeout``."""
-    context = multiprocessing.get_context("fork")
-    receiver, sender = context.Pipe(duplex=False)
-    worker = context.Process(target=_worker, args=(fn, kwargs, sender), daemon=True)
-    worker.start()
-    sender.close()
-    try:
-        if not receiver.poll(timeout):
-            raise _CallFailed(f"timed out after {timeout:g} s (reward_timeout)")
-        try:
-            ok, payload = receiver.recv()
-        except EOFError:
-            raise _CallFailed("the worker process died without an answer") from None
-    finally:
-        if worker.is_alive():
-            worker.kill()
-        worker.join()
-        receiver.close()
-    if not ok:
-        raise _CallFailed(payload)
-    return payload
-
-
-def _worker(fn: RewardFn, kwargs: dict[str, Any], sender: Any) -> None:
-    try:
-        result = fn(**kwargs)
-        sender.send((True, None if result is None else list(result)))
-    except BaseException:
-        sender.send((False, traceback.format_exc()))
+def _as_list(result: Any) -> Any:
+    """A reward's values as a list (a generator or an array pickled whole), None as it is."""
+    return None if result is None else list(result)

@@ -1,0 +1,259 @@
+"""Multi-turn episodes: the policy calls tools, reads what they return, and continues.
+
+An episode starts from a prompt. Each turn the policy generates until it closes a tool call (the
+format's ``call_end``), its end-of-sequence token, or the episode's token budget. A turn that closes a
+call is parsed and the call runs (:class:`Tools`: in a worker process killed at a time limit when one
+is set); the format renders its result, and the result's tokens are inserted after the turn. The next
+turn continues from everything so far, up to ``max_turns`` turns.
+
+Token in, token out: an episode's completion holds the token ids the policy sampled and the ids that
+were inserted, never re-tokenized text. ``Completions.mask`` marks the policy's tokens (what is trained
+on), ``Completions.inserted`` the others (context only), and ``truncated`` an episode that ran out of
+budget before its end-of-sequence token. :class:`EpisodeGenerator` has the generator's interface, so
+sampling, held-out evaluation and ReMax's greedy baseline run episodes unchanged.
+
+Tool faults (an unknown tool, a malformed call, a tool that raises, hangs past its limit, dies or
+returns something that is not text) are, with ``on_error='feedback'``, the tool's result: an error
+message the policy reads, counted in :class:`EpisodeStats`; with ``on_error='raise'`` they stop the run
+with that message.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from posttrain.data import isolation
+from posttrain.rollout.completions import Completions, Generator
+
+TOOL_ERRORS = ("unknown_tool", "malformed_call", "error", "timeout", "crash", "not_text")
+"""The kinds of tool fault :class:`EpisodeStats` counts."""
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: dict[str, Any] = field(default_factory=dict)
+    """Keyword arguments."""
+    positional: tuple[Any, ...] = ()
+    """Positional arguments, before the keyword ones."""
+
+
+class ToolError(RuntimeError):
+    """A tool call failed and ``on_error='raise'``: the message says which call and how."""
+
+
+class ToolFormat(Protocol):
+    """How a model writes a tool call and reads its result."""
+
+    call_end: str
+    """The text that closes a call: a turn stops there."""
+
+    def parse(self, turn: str) -> ToolCall:
+        """The call a turn ends with; ValueError (its message says what is wrong) when it is malformed."""
+        ...
+
+    def result(self, text: str) -> str:
+        """The text inserted after a call: the tool's result (or error) as the model reads it."""
+        ...
+
+
+@dataclass(frozen=True)
+class JSONCalls:
+    """``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``, answered by
+    ``<tool_response>...</tool_response>``: the convention of Hermes, Qwen and the chat templates that
+    render tools (TRL's too)."""
+
+    call_start: str = "<tool_call>"
+    call_end: str = "</tool_call>"
+    response_start: str = "<tool_response>\n"
+    response_end: str = "\n</tool_response>\n"
+
+    def parse(self, turn: str) -> ToolCall:
+        start = turn.rfind(self.call_start)
+        if start < 0 or not turn.endswith(self.call_end):
+            raise ValueError(f"a call is {self.call_start}{{...}}{self.call_end}")
+        body = turn[start + len(self.call_start): len(turn) - len(self.call_end)]
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError as error:
+            raise ValueError(f"the call is not JSON ({error.msg} at column {error.colno})") from None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            raise ValueError('a call is {"name": TOOL, "arguments": {...}}')
+        arguments = call.get("arguments", {})
+        if not isinstance(arguments, dict):
+            raise ValueError(f"arguments must be a JSON object, got {type(arguments).__name__}")
+        return ToolCall(call["name"], arguments)
+
+    def result(self, text: str) -> str:
+        return f"{self.response_start}{text}{self.response_end}"
+
+
+@dataclass(frozen=True)
+class InlineCalls:
+    """``[tool_name argument]`` answered by ``=result;``: a compact format for character-level models (the
+    built-in tiny models); the argument is the tool's one positional argument, as a string."""
+
+    call_end: str = "]"
+    pattern: re.Pattern = field(default=re.compile(r"\[(\w+) ([^\[\]]*)\]$"))
+
+    def parse(self, turn: str) -> ToolCall:
+        match = self.pattern.search(turn)
+        if match is None:
+            raise ValueError("a call is [tool argument]")
+        return ToolCall(match.group(1), positional=(match.group(2),))
+
+    def result(self, text: str) -> str:
+        return f"={text};"
+
+
+@dataclass
+class EpisodeStats:
+    """What the episodes of one ``generate`` call did."""
+
+    turns: list[int] = field(default_factory=list)
+    """[N] policy turns of each episode."""
+    tool_calls: int = 0
+    errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOOL_ERRORS, 0))
+    inserted_tokens: int = 0
+
+    def metrics(self) -> dict[str, float]:
+        n = max(len(self.turns), 1)
+        return {"episode/turns": sum(self.turns) / n, "episode/tool_calls": self.tool_calls / n,
+                "episode/tool_errors": sum(self.errors.values()) / n,
+                "episode/inserted_tokens": self.inserted_tokens / n,
+                **{f"episode/tool_errors/{kind}": count / n for kind, count in self.errors.items() if count}}
+
+
+class Tools:
+    """Python functions the policy may call, by name; each runs in a forked worker killed after
+    ``timeout`` seconds when ``timeout`` > 0."""
+
+    def __init__(self, functions: Sequence[Callable[..., Any]], *, timeout: float = 0.0, on_error: str = "feedback"):
+        if on_error not in ("feedback", "raise"):
+            raise ValueError(f"on_error must be 'feedback' or 'raise', got {on_error!r}")
+        self.functions = {fn.__name__: fn for fn in functions}
+        if len(self.functions) != len(functions):
+            raise ValueError("two tools share a name: " + ", ".join(fn.__name__ for fn in functions))
+        self.timeout, self.on_error = timeout, on_error
+
+    def run(self, call: ToolCall) -> tuple[str, str | None]:
+        """(the result's text, the fault's kind or None)."""
+        fn = self.functions.get(call.name)
+        if fn is None:
+            return self._fault("unknown_tool", f"unknown tool {call.name!r}; tools: {', '.join(self.functions)}")
+        try:
+            result = isolation.call(lambda **kwargs: fn(*call.positional, **kwargs), call.arguments,
+                                    timeout=self.timeout, limit_name="tool_timeout")
+        except isolation.CallFailed as failure:
+            last = failure.detail.strip().splitlines()[-1]
+            return self._fault(failure.kind, f"{call.name} failed: {last}")
+        if isinstance(result, bool) or not isinstance(result, (str, int, float)):
+            return self._fault("not_text", f"{call.name} returned {type(result).__name__}, not text")
+        return str(result), None
+
+    def _fault(self, kind: str, message: str) -> tuple[str, str]:
+        if self.on_error == "raise":
+            raise ToolError(message)
+        return f"error: {message}", kind
+
+
+class EpisodeGenerator:
+    """A :class:`~posttrain.rollout.completions.Generator` whose completions are multi-turn episodes.
+
+    ``turn_generator(budget)`` returns a generator that stops at the end-of-sequence ids and at
+    ``stop_id`` (the last token of the format's ``call_end``) within ``budget`` new tokens. ``stats`` holds
+    what the last ``generate`` call's episodes did.
+    """
+
+    def __init__(self, turn_generator: Callable[[int], Generator], tokenizer: Any, tools: Tools, fmt: ToolFormat, *,
+                 max_new_tokens: int, max_turns: int, eos_ids: Sequence[int], pad_id: int):
+        if max_turns < 1:
+            raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        self.turn_generator, self.tokenizer, self.tools, self.fmt = turn_generator, tokenizer, tools, fmt
+        self.max_new_tokens, self.max_turns, self.pad_id = max_new_tokens, max_turns, pad_id
+        self.eos_ids = set(eos_ids)
+        self.stop_id = tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]
+        self.stats = EpisodeStats()
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+        n = len(prompt_ids) * num_samples
+        context = [prompt_ids[i // num_samples] for i in range(n)]
+        tokens: list[list[int]] = [[] for _ in range(n)]
+        inserted: list[list[bool]] = [[] for _ in range(n)]
+        turn_start = [0] * n  # where each row's current turn began in ``tokens``
+        turns, truncated, active = [0] * n, [False] * n, list(range(n))
+        stats = EpisodeStats(turns=turns)
+        first = True
+        while active:
+            budget = max(self.max_new_tokens - len(tokens[i]) for i in active)
+            generator = self.turn_generator(budget)
+            if first:  # every prompt's samples at once, as a plain rollout
+                out = generator.generate(prompt_ids, num_samples=num_samples, greedy=greedy)
+                first = False
+            else:
+                out = generator.generate([torch.cat([context[i], torch.tensor(tokens[i], dtype=torch.long)])
+                                          for i in active], num_samples=1, greedy=greedy)
+            still = []
+            for row, i in enumerate(active):
+                new = out.completion_ids[row][out.mask[row].bool()].tolist()[: self.max_new_tokens - len(tokens[i])]
+                tokens[i] += new
+                inserted[i] += [False] * len(new)
+                ended = bool(new) and new[-1] in self.eos_ids
+                closed = bool(new) and new[-1] == self.stop_id and not ended
+                if not ended and not closed:  # the budget ran out mid-turn
+                    truncated[i] = True
+                    turns[i] += 1
+                    continue
+                turn = self.tokenizer.decode(tokens[i][turn_start[i]:], skip_special_tokens=False)
+                if closed and not turn.endswith(self.fmt.call_end):  # the stop token inside other text: go on
+                    if len(tokens[i]) < self.max_new_tokens:
+                        still.append(i)
+                    else:
+                        truncated[i], turns[i] = True, turns[i] + 1
+                    continue
+                turns[i] += 1
+                if ended or turns[i] >= self.max_turns:
+                    continue
+                result, fault = self._result(turn)
+                stats.tool_calls += 1
+                if fault is not None:
+                    stats.errors[fault] += 1
+                result_ids = self.tokenizer.encode(self.fmt.result(result), add_special_tokens=False)
+                room = self.max_new_tokens - len(tokens[i])
+                tokens[i] += result_ids[:room]
+                inserted[i] += [True] * len(result_ids[:room])
+                stats.inserted_tokens += len(result_ids[:room])
+                turn_start[i] = len(tokens[i])
+                if len(result_ids) >= room:  # no room left for the policy to read the result and answer
+                    truncated[i] = True
+                else:
+                    still.append(i)
+            active = still
+        self.stats = stats
+        return self._completions(tokens, inserted, truncated)
+
+    def _result(self, turn: str) -> tuple[str, str | None]:
+        try:
+            call = self.fmt.parse(turn)
+        except ValueError as error:
+            return self.tools._fault("malformed_call", f"malformed tool call: {error}")
+        return self.tools.run(call)
+
+    def _completions(self, tokens: list[list[int]], inserted: list[list[bool]], truncated: list[bool]) -> Completions:
+        width = max(1, max(len(t) for t in tokens))
+        ids = torch.full((len(tokens), width), self.pad_id, dtype=torch.long)
+        policy = torch.zeros(len(tokens), width)
+        tool = torch.zeros(len(tokens), width, dtype=torch.bool)
+        for row, (t, ins) in enumerate(zip(tokens, inserted)):
+            ids[row, : len(t)] = torch.tensor(t, dtype=torch.long)
+            tool[row, : len(t)] = torch.tensor(ins, dtype=torch.bool)
+            policy[row, : len(t)] = (~tool[row, : len(t)]).float()
+        return Completions(ids, policy, torch.tensor(truncated), inserted=tool)
