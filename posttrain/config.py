@@ -161,6 +161,18 @@ class RolloutConfig:
         "Stop after this many consecutive steps in which every group's rewards were all equal (zero "
         "advantages: nothing is learned); a warning comes after 5. 0 = never stop.", 25,
     )
+    tools: tuple[str, ...] = _help(
+        "Tools the policy may call, as FILE.py:FUNCTION (repeatable): each completion becomes a multi-turn "
+        "episode in which a call's result is inserted (and never trained on) before the policy goes on.", (),
+    )
+    tool_format: str = _help("How calls are written: json (<tool_call>{\"name\": ..., \"arguments\": {...}}"
+                             "</tool_call>, chat templates' convention) or inline ([tool argument], for "
+                             "character-level models).", "json")
+    max_turns: int = _help("Policy turns per episode with --tools (the last one's call, if any, is not run).", 4)
+    tool_timeout: float = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit.", 10.0)
+    tool_errors: str = _help("When a call fails (unknown tool, malformed call, a raise, a timeout, a non-text "
+                             "result): feedback (the policy reads the error; counted in episode/tool_errors) or "
+                             "error (stop the run).", "feedback")
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
@@ -175,6 +187,16 @@ class RolloutConfig:
         _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
         _require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
                  f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
+        _require(self.tool_format in ("json", "inline"), "tool_format", f"got {self.tool_format!r}; use json or inline")
+        _require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
+        _require(self.tool_timeout >= 0, "tool_timeout", f"got {self.tool_timeout}; use 0 (in-process) or seconds")
+        _require(self.tool_errors in ("feedback", "error"), "tool_errors",
+                 f"got {self.tool_errors!r}; use feedback or error")
+        _require(not self.tools or self.backend == "hf", "tools",
+                 "multi-turn episodes run on the hf backend; set backend hf")
+        for spec in self.tools:
+            _require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), "tools",
+                     f"{spec!r} is not FILE.py:FUNCTION of an existing file")
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -330,6 +352,7 @@ class Config:
             data=dataclasses.replace(
                 self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
                 reward=tuple(_absolute_reward(spec) for spec in self.data.reward)),
+            rollout=dataclasses.replace(self.rollout, tools=tuple(_absolute_reward(spec) for spec in self.rollout.tools)),
             run=dataclasses.replace(self.run, output=absolute_path(self.run.output),
                                     resume=absolute_path(self.run.resume),
                                     plugin=tuple(absolute_path(path) for path in self.run.plugin)),

@@ -63,7 +63,7 @@ NOT_RUN_MARK = re.compile(r"<!-- not run: (.+?) -->")
 
 NOT_RUN: dict[str, str] = {
     "README.md:193": "sample completions of the model before and after training, not code",
-    "README.md:601": "it trains a model; tests/test_api.py runs the same calls on a tiny one",
+    "README.md:624": "it trains a model; tests/test_api.py runs the same calls on a tiny one",
 }
 """Blocks shown but not run: id -> the reason their `<!-- not run: ... -->` mark gives."""
 
@@ -446,7 +446,7 @@ class Workspace:
 
     def provide_inputs(self, flat: dict[str, Any]) -> list[str]:
         """Placeholders for the files a config (a flat mapping, or the CLI's parsed arguments) reads: its --config,
-        dataset, eval_dataset, reward files and plugins."""
+        dataset, eval_dataset, reward and tool files and plugins."""
         flat = {key.replace("-", "_"): value for key, value in flat.items()}
         made = [self.provide(flat.get("config"), "{}\n")]
         with self.cwd():
@@ -459,7 +459,8 @@ class Workspace:
             return list(value) if isinstance(value, (list, tuple)) else [value]
 
         made += [self.provide(flat.get(key)) for key in ("dataset", "eval_dataset")]
-        made += [self.provide(spec.rpartition(":")[0]) for spec in listed(flat.get("reward")) if isinstance(spec, str)]
+        made += [self.provide(spec.rpartition(":")[0]) for key in ("reward", "tools")
+                 for spec in listed(flat.get(key)) if isinstance(spec, str)]
         made += [self.provide(path, self.plugin_source) for path in listed(flat.get("plugin"))]
         return [path for path in made if path]
 

@@ -107,3 +107,97 @@ def test_rows_and_cat_carry_the_inserted_tokens():
     assert both.lengths.tolist() == [4, 2, 2]  # the policy's tokens
     assert both.present.sum(-1).tolist() == [7, 4, 2]
     assert Completions.cat([single, single]).inserted is None
+
+
+@pytest.fixture(scope="module")
+def printable_model_dir(tmp_path_factory):
+    """A 1-layer random Llama whose characters are printable ASCII: it can write a tool call."""
+    from posttrain.models.tiny import build_tiny_model, char_tokenizer
+
+    path = tmp_path_factory.mktemp("printable-model")
+    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 127)))
+    build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def test_an_online_step_on_episodes_trains_on_the_policys_tokens_alone(tmp_path, printable_model_dir):
+    """A GRPO step whose rollouts are scripted episodes (one calls the calculator, one answers at once):
+    the step logs the episodes and its loss is the functional loss on the policy's tokens."""
+    import copy
+    import json
+
+    from test_episodes import Script, calculate
+
+    from posttrain.config import Config
+    from posttrain.rollout.episodes import EpisodeGenerator, InlineCalls, Tools
+    from posttrain.training.online import train_step
+    from posttrain.training.session import OnlineSession
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"{a}+{b}=", "answer": str(a + b)}) for a, b in [(12, 30), (7, 5)]))
+    rewards = tmp_path / "rewards.py"
+    rewards.write_text("def right(prompts, completions, answer, **_):\n"
+                       "    return [float(c.rstrip().endswith(a)) for c, a in zip(completions, answer)]\n")
+    tool_file = tmp_path / "tools.py"
+    tool_file.write_text("def calculate(argument: str) -> str:\n    return argument\n")
+    config = Config.from_flat(dict(algorithm="grpo", model=str(printable_model_dir), dataset=str(data),
+                                   reward=[f"{rewards}:right"], tools=[f"{tool_file}:calculate"], tool_format="inline",
+                                   prompts_per_step=2, group_size=2, max_new_tokens=40, micro_batch_size=3, seed=0,
+                                   learning_rate=1e-2, eval_size=0, progress=False, report_to="none"))
+    s = OnlineSession.create(config)
+    assert isinstance(s.generator, EpisodeGenerator) and s.episodes is s.generator
+    eos = s.tokenizer.eos_token
+    script = Script({0: ["[calculate 12+30]", "42" + eos], 1: ["41" + eos], 2: ["[calculate 7+5]", "12" + eos],
+                     3: ["[calculate 7*5]", "35" + eos]}, num_samples=2)
+    stop = s.tokenizer.encode("]", add_special_tokens=False)[-1]
+    s.generator = s.episodes = EpisodeGenerator(script.make([stop]), s.tokenizer, Tools([calculate]), InlineCalls(),
+                                                max_new_tokens=40, max_turns=3, eos_ids=s.eos_ids, pad_id=s.pad_id)
+    s.sampler.next = lambda b: [0, 1]  # the script's rows: prompt 0's two samples, then prompt 1's
+    policy = copy.deepcopy(s.policy)
+    metrics = train_step(s)
+    assert metrics["episode/tool_calls"] == 3 / 4 and metrics["episode/turns"] == 7 / 4
+    assert metrics["episode/inserted_tokens"] == (4 + 4 + 4) / 4 and metrics["episode/tool_errors"] == 0
+    g = s.last_groups
+    assert g.completions.inserted.sum() == 12 and g.rewards.view(-1).tolist() == [1.0, 0.0, 1.0, 0.0]
+    # the loss: the preset's on the policy's tokens, from one forward of the pre-update weights
+    comp = g.completions
+    batch = collate(g.prompt_ids, comp.completion_ids, comp.mask, s.pad_id, s.device, comp.present)
+    with torch.no_grad():
+        logprobs = forward(policy, batch, temperature=1.0).logprobs
+    ref = logprobs  # the reference is the starting policy: the KL term is 0 at the first step
+    advantages = s.alg.advantages(g.rewards, mask=comp.mask[:, : logprobs.shape[1]])
+    expected, _ = s.alg.policy_loss(logprobs, logprobs, advantages, batch.mask, ref_logprobs=ref)
+    assert metrics["loss"] == pytest.approx(float(expected), abs=1e-5)
+    assert metrics["completion_length/mean"] == comp.mask.sum().item() / 4  # the policy's tokens
+
+
+def test_posttrain_train_with_tools_runs_episodes_on_the_model_and_records_the_tools(tmp_path, printable_model_dir):
+    """The real decode loop stops turns where a call closes; a tool defined in a file is named in config.yaml."""
+    from test_episodes import calculate
+
+    from posttrain.config import load_yaml
+    from posttrain.tracking.metrics import read_metrics
+
+    rows = [{"prompt": f"[calculate {a}+{b}]", "answer": str(a + b)} for a, b in [(1, 2), (3, 4)]]
+    result = posttrain.train(model=str(printable_model_dir), train_dataset=rows, tools=[calculate],
+                             tool_format="inline", reward_funcs=lambda prompts, completions, **_: [
+                                 float("=" in c) for c in completions],
+                             max_steps=2, prompts_per_step=2, group_size=4, max_new_tokens=24, eval_size=0,
+                             report_to="none", progress=False, output=str(tmp_path / "run"), seed=1)
+    saved = load_yaml(result["run_dir"] / "config.yaml")
+    assert len(saved["tools"]) == 1 and saved["tools"][0].endswith("tests/test_episodes.py:calculate")
+    steps = [row for row in read_metrics(result["run_dir"]) if "loss" in row]
+    assert len(steps) == 2 and all("episode/turns" in row for row in steps)
+    assert all(1.0 <= row["episode/turns"] <= 4.0 for row in steps)
+
+
+def test_tools_settings_are_checked():
+    from posttrain.config import Config, ConfigError
+
+    with pytest.raises(ConfigError, match="tool_format: got 'xml'; use json or inline"):
+        Config.from_flat({"tool_format": "xml"})
+    with pytest.raises(ConfigError, match="tools: 'nowhere.py:f' is not FILE.py:FUNCTION of an existing file"):
+        Config.from_flat({"tools": ["nowhere.py:f"]})
+    with pytest.raises(ConfigError, match="max_turns: got 0"):
+        Config.from_flat({"max_turns": 0})

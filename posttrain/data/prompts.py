@@ -8,6 +8,7 @@ column is passed to the reward functions as a keyword argument.
 from __future__ import annotations
 
 import json
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -82,11 +83,14 @@ def require_chat_template(tokenizer: Any, where: str) -> None:
                         "strings, or use a chat model")
 
 
-def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], where: str = "prompt") -> Tensor:
-    """Token ids of a prompt; chat messages get the template and the generation prompt."""
+def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], where: str = "prompt",
+                  tools: Sequence[Callable] = ()) -> Tensor:
+    """Token ids of a prompt; chat messages get the template and the generation prompt, and the ``tools``'
+    descriptions (from their type hints and docstrings) where the template renders tools."""
     if is_chat(prompt):
         require_chat_template(tokenizer, where)
-        ids = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(prompt, tools=list(tools) or None, add_generation_prompt=True,
+                                            tokenize=True, return_dict=False)
     else:
         ids = tokenizer(prompt)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)

@@ -224,14 +224,15 @@ class RewardModel:
         return scores
 
 
-def load_reward_function(spec: str) -> RewardFn:
-    """Import ``func_name`` from the Python file of ``"path/to/file.py:func_name"``."""
+def load_reward_function(spec: str, what: str = "reward") -> RewardFn:
+    """Import ``func_name`` from the Python file of ``"path/to/file.py:func_name"`` (``what`` names it in errors:
+    a reward function, a tool)."""
     path_text, sep, name = spec.rpartition(":")
     if not sep or not path_text or not name:
-        raise ValueError(f"reward function {spec!r} is not of the form path/to/file.py:func_name")
+        raise ValueError(f"{what} function {spec!r} is not of the form path/to/file.py:func_name")
     path = Path(path_text)
     if not path.is_file():
-        raise FileNotFoundError(f"reward file {str(path)!r} (from {spec!r}) does not exist")
+        raise FileNotFoundError(f"{what} file {str(path)!r} (from {spec!r}) does not exist")
     module_name = f"posttrain_user_reward_{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
@@ -243,7 +244,7 @@ def load_reward_function(spec: str) -> RewardFn:
         raise AttributeError(f"{str(path)!r} defines no {name!r}; functions defined there: {', '.join(defined) or 'none'}")
     fn = getattr(module, name)
     if not callable(fn):
-        raise TypeError(f"{name!r} in {str(path)!r} is a {type(fn).__name__}, not a callable reward function")
+        raise TypeError(f"{name!r} in {str(path)!r} is a {type(fn).__name__}, not a callable {what} function")
     return fn
 
 

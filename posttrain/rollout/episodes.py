@@ -20,6 +20,7 @@ with that message.
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import re
 from collections.abc import Callable, Sequence
@@ -30,7 +31,8 @@ import torch
 from torch import Tensor
 
 from posttrain.data import isolation
-from posttrain.rollout.completions import Completions, Generator
+from posttrain.rollout.completions import Completions, Generator, SamplingParams
+from posttrain.rollout.generators import make_generator
 
 TOOL_ERRORS = ("unknown_tool", "malformed_call", "error", "timeout", "crash", "not_text")
 """The kinds of tool fault :class:`EpisodeStats` counts."""
@@ -123,12 +125,24 @@ class EpisodeStats:
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOOL_ERRORS, 0))
     inserted_tokens: int = 0
 
+    def counts(self) -> dict[str, int]:
+        """Totals that add up over calls and processes (:meth:`metrics_of` turns them into per-episode means)."""
+        return {"episodes": len(self.turns), "turns": sum(self.turns), "tool_calls": self.tool_calls,
+                "inserted_tokens": self.inserted_tokens, **{f"tool_errors/{k}": v for k, v in self.errors.items()}}
+
+    @staticmethod
+    def metrics_of(counts: dict[str, float]) -> dict[str, float]:
+        """Per-episode means of summed :meth:`counts`: ``episode/turns``, ``episode/tool_calls``,
+        ``episode/tool_errors`` (and by kind, where any), ``episode/inserted_tokens``."""
+        n = max(counts["episodes"], 1)
+        errors = {key.removeprefix("tool_errors/"): value for key, value in counts.items()
+                  if key.startswith("tool_errors/")}
+        return {"episode/turns": counts["turns"] / n, "episode/tool_calls": counts["tool_calls"] / n,
+                "episode/tool_errors": sum(errors.values()) / n, "episode/inserted_tokens": counts["inserted_tokens"] / n,
+                **{f"episode/tool_errors/{kind}": count / n for kind, count in errors.items() if count}}
+
     def metrics(self) -> dict[str, float]:
-        n = max(len(self.turns), 1)
-        return {"episode/turns": sum(self.turns) / n, "episode/tool_calls": self.tool_calls / n,
-                "episode/tool_errors": sum(self.errors.values()) / n,
-                "episode/inserted_tokens": self.inserted_tokens / n,
-                **{f"episode/tool_errors/{kind}": count / n for kind, count in self.errors.items() if count}}
+        return self.metrics_of(self.counts())
 
 
 class Tools:
@@ -162,6 +176,24 @@ class Tools:
         if self.on_error == "raise":
             raise ToolError(message)
         return f"error: {message}", kind
+
+
+def make_episode_generator(backend: str, model: Any, tokenizer: Any, params: SamplingParams, eos_ids: list[int],
+                           tools: Tools, fmt: ToolFormat, *, max_turns: int, seed: int = 0) -> "EpisodeGenerator":
+    """Episodes whose turns the configured generator samples, stopping at ``eos_ids`` and where a call closes."""
+    stop_id = tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]
+
+    def turn_generator(budget: int) -> Generator:
+        return make_generator(backend, model, tokenizer, dataclasses.replace(params, max_new_tokens=budget),
+                              [*eos_ids, stop_id], seed=seed)
+
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
+    return EpisodeGenerator(turn_generator, tokenizer, tools, fmt, max_new_tokens=params.max_new_tokens,
+                            max_turns=max_turns, eos_ids=eos_ids, pad_id=pad_id)
+
+
+FORMATS: dict[str, Callable[[], ToolFormat]] = {"json": JSONCalls, "inline": InlineCalls}
+"""``tool_format`` name -> the format."""
 
 
 class EpisodeGenerator:

@@ -11,13 +11,14 @@ Decisions:
 1. **Rows are written to the run directory** (``RUN_DIR/inputs/train.jsonl`` and ``eval.jsonl``) and
    the saved ``config.yaml`` names those files, so a run started from Python resumes and reproduces
    from the CLI like any other.
-2. **Reward callables defined in a file** are recorded in ``config.yaml`` as ``FILE.py:NAME`` for the
-   same reason; others (lambdas, closures, functions of an interactive session) are called all the
+2. **Reward callables and tools defined in a file** are recorded in ``config.yaml`` as ``FILE.py:NAME``
+   for the same reason; others (lambdas, closures, functions of an interactive session) are called all the
    same, but a resume from the CLI must be given them again (``--reward``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import inspect
 import json
 import time
@@ -35,7 +36,8 @@ from posttrain.training.setup import Inputs
 
 def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, model: str | nn.Module | None = None,
           tokenizer: Any = None, algorithm: str | None = None, train_dataset: Any = None, eval_dataset: Any = None,
-          reward_funcs: Callable | str | Iterable[Callable | str] | None = None, **fields: Any) -> dict[str, Any]:
+          reward_funcs: Callable | str | Iterable[Callable | str] | None = None,
+          tools: Callable | str | Iterable[Callable | str] | None = None, **fields: Any) -> dict[str, Any]:
     """Train a model; returns ``{"run_dir": Path, "before": {...}, "after": {...}}`` (held-out metrics).
 
     Args:
@@ -48,12 +50,16 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
             dicts, a Hugging Face ``Dataset`` or a pandas ``DataFrame``. Online presets read ``prompt`` and
             whatever columns the rewards take; preference presets ``prompt``, ``chosen``, ``rejected``.
         reward_funcs: callables with TRL's signature, or ``FILE.py:FUNCTION`` specs, one or several.
+        tools: functions the policy may call (type hints and a docstring describe them to a chat template),
+            or ``FILE.py:FUNCTION`` specs: each completion becomes a multi-turn episode (``max_turns``,
+            ``tool_format``, ``tool_timeout``, ``tool_errors``).
         **fields: any config field or preset setting, e.g. ``max_steps=50``, ``learning_rate=1e-5``,
             ``beta=0.04``, ``lora_r=16`` (``posttrain train --help`` lists them).
     """
     if isinstance(config, Config):
         if not (fields or model is not None or tokenizer is not None or algorithm is not None
-                or train_dataset is not None or eval_dataset is not None or reward_funcs is not None):
+                or train_dataset is not None or eval_dataset is not None or reward_funcs is not None
+                or tools is not None):
             return run(config)
         flat = config.to_flat()
     elif isinstance(config, (str, Path)):
@@ -93,8 +99,19 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
         flat["reward"] = [spec for spec, _ in recorded]
         flat["reward_weights"] = [w for _, w in recorded] if in_memory or any(w != 1.0 for w in weights) else []
     if in_memory:
-        inputs = Inputs(model=inputs.model, tokenizer=inputs.tokenizer, reward_funcs=tuple(fn for fn, _ in in_memory),
-                        reward_weights=tuple(w for _, w in in_memory))
+        inputs = dataclasses.replace(inputs, reward_funcs=tuple(fn for fn, _ in in_memory),
+                                     reward_weights=tuple(w for _, w in in_memory))
+    tool_objects = []
+    for fn in _as_list(tools):
+        spec = fn if isinstance(fn, str) else reward_spec(fn) if callable(fn) else None
+        if spec is None and not callable(fn):
+            raise ConfigError(f"tools: {fn!r} is neither a callable nor a FILE.py:FUNCTION spec")
+        if spec is not None:
+            flat["tools"] = [*flat.get("tools", ()), spec]
+        else:
+            tool_objects.append(fn)
+    if tool_objects:
+        inputs = dataclasses.replace(inputs, tools=tuple(tool_objects))
     return run(Config.from_flat(flat), inputs)
 
 

@@ -41,6 +41,7 @@ from posttrain.functional._value import explained_variance
 from posttrain.models.modeling import batched_logprobs, collate, forward
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.rollout.completions import Completions
+from posttrain.rollout.episodes import EpisodeStats
 from posttrain.training.groups import Groups, cat_rows
 from posttrain.training.guards import has_signal, step_has_signal
 from posttrain.training.session import OnlineSession, score_texts
@@ -59,9 +60,13 @@ def score_rows(s: OnlineSession, rows: list[dict], texts: list[str], g: int) -> 
     return score_texts(s.work, s.config.data, rows, texts, g)
 
 
+EPISODE_COUNT = "episode_count/"  # counts of multi-turn episodes, summed over rounds and processes
+
+
 def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, float], dict[str, int]]:
     """Generate and score ``G`` completions for each prompt; shape their rewards.
-    Also returns the generation and scoring times, and the count of failed rewards by function."""
+    Also returns the generation and scoring times, and counts: failed rewards by function and, for
+    multi-turn episodes, turns, tool calls, tool errors and inserted tokens."""
     alg, g = s.alg, s.config.rollout.group_size
     rows = [s.train_rows[i] for i in indices]
     prompt_ids = [s.encoded_prompts[i] for i in indices]
@@ -89,6 +94,8 @@ def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, flo
     )
     times = {"time/generation": t1 - t0, "time/scoring": time.perf_counter() - t1}
     failures = {f"reward_failures/{name}": count for name, count in scores.failures.items()}
+    if s.episodes is not None:
+        failures.update({f"{EPISODE_COUNT}{key}": value for key, value in s.episodes.stats.counts().items()})
     if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
         groups = groups.select(~scores.failed.view(-1, g).any(-1))
     return groups, times, failures
@@ -136,9 +143,12 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
     total = distributed.reduce_values({"generated": generated, "zero_variance": zero_variance,
                                        "groups_trained": len(batch.indices),
                                        "surplus_groups": 0 if s.surplus is None else len(s.surplus.indices)})
+    counts = distributed.reduce_values(failures)
+    episodes = {key.removeprefix(EPISODE_COUNT): counts.pop(key) for key in list(counts) if key.startswith(EPISODE_COUNT)}
     stats = {
         **distributed.reduce_values(times, max),
-        **distributed.reduce_values(failures),
+        **counts,
+        **(EpisodeStats.metrics_of(episodes) if episodes else {}),
         "generation_rounds": rounds,
         "zero_variance_groups": total["zero_variance"] / max(total["generated"], 1),
 

@@ -33,6 +33,12 @@ from posttrain.data.tasks.task import REASONING_GYM_PREFIX
 from posttrain.models.modeling import ValueHead
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions, SamplingParams
+from posttrain.rollout.episodes import (
+    FORMATS,
+    EpisodeGenerator,
+    Tools,
+    make_episode_generator,
+)
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.groups import Groups
@@ -191,6 +197,8 @@ class OnlineSession:
     bad_steps: int = 0
     fingerprint: dict[str, Any] = field(default_factory=dict)
     eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
+    episodes: EpisodeGenerator | None = None  # with tools: the generator, whose stats the step logs
+    tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
     # the guards against runs that learn nothing (posttrain.training.guards)
     signal_watch: SignalWatch = field(init=False)
     reward_watch: RewardWatch = field(init=False)
@@ -226,16 +234,26 @@ class OnlineSession:
         eos_ids = eos_token_ids(policy, tokenizer)
         r = config.rollout
         params = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
+        seed = config.run.seed + distributed.rank()
+        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in r.tools))
+        episodes = None
+        if tools:
+            episodes = make_episode_generator(
+                r.backend, policy, tokenizer, params, eos_ids,
+                Tools(tools, timeout=r.tool_timeout, on_error="raise" if r.tool_errors == "error" else "feedback"),
+                FORMATS[r.tool_format](), max_turns=r.max_turns, seed=seed)
+        generator = episodes or make_generator(r.backend, policy, tokenizer, params, eos_ids,
+                                               model_path=policy.config.name_or_path, seed=seed)
         return cls(
-            config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler,
-            make_generator(r.backend, policy, tokenizer, params, eos_ids, model_path=policy.config.name_or_path,
-                           seed=config.run.seed + distributed.rank()),
-            [encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}")
+            config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator,
+            [encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
              for number, row in enumerate(work.train_rows, start=1)],
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
             eos_ids,
             fingerprint=fingerprint(name, alg.name, policy),
             eval_workloads=eval_workloads,
+            episodes=episodes,
+            tools=tools,
         )
 
     # -- what the loop asks ------------------------------------------------------------------
@@ -345,8 +363,8 @@ def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, pref
     rows = work.test_rows[:limit]
     if not rows:
         return {}
-    texts, lengths = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
-                                    greedy=True)
+    texts, lengths = generate_texts(s.generator, s.tokenizer,
+                                    [encode_prompt(s.tokenizer, r["prompt"], tools=s.tools) for r in rows], greedy=True)
     scores, correct = score_texts(work, s.config.data, rows, texts, 1)
     out = {f"{prefix}reward": scores.total.mean().item(), f"{prefix}completion_length": sum(lengths) / len(lengths)}
     if correct is not None:

@@ -51,6 +51,8 @@ class Inputs:
     reward_funcs: tuple[Callable[..., Any], ...] = ()
     reward_weights: tuple[float, ...] = ()
     """One per ``reward_funcs`` entry; empty: 1.0 each."""
+    tools: tuple[Callable[..., Any], ...] = ()
+    """Tools the policy may call, before the config's ``tools`` files."""
 
 
 class Trainer(Protocol):
