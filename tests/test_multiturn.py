@@ -201,3 +201,39 @@ def test_tools_settings_are_checked():
         Config.from_flat({"tools": ["nowhere.py:f"]})
     with pytest.raises(ConfigError, match="max_turns: got 0"):
         Config.from_flat({"max_turns": 0})
+
+
+def test_a_multi_turn_run_resumed_equals_an_uninterrupted_one(tmp_path, printable_model_dir):
+    """Episodes hold no state across steps: the checkpoint's generators, data order and weights resume them."""
+    import json
+
+    from conftest import assert_runs_identical, resumed, run_interrupted
+
+    from posttrain.config import Config
+    from posttrain.training.online import train_step
+    from posttrain.training.runner import run_training
+    from posttrain.training.session import OnlineSession, evaluate
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text("\n".join(json.dumps({"prompt": f"[echo {a}]", "answer": str(a)}) for a in range(8)))
+    files = tmp_path / "fns.py"
+    files.write_text("def echo(argument: str) -> str:\n    return argument\n\n"
+                     "def brackets(prompts, completions, **_):\n    return [c.count('[') / 4 for c in completions]\n")
+
+    def config(name):
+        return Config.from_flat(dict(
+            algorithm="grpo", model=str(printable_model_dir), dataset=str(data), reward=[f"{files}:brackets"],
+            tools=[f"{files}:echo"], tool_format="inline", prompts_per_step=2, group_size=4, max_new_tokens=24,
+            max_steps=4, eval_every=2, save_every=2, log_samples_every=0, eval_size=0, learning_rate=1e-2,
+            output=str(tmp_path / name), progress=False, report_to="none", seed=3))
+
+    whole = config("whole")
+    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
+    first = config("split")
+    run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=2)
+    second = resumed(first, tmp_path / "split")
+    run_training(OnlineSession.create(second), second, train_step, evaluate)
+    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+    from posttrain.tracking.metrics import read_metrics
+
+    assert any(row.get("episode/tool_calls", 0) > 0 for row in read_metrics(tmp_path / "whole"))
