@@ -165,11 +165,12 @@ class RolloutConfig:
         "Tools the policy may call, as FILE.py:FUNCTION (repeatable): each completion becomes a multi-turn "
         "episode in which a call's result is inserted (and never trained on) before the policy goes on.", (),
     )
-    tool_format: str = _help("How calls are written: json (<tool_call>{\"name\": ..., \"arguments\": {...}}"
-                             "</tool_call>, chat templates' convention) or inline ([tool argument], for "
-                             "character-level models).", "json")
+    tool_format: str | None = _help("How calls are written: json (<tool_call>{\"name\": ..., \"arguments\": "
+                                    "{...}}</tool_call>, chat templates' convention) or inline ([tool argument], "
+                                    "for character-level models). Default: the task's, else json.")
     max_turns: int = _help("Policy turns per episode with --tools (the last one's call, if any, is not run).", 4)
-    tool_timeout: float = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit.", 10.0)
+    tool_timeout: float | None = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit, "
+                                       "0 in-process. Default: the task's, else 10.")
     tool_errors: str = _help("When a call fails (unknown tool, malformed call, a raise, a timeout, a non-text "
                              "result): feedback (the policy reads the error; counted in episode/tool_errors) or "
                              "error (stop the run).", "feedback")
@@ -187,9 +188,11 @@ class RolloutConfig:
         _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
         _require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
                  f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
-        _require(self.tool_format in ("json", "inline"), "tool_format", f"got {self.tool_format!r}; use json or inline")
+        _require(self.tool_format in (None, "json", "inline"), "tool_format",
+                 f"got {self.tool_format!r}; use json or inline")
         _require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
-        _require(self.tool_timeout >= 0, "tool_timeout", f"got {self.tool_timeout}; use 0 (in-process) or seconds")
+        _require(self.tool_timeout is None or self.tool_timeout >= 0, "tool_timeout",
+                 f"got {self.tool_timeout}; use 0 (in-process) or seconds")
         _require(self.tool_errors in ("feedback", "error"), "tool_errors",
                  f"got {self.tool_errors!r}; use feedback or error")
         _require(not self.tools or self.backend == "hf", "tools",

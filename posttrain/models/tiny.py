@@ -140,6 +140,8 @@ class TinyRecipe:
 
 BUILTIN_MODELS: dict[str, TinyRecipe] = {
     "tiny-addition": TinyRecipe(task="addition", chars="0123456789+=,|"),
+    # warm-started on answers without a tool (most) and with one: see posttrain/data/tasks/calculator.py
+    "tiny-calculator": TinyRecipe(task="calculator", chars="0123456789+-*=;[] acl", target_accuracy=0.10),
 }
 """Built-in model name -> recipe; ``--model tiny-addition`` resolves here."""
 

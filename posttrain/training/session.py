@@ -66,6 +66,9 @@ class Workload:
     max_new_tokens: int
     default_model: str | None
     final_answer: Callable[[str], str | None] | None = None  # the task's answer parser (posttrain eval's maj@K)
+    tools: tuple[Callable, ...] = ()  # the task's tools (multi-turn episodes)
+    tool_format: str | None = None  # how the task's calls are written
+    tool_timeout: float | None = None  # the task's limit per call
 
 
 def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
@@ -97,7 +100,8 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         raise ConfigError("max_new_tokens: set the completion token budget for a dataset run")
     return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
                     task.correct if task else None, budget, task.default_model if task else None,
-                    task.final_answer if task else None)
+                    task.final_answer if task else None, task.tools if task else (),
+                    task.tool_format if task else None, task.tool_timeout if task else None)
 
 
 def eval_label(task: str) -> str:
@@ -235,13 +239,14 @@ class OnlineSession:
         r = config.rollout
         params = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
         seed = config.run.seed + distributed.rank()
-        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in r.tools))
+        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in r.tools), *work.tools)
         episodes = None
         if tools:
             episodes = make_episode_generator(
                 r.backend, policy, tokenizer, params, eos_ids,
-                Tools(tools, timeout=r.tool_timeout, on_error="raise" if r.tool_errors == "error" else "feedback"),
-                FORMATS[r.tool_format](), max_turns=r.max_turns, seed=seed)
+                Tools(tools, timeout=_first(r.tool_timeout, work.tool_timeout, 10.0),
+                      on_error="raise" if r.tool_errors == "error" else "feedback"),
+                FORMATS[_first(r.tool_format, work.tool_format, "json")](), max_turns=r.max_turns, seed=seed)
         generator = episodes or make_generator(r.backend, policy, tokenizer, params, eos_ids,
                                                model_path=policy.config.name_or_path, seed=seed)
         return cls(
@@ -336,6 +341,11 @@ class OnlineSession:
                 row["correct"] = bool(g.correct[i])
             rows.append(row)
         return rows
+
+def _first(*values: Any) -> Any:
+    """The first value that is not None (a run's setting, else its task's, else the default)."""
+    return next(v for v in values if v is not None)
+
 
 def eos_token_ids(model: Any, tokenizer: Any) -> list[int]:
     """EOS ids from the generation config (chat models end turns with their own token) and tokenizer."""

@@ -31,7 +31,13 @@ def _gsm(seed: int) -> Task:
     return gsm.make_task(seed)
 
 
-TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "gsm": _gsm}
+def _calculator(seed: int) -> Task:
+    from posttrain.data.tasks import calculator
+
+    return calculator.make_task(seed)
+
+
+TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "gsm": _gsm, "calculator": _calculator}
 """Task name -> builder taking the split seed."""
 
 def _reasoning_gym(spec: str, seed: int) -> Task:

@@ -35,6 +35,12 @@ class Task:
     final_answer: Callable[[str], str | None] | None = None
     """The final answer a completion's text gives (None: none), for maj@K's vote in ``posttrain eval``;
     None: :func:`posttrain.data.rewards.extract_answer`."""
+    tools: tuple[Callable[..., Any], ...] = ()
+    """Tools the policy may call: a task's episodes are multi-turn (``posttrain.rollout.episodes``)."""
+    tool_format: str | None = None
+    """How its calls are written (``json`` or ``inline``); None: the run's."""
+    tool_timeout: float | None = None
+    """Seconds per call of its tools (0: in-process, for tools that cannot hang); None: the run's."""
 
 
 @dataclass(frozen=True)
