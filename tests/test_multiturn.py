@@ -253,3 +253,30 @@ def test_the_calculator_task_learns_to_use_its_tool(tmp_path):
     assert after >= before + 0.20, (before, after)
     steps = [row for row in read_metrics(tmp_path / "run") if "episode/tool_calls" in row]
     assert steps[-1]["episode/tool_calls"] > steps[0]["episode/tool_calls"] + 0.3
+
+
+def test_posttrain_eval_scores_a_task_with_tools_on_its_episodes(printable_model_dir, monkeypatch):
+    """A task's tools run during evaluation too: the scripted policy calls echo, reads its result, answers."""
+    from test_episodes import Script
+
+    import posttrain.rollout.episodes as episodes
+    from posttrain.data import tasks
+    from posttrain.data.tasks.task import Task
+    from posttrain.training.evaluation import EvalSpec, evaluate_model
+
+    def echo(argument: str) -> str:
+        return argument
+
+    rows = [{"prompt": f"say {i}", "answer": str(i)} for i in range(3)]
+    task = Task(name="echoes", description="echo", train=rows, test=rows, reward_funcs=(
+        lambda prompts, completions, **_: [0.0] * len(completions),), reward_weights=(1.0,),
+        correct=lambda prompts, completions, answer, **_: [c == f"[echo {a}]={a};{a}" for c, a in zip(completions, answer)],
+        max_new_tokens=24, default_model=str(printable_model_dir), tools=(echo,), tool_format="inline", tool_timeout=0)
+    monkeypatch.setitem(tasks.TASKS, "echoes", lambda seed: task)
+    eos = "<eos>"
+    script = Script({0: ["[echo 0]", "0" + eos], 1: ["[echo 1]", "1" + eos], 2: ["2" + eos]}, num_samples=1)
+    monkeypatch.setattr(episodes, "make_generator", lambda backend, model, tokenizer, params, eos_ids, **_: (
+        script.make(eos_ids[1:])(params.max_new_tokens)))
+    _, [result] = evaluate_model(None, EvalSpec(tasks=["echoes"], eval_size=3), device="cpu")
+    assert [row["completion"] for row in result.greedy] == ["[echo 0]=0;0", "[echo 1]=1;1", "2"]
+    assert [row["correct"] for row in result.greedy] == [True, True, False]

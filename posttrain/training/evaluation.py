@@ -25,6 +25,7 @@ from posttrain.data.rewards import extract_answer
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.parallel.distributed import say
 from posttrain.rollout.completions import SamplingParams
+from posttrain.rollout.episodes import FORMATS, Tools, make_episode_generator
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.tracking.stats import summarise
 from posttrain.training.session import (
@@ -110,9 +111,15 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         return verdicts, total
 
     torch.manual_seed(spec.seed)
-    generator = make_generator("hf", policy, tokenizer,
-                               SamplingParams(work.max_new_tokens, spec.temperature, spec.top_p, 0), eos_ids)
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}") for i, row in enumerate(rows, 1)]
+    params = SamplingParams(work.max_new_tokens, spec.temperature, spec.top_p, 0)
+    if work.tools:  # a task with tools is scored on its episodes, as it trains
+        generator = make_episode_generator(
+            "hf", policy, tokenizer, params, eos_ids, Tools(work.tools, timeout=work.tool_timeout or 0.0),
+            FORMATS[work.tool_format or "json"](), max_turns=config.rollout.max_turns)
+    else:
+        generator = make_generator("hf", policy, tokenizer, params, eos_ids)
+    prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}", tools=work.tools)
+                  for i, row in enumerate(rows, 1)]
     say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
     k, per_sample, answers = spec.samples, None, None
     with torch.no_grad():
