@@ -10,7 +10,7 @@ Decisions where the spec is silent:
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -22,8 +22,7 @@ from posttrain.algorithms.registry import (
     register_preference_loss,
 )
 
-if TYPE_CHECKING:
-    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm
+OnlineAlgorithm = PreferenceAlgorithm = Any  # the preset whose fields configure a piece (presets.py imports this module)
 
 Metrics = dict[str, Tensor]
 
