@@ -1,0 +1,421 @@
+"""What a preset is: each algorithm is a frozen record of named pieces.
+
+An online algorithm (`OnlineAlgorithm`) is a choice of advantage estimator,
+ratio level, clip scheme, aggregation, KL estimator and placement, sampling
+filters and reward shaping; an offline one (`PreferenceAlgorithm`) is a
+preference loss and its coefficients. The math lives in `posttrain.functional`:
+the methods here only hand a preset's fields to it. The named presets are in
+:mod:`posttrain.algorithms.presets`. The estimator and the losses a preset names are looked up in
+the registries of `posttrain.algorithms.registry` (the built-in ones: `posttrain.algorithms.pieces`),
+so a preset can name a piece a user registered.
+
+Decisions where the spec is silent:
+
+1. A field a preset does not use is `None` (GAE's `gamma`/`lam` and
+   `value_clip` outside `gae`, the KL estimator without a KL, the coefficients
+   of the other preference losses), and setting one is an error rather than a
+   silent no-op (so is `beta > 0` with `kl_placement='none'`). Exception:
+   `eps_low`/`eps_high` = `None` means unbounded on that side.
+2. KL in the reward (token or sequence level) uses `k1`, as the spec defines
+   the shaped reward; `k2`/`k3` are for the KL in the loss.
+3. `reward_clip` also clips the greedy baseline, so both sides of
+   `r - r_greedy` live on the same scale.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Literal, get_args
+
+import torch
+from torch import Tensor
+
+import posttrain.functional as F
+from posttrain.algorithms import pieces  # noqa: F401  (registers the built-in pieces before any preset is built)
+from posttrain.algorithms.registry import (
+    ADVANTAGES,
+    POLICY_LOSSES,
+    PREFERENCE_INPUTS,
+    PREFERENCE_LOSSES,
+    AdvantageEstimator,
+)
+
+Ratio = Literal["token", "sequence", "sequence_token"]
+Clip = Literal["ppo", "is_weight", "none"]
+Aggregation = Literal["sequence_mean", "token_mean", "constant"]
+KLPlacement = Literal["loss", "token_reward", "sequence_reward", "none"]
+KLEstimator = Literal["k1", "k2", "k3"]
+
+PREFERENCE_COEFFICIENTS = ("beta", "label_smoothing", "alpha", "gamma", "lam", "desirable_weight", "undesirable_weight")
+"""The PreferenceAlgorithm fields a preference loss may read; those its loss does not declare stay None."""
+
+
+def _estimators(**where: Any) -> list[str]:
+    """The registered advantage estimators whose attributes equal ``where``."""
+    return [name for name, e in ADVANTAGES.items() if all(getattr(e, k) == v for k, v in where.items())]
+
+Metrics = dict[str, Tensor]
+_REQUIRED = dataclasses.MISSING
+
+
+def _field(help: str, default: Any = None) -> Any:
+    return field(default=default, metadata={"help": help})
+
+
+DESCRIPTIVE_FIELDS = ("name", "paper", "summary", "update_structure", "default_learning_rate")
+"""Fields that say what a preset is; they are not settings, and no config or flag overrides them."""
+
+
+def field_help(cls: type | object) -> dict[str, str]:
+    """Setting name -> its one-line help, for the CLI (a preset class or instance)."""
+    return {f.name: f.metadata["help"] for f in dataclasses.fields(cls) if f.name not in DESCRIPTIVE_FIELDS}
+
+
+def setting_names(cls: type | object) -> list[str]:
+    """The fields of a preset class or instance that a config may override."""
+    return list(field_help(cls))
+
+
+_PLUGIN_HINT = "; posttrain.{} adds one (from the CLI: --plugin FILE.py imports the file that registers it)"
+
+
+def _choice_problems(obj: object, choices: dict[str, tuple], registered_by: dict[str, str]) -> list[str]:
+    return [f"{name}={getattr(obj, name)!r} is not one of {', '.join(map(repr, valid))}"
+            + (_PLUGIN_HINT.format(registered_by[name]) if name in registered_by else "")
+            for name, valid in choices.items() if getattr(obj, name) not in valid]
+
+
+def _raise_if_problems(obj: Any, problems: list[str]) -> None:
+    if problems:
+        raise ValueError(f"invalid {type(obj).__name__} {obj.name!r}: " + "; ".join(problems))
+
+
+def _require(who: str, why: str, **tensors: Tensor | None) -> None:
+    missing = [name for name, value in tensors.items() if value is None]
+    if missing:
+        raise ValueError(f"{who}: {why} needs {', '.join(missing)}")
+
+
+def _with_returns(result: Tensor | tuple[Tensor, Tensor | None]) -> tuple[Tensor, Tensor | None]:
+    """An estimator's result as (advantages, value targets or None)."""
+    return result if isinstance(result, tuple) else (result, None)
+
+
+@dataclass(frozen=True)
+class OnlineAlgorithm:
+    """An online RL algorithm (generate, score, update) as a choice of pieces."""
+
+    name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
+    paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
+    summary: str = _field("One line: what it changed with respect to its ancestor.", _REQUIRED)
+    advantage: str = _field("Advantage estimator (a registered one; posttrain.register_advantage adds one): gae, greedy_baseline (ReMax), rloo, group (GRPO), group_mean "
+                                  "(Dr.GRPO), reinforce_pp, reinforce_pp_baseline, best_of_n.", _REQUIRED)
+    ratio: Ratio = _field("Importance ratio: token (PPO), sequence (GSPO) or sequence_token (GSPO-token).", "token")
+    clip: Clip = _field("ppo (clipped surrogate), is_weight (CISPO: clip the detached IS weight) or none.", "ppo")
+    eps_low: float | None = _field("Lower clip bound 1 - eps_low; None = unbounded below.", 0.2)
+    eps_high: float | None = _field("Upper clip bound 1 + eps_high (DAPO's clip-higher: 0.28); None = unbounded.", 0.2)
+    dual_clip: float | None = _field("Dual-clip c > 1 bounding losses of negative advantages (verl: 3); None = off.")
+    aggregation: Aggregation = _field("Token losses to one number: sequence_mean, token_mean (over the optimizer "
+                                      "step) or constant (sum / max_tokens, Dr.GRPO).", "sequence_mean")
+    loss: str = _field("Policy loss (a registered one; posttrain.register_policy_loss adds one): policy (the "
+                       "clipped surrogate) or nll (likelihood; best_of_n only).", "policy")
+    kl_placement: KLPlacement = _field("Where the KL to the reference goes: loss (GRPO), token_reward (PPO, "
+                                       "REINFORCE++), sequence_reward (RLOO, ReMax) or none.", "none")
+    kl_estimator: KLEstimator | None = _field("k1, k2 or k3 (Schulman 2020); k1 in a reward; None without a KL.")
+    beta: float = _field("KL coefficient; 0 = no KL term, no reference model.", 0.0)
+    num_epochs: int = _field("Passes over each rollout (PPO epochs, GRPO's mu).", 1)
+    mini_batches: int = _field("Optimizer steps per pass: the rollout is split into this many mini-batches "
+                               "(InstructGPT's PPO: 8, DAPO: 16, GSPO: 4). Several make updates off-policy, "
+                               "which is where the clip schemes act.", 1)
+    value_clip: float | None = _field("Value-loss clip range around the old values (gae only); None = unclipped.")
+    gamma: float | None = _field("GAE discount (gae only).")
+    lam: float | None = _field("GAE lambda (gae only).")
+    reward_clip: float | None = _field("Clip rewards to [-reward_clip, reward_clip] (REINFORCE++: 10); None = off.")
+    binary_reward: tuple[float, float] | None = _field("(incorrect, correct) reward for a task's correctness "
+                                                       "(DAPO: (-1, 1)); None = the task's reward.")
+    dynamic_sampling: bool = _field("Drop groups with all-equal rewards, generate until the batch is full (DAPO).",
+                                    False)
+    max_generation_rounds: int = _field("Generation rounds per step with dynamic sampling (DAPO's "
+                                        "max_num_gen_batches).", 3)
+    overlong_buffer_ratio: float | None = _field("DAPO's soft overlong punishment, L_cache / L_max (paper: 4096 / "
+                                                 "20480 = 0.2); None = off.")
+    overlong_filter: bool = _field("Mask truncated completions out of the loss (DAPO's overlong filtering).", False)
+    history_resampling: bool = _field("Skip prompts solved by every completion in the previous epoch (SRPO, "
+                                      "https://arxiv.org/abs/2504.14286).", False)
+    min_reward: float | None = _field("best_of_n: skip prompts whose best reward is below; None = keep all.")
+    skip_ties: bool = _field("best_of_n: skip prompts whose completions all have the same reward (none is better "
+                             "than another; with a 0/1 reward, a group without a right answer would train on a "
+                             "wrong one).", False)
+    eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
+    update_structure: str = _field("Where mini_batches x num_epochs come from: the paper's words, or why another "
+                                   "paper's when it states none.", "")
+    default_learning_rate: float | None = _field(
+        "The learning rate of a run that gives none (--learning-rate wins); None = OptimConfig's. Set where the "
+        "papers' update structure needs a smaller one than the default on the built-in task, chosen by "
+        "benchmarks/lr_sweep.py (figures: benchmarks/RESULTS.md).")
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model must score the samples (a KL term with beta > 0)."""
+        return self.beta > 0 and self.kl_placement != "none"
+
+    @property
+    def needs_old_logprobs(self) -> bool:
+        """The sampling policy's log-probs must be recorded at generation.
+
+        With one update per rollout they equal the updated policy's detached log-probs
+        (its own forward pass gives them); several epochs or mini-batches move the policy away, and
+        dynamic sampling carries surplus groups to the next step, one policy later.
+        """
+        return self.num_epochs > 1 or self.mini_batches > 1 or self.dynamic_sampling
+
+    @property
+    def needs_value_model(self) -> bool:
+        """A value head is trained alongside the policy (GAE)."""
+        return ADVANTAGES[self.advantage].needs_values
+
+    @property
+    def needs_greedy_baseline(self) -> bool:
+        """Each prompt needs one greedy decode, scored, as the baseline (ReMax)."""
+        return ADVANTAGES[self.advantage].needs_baseline
+
+    @property
+    def is_group_estimator(self) -> bool:
+        """The advantage compares the G completions of a prompt, so G >= 2 is required."""
+        return ADVANTAGES[self.advantage].compares_group
+
+    @property
+    def trains_on_best_only(self) -> bool:
+        """Only each group's selected best completion trains (best-of-N, RAFT): the others leave the batch."""
+        return self.advantage == "best_of_n"
+
+    def __post_init__(self) -> None:
+        if isinstance(self.binary_reward, list):  # YAML gives lists
+            object.__setattr__(self, "binary_reward", tuple(self.binary_reward))
+        choices = {"advantage": tuple(ADVANTAGES), "ratio": get_args(Ratio), "clip": get_args(Clip),
+                   "aggregation": get_args(Aggregation), "loss": tuple(POLICY_LOSSES),
+                   "kl_placement": get_args(KLPlacement), "kl_estimator": (*get_args(KLEstimator), None)}
+        registered_by = {"advantage": "register_advantage", "loss": "register_policy_loss"}
+        _raise_if_problems(self, _choice_problems(self, choices, registered_by) or self._problems())
+
+    def _problems(self) -> list[str]:
+        a, kl, br, est = self.advantage, self.kl_placement, self.binary_reward, self.kl_estimator
+        token_level, sequence_level, group = (_estimators(level="token"), _estimators(level="sequence"),
+                                              _estimators(compares_group=True))
+        gae_ok = self.gamma is not None and self.lam is not None and 0 < self.gamma <= 1 and 0 <= self.lam <= 1
+        rules = [
+            (self.eps < 0, f"eps={self.eps} must be >= 0"),
+            (self.eps_low is not None and not 0 <= self.eps_low < 1,
+             f"eps_low={self.eps_low} must be in [0, 1) (the lower bound is 1 - eps_low); None = no lower bound"),
+            (self.eps_high is not None and self.eps_high < 0, f"eps_high={self.eps_high} must be >= 0 or None"),
+            (self.dual_clip is not None and not self.dual_clip > 1, f"dual_clip={self.dual_clip} must be > 1 or None"),
+            (self.dual_clip is not None and self.clip != "ppo", "dual_clip applies to clip='ppo' only"),
+            (self.ratio != "token" and self.clip != "ppo", f"ratio={self.ratio!r} (GSPO) needs clip='ppo'"),
+            (self.beta < 0, f"beta={self.beta} must be >= 0"),
+            (self.num_epochs < 1, f"num_epochs={self.num_epochs} must be >= 1"),
+            (self.mini_batches < 1, f"mini_batches={self.mini_batches} must be >= 1"),
+            (self.max_generation_rounds < 1, f"max_generation_rounds={self.max_generation_rounds} must be >= 1"),
+            (self.overlong_buffer_ratio is not None and not 0 < self.overlong_buffer_ratio <= 1,
+             f"overlong_buffer_ratio={self.overlong_buffer_ratio} must be in (0, 1] (DAPO: 0.2) or None"),
+            (self.reward_clip is not None and not self.reward_clip > 0, f"reward_clip={self.reward_clip} must be > 0"),
+            (br is not None and not (len(br) == 2 and br[0] < br[1]),
+             f"binary_reward={br} must be (incorrect, correct) with incorrect < correct, e.g. (-1.0, 1.0)"),
+            (kl != "none" and est is None, f"kl_placement={kl!r} needs a kl_estimator: 'k1', 'k2' or 'k3'"),
+            (kl.endswith("_reward") and est not in (None, "k1"),
+             f"kl_placement={kl!r} uses kl_estimator='k1'; for k2/k3 use kl_placement='loss'"),
+            (kl == "none" and self.beta > 0,
+             f"beta={self.beta} does nothing with kl_placement='none': set beta=0.0 or choose a kl_placement"),
+            (kl == "token_reward" and a not in token_level, f"kl_placement='token_reward' needs a token-level "
+             f"estimator ({', '.join(token_level)}); with {a!r} use 'sequence_reward' or 'loss'"),
+            (kl == "sequence_reward" and a not in sequence_level, f"kl_placement='sequence_reward' needs a "
+             f"sequence-level estimator ({', '.join(sequence_level)}); with {a!r} use 'token_reward' or 'loss'"),
+            (kl == "loss" and not POLICY_LOSSES[self.loss].takes_kl,
+             f"loss={self.loss!r} does not add a KL term: use another kl_placement, or a policy loss that takes it"),
+            ((a == "best_of_n") != (self.loss == "nll"), "advantage='best_of_n' and loss='nll' go together"),
+            (self.loss == "nll" and kl != "none", "loss='nll' (best_of_n) takes no KL: set kl_placement='none'"),
+            (a == "gae" and not gae_ok, f"advantage='gae' needs gamma in (0, 1] and lam in [0, 1] (PPO: 1.0, "
+             f"0.95), got {self.gamma}, {self.lam}"),
+            (a != "gae" and (self.gamma, self.lam, self.value_clip) != (None, None, None),
+             f"gamma, lam and value_clip belong to advantage='gae'; set them to None for {a!r}"),
+            (self.value_clip is not None and not self.value_clip > 0, f"value_clip={self.value_clip} must be > 0"),
+            (self.min_reward is not None and a != "best_of_n", "min_reward applies to advantage='best_of_n' only"),
+            (self.skip_ties and a != "best_of_n", "skip_ties applies to advantage='best_of_n' only"),
+            (self.dynamic_sampling and a not in group, "dynamic_sampling drops groups with equal rewards, "
+             f"which carry no signal only for a group estimator ({', '.join(group)})"),
+        ]
+        return [message for broken, message in rules if broken]
+
+    def advantages_and_returns(
+        self, rewards: Tensor, *, mask: Tensor | None = None, logprobs: Tensor | None = None,
+        ref_logprobs: Tensor | None = None, values: Tensor | None = None, baseline: Tensor | None = None,
+    ) -> tuple[Tensor, Tensor | None]:
+        """This preset's advantages and, for `gae`, the value targets.
+
+        rewards [B, G]: one scalar per completion (G completions of each of B prompts);
+        mask, logprobs, ref_logprobs, values [N, T] with N = B * G, row b * G + g;
+        baseline [B]: greedy-decode rewards (`greedy_baseline`).
+        Returns (advantages, returns). Sequence estimators and best_of_n give [B, G]
+        when mask is None, else [N, T] (broadcast, 0 at padding); token estimators
+        need mask and give [N, T]. returns is F.gae's A + V (before the advantages
+        are whitened) for `gae`, else None.
+        """
+        if rewards.dim() != 2:
+            raise ValueError(f"{self.name}: rewards must be [B, G] (B prompts x G completions), "
+                             f"got shape {tuple(rewards.shape)}")
+        if self.reward_clip is not None:  # REINFORCE++: rewards clipped to [-10, 10]
+            rewards = rewards.clamp(-self.reward_clip, self.reward_clip)
+            baseline = None if baseline is None else baseline.clamp(-self.reward_clip, self.reward_clip)
+        estimator = ADVANTAGES[self.advantage]
+        if estimator.needs_baseline:
+            _require(self.name, f"advantage={self.advantage!r}", baseline=baseline)
+        if estimator.level == "token":
+            return self._token_advantages(estimator, rewards, mask, logprobs, ref_logprobs, values, baseline)
+        if self.kl_placement == "sequence_reward" and self.beta > 0:  # r_i - beta * sum_t k1[i, t]
+            _require(self.name, "KL in the sequence reward", mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
+            kl = F.kl_estimate(logprobs, ref_logprobs, "k1").masked_fill(~mask.bool(), 0.0)
+            rewards = rewards - self.beta * kl.sum(-1).view_as(rewards)
+        advantages, returns = _with_returns(estimator.fn(
+            rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,
+            kl_coef=0.0))
+        if advantages.shape != rewards.shape:
+            raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} (level='sequence') returned shape "
+                             f"{tuple(advantages.shape)}; it must return [B, G] = {tuple(rewards.shape)}")
+        if mask is None:
+            return advantages, returns
+        if advantages.numel() != mask.shape[0]:
+            raise ValueError(f"{self.name}: mask has {mask.shape[0]} rows but rewards hold "
+                             f"{advantages.numel()} completions; mask must be [B * G, T]")
+        return torch.where(mask.bool(), advantages.reshape(-1, 1), 0.0), returns
+
+    def _token_advantages(self, estimator: AdvantageEstimator, rewards: Tensor, mask: Tensor | None,
+                          logprobs: Tensor | None, ref_logprobs: Tensor | None, values: Tensor | None,
+                          baseline: Tensor | None) -> tuple[Tensor, Tensor | None]:
+        kl_coef = self.beta if self.kl_placement == "token_reward" else 0.0
+        needed = {"mask": mask, **({"logprobs": logprobs, "ref_logprobs": ref_logprobs} if kl_coef > 0 else {}),
+                  **({"values": values} if estimator.needs_values else {})}
+        _require(self.name, f"advantage={self.advantage!r}", **needed)
+        if kl_coef == 0:  # no KL in the reward: the log-probs do not enter
+            logprobs = ref_logprobs = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
+        advantages, returns = _with_returns(estimator.fn(
+            rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,
+            kl_coef=kl_coef))
+        if advantages.shape != mask.shape:
+            raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} (level='token') returned shape "
+                             f"{tuple(advantages.shape)}; it must return [N, T] = {tuple(mask.shape)}")
+        return advantages, returns
+
+    def advantages(self, rewards: Tensor, **kwargs: Tensor | None) -> Tensor:
+        """The advantages of `advantages_and_returns` (same arguments)."""
+        return self.advantages_and_returns(rewards, **kwargs)[0]
+
+    def policy_loss(
+        self, logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor, mask: Tensor,
+        ref_logprobs: Tensor | None = None, *, normalizer: float | Tensor | None = None,
+        max_tokens: int | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        """This preset's registered policy loss (F.policy_loss with its pieces; F.nll_loss for best_of_n).
+
+        logprobs, old_logprobs, mask, ref_logprobs [N, T]; advantages [N] or [N, T].
+        The KL enters only with kl_placement='loss' (then ref_logprobs is needed).
+        normalizer: the optimizer step's denominator; max_tokens: for 'constant'.
+        For best_of_n the loss covers the tokens of completions with advantage > 0.
+        """
+        if self.kl_placement == "loss" and self.beta > 0:
+            _require(self.name, "KL in the loss", ref_logprobs=ref_logprobs)
+        return POLICY_LOSSES[self.loss].fn(logprobs, old_logprobs, advantages, mask, self, ref_logprobs=ref_logprobs,
+                                           normalizer=normalizer, max_tokens=max_tokens)
+
+    def value_loss(
+        self, values: Tensor, old_values: Tensor, returns: Tensor, mask: Tensor, *,
+        normalizer: float | Tensor | None = None, max_tokens: int | None = None,
+    ) -> tuple[Tensor, Metrics]:
+        """F.value_loss with this preset's value_clip and aggregation; all inputs [N, T]."""
+        if not self.needs_value_model:
+            raise ValueError(f"{self.name}: advantage={self.advantage!r} has no value model; "
+                             "value_loss is for advantage='gae'")
+        return F.value_loss(values, old_values, returns, mask, clip=self.value_clip, aggregation=self.aggregation,
+                            normalizer=normalizer, max_tokens=max_tokens)
+
+
+@dataclass(frozen=True)
+class PreferenceAlgorithm:
+    """An offline preference-optimisation loss and its coefficients; None = not used by this loss."""
+
+    name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
+    paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
+    summary: str = _field("One line: what it changed with respect to its ancestor.", _REQUIRED)
+    loss: str = _field("Preference loss (a registered one; posttrain.register_preference_loss adds one): dpo, "
+                       "odpo, simpo, orpo or kto.", _REQUIRED)
+    beta: float | None = _field("Reward scale (DPO, ODPO, KTO: 0.1; SimPO: 2.0).")
+    label_smoothing: float | None = _field("DPO: assumed rate of flipped labels, in [0, 0.5).")
+    alpha: float | None = _field("ODPO: offset scale, offset = alpha * log(score_w - score_l).")
+    gamma: float | None = _field("SimPO: target reward margin.")
+    lam: float | None = _field("ORPO: weight of the odds-ratio term added to the chosen NLL.")
+    desirable_weight: float | None = _field("KTO: weight of desirable examples.")
+    undesirable_weight: float | None = _field("KTO: weight of undesirable examples.")
+    rpo_alpha: float | None = _field("Weight of the chosen completions' per-token NLL added to the loss (RPO, "
+                                     "arXiv:2404.19733; TRL's rpo_alpha); KTO: the desirable examples'. None = "
+                                     "off; ORPO has its own (lam).")
+
+    @property
+    def needs_reference(self) -> bool:
+        """A frozen reference model scores the completions (DPO, ODPO, KTO)."""
+        return PREFERENCE_LOSSES[self.loss].needs_reference
+
+    @property
+    def paired(self) -> bool:
+        """Data are (chosen, rejected) pairs; KTO takes single examples labelled desirable or not."""
+        return PREFERENCE_LOSSES[self.loss].paired
+
+    @property
+    def needs_scores(self) -> bool:
+        """Each pair needs the scores of both completions (ODPO's offset)."""
+        return "chosen_scores" in PREFERENCE_LOSSES[self.loss].inputs
+
+    def __post_init__(self) -> None:
+        problems = _choice_problems(self, {"loss": tuple(PREFERENCE_LOSSES)}, {"loss": "register_preference_loss"})
+        if not problems:
+            used = PREFERENCE_LOSSES[self.loss].coefficients
+            problems += [f"loss={self.loss!r} needs {p}" for p in used if getattr(self, p) is None]
+            problems += [f"{p} is not used by loss={self.loss!r} (it uses {', '.join(used) or 'none'}): set it to None"
+                         for p in PREFERENCE_COEFFICIENTS if p not in used and getattr(self, p) is not None]
+            if not PREFERENCE_LOSSES[self.loss].takes_rpo_alpha and self.rpo_alpha is not None:
+                problems.append(f"rpo_alpha: loss={self.loss!r} takes no rpo_alpha (ORPO's loss has its chosen NLL "
+                                "already, weighted 1); set rpo_alpha None")
+        positive = ("beta", "desirable_weight", "undesirable_weight")
+        problems += [f"{p}={getattr(self, p)} must be > 0" for p in positive
+                     if getattr(self, p) is not None and not getattr(self, p) > 0]
+        problems += [f"{p}={getattr(self, p)} must be >= 0" for p in ("alpha", "gamma", "lam", "rpo_alpha")
+                     if getattr(self, p) is not None and getattr(self, p) < 0]
+        if self.label_smoothing is not None and not 0 <= self.label_smoothing < 0.5:
+            problems.append(f"label_smoothing={self.label_smoothing} must be in [0, 0.5)")
+        _raise_if_problems(self, sorted(set(problems), key=problems.index))
+
+    def preference_loss(self, **inputs: Tensor) -> tuple[Tensor, Metrics]:
+        """This preset's loss from sequence log-prob sums, keyword arguments named as in F.
+
+        Paired losses: chosen_logps, rejected_logps [B]; DPO/ODPO also ref_chosen_logps,
+        ref_rejected_logps [B]; ODPO also chosen_scores, rejected_scores [B]; SimPO/ORPO
+        also chosen_lengths, rejected_lengths [B]. KTO: logps, ref_logps, desirable (bool),
+        kl_logps, kl_ref_logps [B]. With ``rpo_alpha``: chosen_lengths (KTO: lengths) [B] too.
+        Inputs this loss does not use are ignored, so a loop can pass everything it has.
+        """
+        unknown = sorted(set(inputs) - set(PREFERENCE_INPUTS))
+        if unknown:
+            raise ValueError(f"{self.name}: unknown input(s) {', '.join(unknown)}; "
+                             f"valid: {', '.join(sorted(PREFERENCE_INPUTS))}")
+        piece = PREFERENCE_LOSSES[self.loss]
+        _require(self.name, f"loss={self.loss!r}", **{n: inputs.get(n) for n in piece.inputs})
+        loss_and_metrics = piece.fn(self, **{n: inputs[n] for n in piece.inputs})
+        return self._with_nll(loss_and_metrics, inputs) if piece.takes_rpo_alpha else loss_and_metrics
+
+    def _with_nll(self, loss_and_metrics: tuple[Tensor, Metrics], inputs: dict[str, Tensor]) -> tuple[Tensor, Metrics]:
+        """The loss plus ``rpo_alpha`` times the chosen (KTO: desirable) completions' per-token NLL."""
+        loss, metrics = loss_and_metrics
+        if not self.rpo_alpha:
+            return loss, metrics
+        names = ("chosen_logps", "chosen_lengths") if self.paired else ("logps", "lengths", "desirable")
+        _require(self.name, "rpo_alpha", **{n: inputs.get(n) for n in names})
+        nll = F.chosen_nll(*(inputs[n] for n in names))
+        return loss + self.rpo_alpha * nll, {**metrics, "nll": nll.detach()}
