@@ -161,18 +161,19 @@ class Tools:
         """(the result's text, the fault's kind or None)."""
         fn = self.functions.get(call.name)
         if fn is None:
-            return self._fault("unknown_tool", f"unknown tool {call.name!r}; tools: {', '.join(self.functions)}")
+            return self.fault("unknown_tool", f"unknown tool {call.name!r}; tools: {', '.join(self.functions)}")
         try:
             result = isolation.call(lambda **kwargs: fn(*call.positional, **kwargs), call.arguments,
                                     timeout=self.timeout, limit_name="tool_timeout")
         except isolation.CallFailed as failure:
             last = failure.detail.strip().splitlines()[-1]
-            return self._fault(failure.kind, f"{call.name} failed: {last}")
+            return self.fault(failure.kind, f"{call.name} failed: {last}")
         if isinstance(result, bool) or not isinstance(result, (str, int, float)):
-            return self._fault("not_text", f"{call.name} returned {type(result).__name__}, not text")
+            return self.fault("not_text", f"{call.name} returned {type(result).__name__}, not text")
         return str(result), None
 
-    def _fault(self, kind: str, message: str) -> tuple[str, str]:
+    def fault(self, kind: str, message: str) -> tuple[str, str]:
+        """The fault as the policy reads it, ``("error: MESSAGE", kind)``; with ``on_error="raise"`` a ToolError."""
         if self.on_error == "raise":
             raise ToolError(message)
         return f"error: {message}", kind
@@ -276,7 +277,7 @@ class EpisodeGenerator:
         try:
             call = self.fmt.parse(turn)
         except ValueError as error:
-            return self.tools._fault("malformed_call", f"malformed tool call: {error}")
+            return self.tools.fault("malformed_call", f"malformed tool call: {error}")
         return self.tools.run(call)
 
     def _completions(self, tokens: list[list[int]], inserted: list[list[bool]], truncated: list[bool]) -> Completions:

@@ -91,9 +91,7 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
     weights = weights or [1.0] * len(given)
     in_memory, recorded = [], []
     for fn, weight in zip(given, weights):
-        spec = fn if isinstance(fn, str) else reward_spec(fn) if callable(fn) else None
-        if spec is None and not callable(fn):
-            raise ConfigError(f"reward_funcs: {fn!r} is neither a callable nor a FILE.py:FUNCTION spec")
+        spec = recordable(fn, "reward_funcs")
         (recorded if spec is not None else in_memory).append((spec or fn, weight))
     if given:
         flat["reward"] = [spec for spec, _ in recorded]
@@ -103,9 +101,7 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
                                      reward_weights=tuple(w for _, w in in_memory))
     tool_objects = []
     for fn in _as_list(tools):
-        spec = fn if isinstance(fn, str) else reward_spec(fn) if callable(fn) else None
-        if spec is None and not callable(fn):
-            raise ConfigError(f"tools: {fn!r} is neither a callable nor a FILE.py:FUNCTION spec")
+        spec = recordable(fn, "tools")
         if spec is not None:
             flat["tools"] = [*flat.get("tools", ()), spec]
         else:
@@ -156,7 +152,16 @@ def dataset_path(dataset: Any, path: Path, field: str) -> str:
     return str(path)
 
 
-def reward_spec(fn: Callable) -> str | None:
+def recordable(item: Callable | str, field: str) -> str | None:
+    """A ``FILE.py:FUNCTION`` spec as it is, a function defined in a file as its spec, None for another callable."""
+    if isinstance(item, str):
+        return item
+    if not callable(item):
+        raise ConfigError(f"{field}: {item!r} is neither a callable nor a FILE.py:FUNCTION spec")
+    return function_spec(item)
+
+
+def function_spec(fn: Callable) -> str | None:
     """``FILE.py:NAME`` of a function defined at the top level of a module file, else None: a lambda, a
     closure, a callable object, or a function of ``__main__`` (loading a script again would run it)."""
     name = getattr(fn, "__name__", "")
