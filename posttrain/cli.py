@@ -163,8 +163,8 @@ def build_parser() -> argparse.ArgumentParser:
                                    "pass@1, pass@K and maj@K with --samples K")
     evaluate.add_argument("--model", required=False, help="model directory or built-in name (default: the first "
                           "task's)")
-    evaluate.add_argument("--task", action="append", default=[], help="a built-in task or reasoning-gym:SPEC, scored "
-                          "on its held-out split; repeat the flag for several tasks [default: addition, when no "
+    evaluate.add_argument("--task", action="append", default=[], help="a built-in task, reasoning-gym:SPEC or "
+                          "gem:ENV_ID, scored on its held-out split; repeat the flag for several tasks [default: addition, when no "
                           "--dataset is given]")
     evaluate.add_argument("--dataset", help="prompts file (as for train) scored by --reward, every row up to "
                           "--eval-size")

@@ -96,9 +96,10 @@ class ModelConfig:
 @dataclass(frozen=True)
 class DataConfig:
     task: str | None = _help(
-        "Built-in task: addition or gsm, or reasoning-gym:FAMILY[(NAME=VALUE,...)][=WEIGHT],... for "
-        "reasoning-gym's procedural families, mixed by weight (the reasoning-gym extra; online presets); "
-        "ignored when --dataset is given.", "addition")
+        "Built-in task: addition, gsm or calculator; reasoning-gym:FAMILY[(NAME=VALUE,...)][=WEIGHT],... for "
+        "reasoning-gym's procedural families, mixed by weight (the reasoning-gym extra); or gem:ENV_ID for a GEM "
+        "environment's multi-turn games (the gem extra). Online presets; ignored when --dataset is given.",
+        "addition")
     dataset: str | None = _help(
         "Prompt dataset: a JSONL/Parquet/CSV file or anything datasets.load_dataset reads, "
         "with a `prompt` column; other columns reach the reward functions."
@@ -168,12 +169,18 @@ class RolloutConfig:
     tool_format: str | None = _help("How calls are written: json (<tool_call>{\"name\": ..., \"arguments\": "
                                     "{...}}</tool_call>, chat templates' convention) or inline ([tool argument], "
                                     "for character-level models). Default: the task's, else json.")
-    max_turns: int = _help("Policy turns per episode with --tools (the last one's call, if any, is not run).", 4)
+    environment: str | None = _help(
+        "An environment the policy plays, as FILE.py:CLASS (reset(row), step(turn) -> Step; "
+        "posttrain.data.environments): each completion is an episode whose turns the environment answers; its "
+        "reward reaches the reward functions as the environment_reward column, and is added to them.")
+    max_turns: int = _help("Policy turns per episode with tools or an environment (the last turn's call, if any, "
+                           "is not run).", 4)
     tool_timeout: float | None = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit, "
                                        "0 in-process. Default: the task's, else 10.")
     tool_errors: str = _help("When a call fails (unknown tool, malformed call, a raise, a timeout, a non-text "
                              "result): feedback (the policy reads the error; counted in episode/tool_errors) or "
-                             "error (stop the run).", "feedback")
+                             "error (stop the run). An environment that raises: feedback ends its episode with "
+                             "reward -1 (counted in episode/environment_errors); error stops the run.", "feedback")
 
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
@@ -195,11 +202,14 @@ class RolloutConfig:
                  f"got {self.tool_timeout}; use 0 (in-process) or seconds")
         _require(self.tool_errors in ("feedback", "error"), "tool_errors",
                  f"got {self.tool_errors!r}; use feedback or error")
-        _require(not self.tools or self.backend == "hf", "tools",
-                 "multi-turn episodes run on the hf backend; set backend hf")
-        for spec in self.tools:
-            _require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), "tools",
-                     f"{spec!r} is not FILE.py:FUNCTION of an existing file")
+        environment = (self.environment,) if self.environment else ()
+        for field_name, specs in (("tools", self.tools), ("environment", environment)):
+            _require(not specs or self.backend == "hf", field_name,
+                     "multi-turn episodes run on the hf backend; set backend hf")
+            for spec in specs:
+                _require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
+                         f"{spec!r} is not FILE.py:{'FUNCTION' if field_name == 'tools' else 'CLASS'} of an "
+                         "existing file")
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -354,8 +364,10 @@ class Config:
             model=dataclasses.replace(self.model, model=absolute_path(self.model.model)),
             data=dataclasses.replace(
                 self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
-                reward=tuple(_absolute_reward(spec) for spec in self.data.reward)),
-            rollout=dataclasses.replace(self.rollout, tools=tuple(_absolute_reward(spec) for spec in self.rollout.tools)),
+                reward=tuple(_absolute_spec(spec) for spec in self.data.reward)),
+            rollout=dataclasses.replace(self.rollout, tools=tuple(_absolute_spec(spec) for spec in self.rollout.tools),
+                                        environment=_absolute_spec(self.rollout.environment)
+                                        if self.rollout.environment else None),
             run=dataclasses.replace(self.run, output=absolute_path(self.run.output),
                                     resume=absolute_path(self.run.resume),
                                     plugin=tuple(absolute_path(path) for path in self.run.plugin)),
@@ -483,8 +495,8 @@ def absolute_path(value: str | None) -> str | None:
     return str(Path(value).resolve())
 
 
-def _absolute_reward(spec: str) -> str:
-    """``FILE.py:FUNCTION`` with FILE absolute."""
+def _absolute_spec(spec: str) -> str:
+    """``FILE.py:NAME`` (a reward function, a tool, an environment class) with FILE absolute."""
     path, _, function = spec.rpartition(":")
     return f"{absolute_path(path)}:{function}"
 

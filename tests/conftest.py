@@ -86,3 +86,15 @@ def resumed(config, run_dir: Path):
     from posttrain.config import Config
 
     return Config.from_flat({**config.to_flat(), "resume": str(run_dir)})
+
+
+@pytest.fixture(scope="session")
+def printable_model_dir(tmp_path_factory):
+    """A 1-layer random Llama whose characters are printable ASCII: it can write a tool call."""
+    from posttrain.models.tiny import build_tiny_model, char_tokenizer
+
+    path = tmp_path_factory.mktemp("printable-model")
+    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 127)))
+    build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path

@@ -63,8 +63,9 @@ class FixedGenerator:
         self.eos_id, self.pad_id, self.width = eos_id, tokenizer.pad_token_id, width
         self.silent = silent_rank == distributed.rank()
 
-    def generate(self, prompt_ids: list[torch.Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
-        rows = []
+    def generate(self, prompt_ids: list[torch.Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: object = None) -> Completions:
+        samples = []
         for prompt in prompt_ids:
             key = sum((i + 1) * int(t) for i, t in enumerate(prompt))
             for j in range(num_samples):
@@ -76,14 +77,34 @@ class FixedGenerator:
                 length = int(torch.randint(1, self.width + 1, (1,), generator=g))
                 if length < self.width:
                     tokens[length] = self.eos_id
-                rows.append(tokens)
-        tokens = torch.stack(rows)
+                samples.append(tokens)
+        tokens = torch.stack(samples)
         mask, truncated = completion_mask(tokens, torch.tensor([self.eos_id]))
         return Completions(tokens.masked_fill(mask == 0, self.pad_id), mask, truncated)
 
 
+# An environment for multi-turn episodes: it answers each turn with the count of its sevens, rewards
+# each seven, and ends the episode at the third turn or a turn without one.
+ENVIRONMENT = """
+from posttrain.data.environments import Step
+
+
+class Sevens:
+    def reset(self, row):
+        self.turns = 0
+
+    def step(self, turn):
+        self.turns += 1
+        sevens = turn.count("7")
+        return Step(f"={sevens};", 0.5 * sevens, done=self.turns == 3 or not sevens)
+"""
+EPISODES = "grpo-episodes"  # GRPO whose rollouts are episodes in that environment
+
+
 def write_data(folder: Path) -> None:
-    """Sixteen prompts, and sixteen preference pairs over them (small files: sessions build fast)."""
+    """Sixteen prompts, sixteen preference pairs over them (small files: sessions build fast), and the
+    environment."""
+    (folder / "environment.py").write_text(ENVIRONMENT)
     sums = [(a, (3 * a + 1) % 10) for a in range(16)]
     (folder / "prompts.jsonl").write_text("".join(json.dumps({"prompt": f"{a}+{b}="}) + "\n" for a, b in sums))
     (folder / "pairs.jsonl").write_text("".join(
@@ -98,7 +119,11 @@ def online_config(data: Path, model_dir, reward_file, algorithm: str, **flat) ->
 
 def fixed_session(config: Config, silent_rank: int | None = None) -> OnlineSession:
     s = OnlineSession.create(config)
-    s.generator = FixedGenerator(s.tokenizer, s.eos_ids[0], s.max_new_tokens, silent_rank)
+    if s.episodes is not None:  # multi-turn: the environment's episodes, whose turns FixedGenerator writes
+        turns = FixedGenerator(s.tokenizer, s.eos_ids[0], s.max_new_tokens // 3, silent_rank)
+        s.episodes.turn_generator = lambda budget: turns
+    else:
+        s.generator = FixedGenerator(s.tokenizer, s.eos_ids[0], s.max_new_tokens, silent_rank)
     return s
 
 
@@ -118,6 +143,10 @@ def train(s, step_fn) -> dict:
 
 
 def trained(data: Path, model_dir, reward_file, name: str, **flat) -> dict:
+    if name == EPISODES:
+        config = online_config(data, model_dir, reward_file, "grpo", environment=f"{data / 'environment.py'}:Sevens",
+                               max_turns=3, max_new_tokens=24, **flat)
+        return train(fixed_session(config), train_step)
     if name not in PREFERENCE:
         return train(fixed_session(online_config(data, model_dir, reward_file, name, **flat)), train_step)
     return train(PreferenceSession.create(preference_config(data, model_dir, name, **flat)), preference_train_step)
@@ -164,7 +193,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # posttrain's init then joins this group
     out = Path(out)
-    for name in [*PRESETS, *PREFERENCE]:
+    for name in [*PRESETS, *PREFERENCE, EPISODES]:
         torch.save(trained(out, model_dir, reward_file, name), out / f"{name}-rank{rank}.pt")
     for name in FSDP:
         torch.save(trained(out, model_dir, reward_file, name, fsdp=True), out / f"fsdp-{name}-rank{rank}.pt")
@@ -231,11 +260,11 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
-@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE]),
+@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE, EPISODES]),
                                           *(("fsdp", n) for n in FSDP), ("fsdp-checkpointed", "grpo")])
 def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_processes, reward_file):
     """Plain data parallelism, and FSDP (each process holds half of every parameter and of AdamW's
-    state between steps): both make the one-process update."""
+    state between steps): both make the one-process update; so do multi-turn episodes."""
     out, tiny_model_dir = two_processes
     prefix = "" if engine == "replicated" else f"{engine}-"  # fsdp-checkpointed: and gradient checkpointing
     rank0, rank1 = (torch.load(out / f"{prefix}{name}-rank{r}.pt") for r in (0, 1))
@@ -258,6 +287,10 @@ def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_p
             tolerance = 0.005 if key.endswith(("clip_fraction", "zero_gradient_fraction")) else 1e-6
             assert two[key] == pytest.approx(single[key], rel=1e-5, abs=tolerance), key
     assert rank0["metrics"] == rank1["metrics"]  # (times too: the slowest process's)
+    if name == EPISODES:  # the episodes had several turns, inserted tokens and environment rewards
+        first = one["metrics"][0]
+        assert first["episode/turns"] > 1 and first["episode/inserted_tokens"] > 0
+        assert first["reward/environment_reward"] > 0
 
 
 def test_a_process_without_groups_joins_the_step(two_processes):

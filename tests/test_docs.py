@@ -460,7 +460,7 @@ class Workspace:
             return list(value) if isinstance(value, (list, tuple)) else [value]
 
         made += [self.provide(flat.get(key)) for key in ("dataset", "eval_dataset")]
-        made += [self.provide(spec.rpartition(":")[0]) for key in ("reward", "tools")
+        made += [self.provide(spec.rpartition(":")[0]) for key in ("reward", "tools", "environment")
                  for spec in listed(flat.get(key)) if isinstance(spec, str)]
         made += [self.provide(path, self.plugin_source) for path in listed(flat.get("plugin"))]
         return [path for path in made if path]

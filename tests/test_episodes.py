@@ -46,7 +46,7 @@ class Script:
             def __init__(self, budget):
                 self.budget = budget
 
-            def generate(self, prompt_ids, *, num_samples, greedy=False):
+            def generate(self, prompt_ids, *, num_samples, greedy=False, rows=None):
                 rows = (list(range(len(prompt_ids) * num_samples)) if not script.calls
                         else [r for r in script.turns if script.next[r] < len(script.turns[r]) and r in script.waiting])
                 script.calls.append((self.budget, [p.tolist() for p in prompt_ids]))

@@ -109,18 +109,6 @@ def test_rows_and_cat_carry_the_inserted_tokens():
     assert Completions.cat([single, single]).inserted is None
 
 
-@pytest.fixture(scope="module")
-def printable_model_dir(tmp_path_factory):
-    """A 1-layer random Llama whose characters are printable ASCII: it can write a tool call."""
-    from posttrain.models.tiny import build_tiny_model, char_tokenizer
-
-    path = tmp_path_factory.mktemp("printable-model")
-    tokenizer = char_tokenizer("".join(chr(c) for c in range(32, 127)))
-    build_tiny_model(tokenizer, seed=0, hidden_size=32, num_layers=1, num_heads=2, intermediate_size=64).save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
-
-
 def test_an_online_step_on_episodes_trains_on_the_policys_tokens_alone(tmp_path, printable_model_dir):
     """A GRPO step whose rollouts are scripted episodes (one calls the calculator, one answers at once):
     the step logs the episodes and its loss is the functional loss on the policy's tokens."""
@@ -203,13 +191,16 @@ def test_tools_settings_are_checked():
         Config.from_flat({"max_turns": 0})
 
 
-def test_a_multi_turn_run_resumed_equals_an_uninterrupted_one(tmp_path, printable_model_dir):
-    """Episodes hold no state across steps: the checkpoint's generators, data order and weights resume them."""
+@pytest.mark.parametrize("episodes", ["tools", "environment"])
+def test_a_multi_turn_run_resumed_equals_an_uninterrupted_one(tmp_path, printable_model_dir, episodes):
+    """Episodes hold no state across steps (an environment is reset from its row): the checkpoint's
+    generators, data order and weights resume them."""
     import json
 
     from conftest import assert_runs_identical, resumed, run_interrupted
 
     from posttrain.config import Config
+    from posttrain.tracking.metrics import read_metrics
     from posttrain.training.online import train_step
     from posttrain.training.runner import run_training
     from posttrain.training.session import OnlineSession, evaluate
@@ -217,13 +208,19 @@ def test_a_multi_turn_run_resumed_equals_an_uninterrupted_one(tmp_path, printabl
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"[echo {a}]", "answer": str(a)}) for a in range(8)))
     files = tmp_path / "fns.py"
-    files.write_text("def echo(argument: str) -> str:\n    return argument\n\n"
-                     "def brackets(prompts, completions, **_):\n    return [c.count('[') / 4 for c in completions]\n")
+    files.write_text("from posttrain.data.environments import Step\n\n"
+                     "def echo(argument: str) -> str:\n    return argument\n\n"
+                     "def brackets(prompts, completions, **_):\n    return [c.count('[') / 4 for c in completions]\n\n"
+                     "class Lengths:\n    def reset(self, row):\n        self.turns = 0\n\n"
+                     "    def step(self, turn):\n        self.turns += 1\n"
+                     "        return Step(f'={len(turn)};', 0.1, done=self.turns == 2)\n")
+    multi_turn = ({"tools": [f"{files}:echo"], "tool_format": "inline"} if episodes == "tools"
+                  else {"environment": f"{files}:Lengths"})
 
     def config(name):
         return Config.from_flat(dict(
             algorithm="grpo", model=str(printable_model_dir), dataset=str(data), reward=[f"{files}:brackets"],
-            tools=[f"{files}:echo"], tool_format="inline", prompts_per_step=2, group_size=4, max_new_tokens=24,
+            prompts_per_step=2, group_size=4, max_new_tokens=64, **multi_turn,
             max_steps=4, eval_every=2, save_every=2, log_samples_every=0, eval_size=0, learning_rate=1e-2,
             output=str(tmp_path / name), progress=False, report_to="none", seed=3))
 
@@ -234,9 +231,11 @@ def test_a_multi_turn_run_resumed_equals_an_uninterrupted_one(tmp_path, printabl
     second = resumed(first, tmp_path / "split")
     run_training(OnlineSession.create(second), second, train_step, evaluate)
     assert_runs_identical(tmp_path / "whole", tmp_path / "split")
-    from posttrain.tracking.metrics import read_metrics
-
-    assert any(row.get("episode/tool_calls", 0) > 0 for row in read_metrics(tmp_path / "whole"))
+    steps = [row for row in read_metrics(tmp_path / "whole") if "loss" in row]
+    if episodes == "environment":  # some turns ended with EOS and the environment answered them
+        assert any(row["reward/environment_reward"] > 0 for row in steps)
+    else:
+        assert any(row["episode/tool_calls"] > 0 for row in steps)
 
 
 @pytest.mark.slow

@@ -153,10 +153,10 @@ def test_remax_decodes_greedily_once_per_prompt(tiny_model_dir, reward_file):
     s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "remax"))
     generate, greedy_calls = s.generator.generate, []
 
-    def recording(prompt_ids, *, num_samples, greedy=False):
+    def recording(prompt_ids, *, num_samples, greedy=False, rows=None):
         if greedy:
             greedy_calls.append((len(prompt_ids), num_samples))
-        return generate(prompt_ids, num_samples=num_samples, greedy=greedy)
+        return generate(prompt_ids, num_samples=num_samples, greedy=greedy, rows=rows)
 
     s.generator.generate = recording
     for _ in range(2):

@@ -52,6 +52,16 @@ def test_chat_template_renders_with_the_generation_prompt(smollm2):
     )
 
 
+def test_an_environments_observation_is_inserted_as_the_next_user_turn(smollm2):
+    from posttrain.rollout.episodes import user_turn
+
+    _, tokenizer = smollm2
+    # after the policy's turn, which ends with <|im_end|>: the rest of the template's user turn and the
+    # assistant's header, with no second system prompt
+    assert user_turn(tokenizer, "<|im_end|>")("higher") == (
+        "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n")
+
+
 def test_greedy_answer_to_a_sum(smollm2):
     model, tokenizer = smollm2
     generator = HFGenerator(model, tokenizer, SamplingParams(32), eos_token_ids(model, tokenizer))

@@ -7,8 +7,9 @@ on which one sampled.
 
 from __future__ import annotations
 
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 import torch
 from torch import Tensor
@@ -34,6 +35,7 @@ class Completions:
                     diagnostic, the trainer recomputes the log-probs it trains with), else None.
     inserted:       [N, T] bool, the tokens a tool or an environment inserted between the policy's turns
                     (multi-turn episodes): context the policy reads and never trains on. None: one turn.
+    rewards:        [N] the environment's reward of each episode (the sum of its steps'); None without one.
     """
 
     completion_ids: Tensor
@@ -41,6 +43,7 @@ class Completions:
     truncated: Tensor
     sampling_logprobs: Tensor | None = None
     inserted: Tensor | None = None
+    rewards: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -56,7 +59,7 @@ class Completions:
     def rows(self, index: Tensor) -> "Completions":
         """The completions of rows ``index`` (a [n] long tensor)."""
         return Completions(*(None if t is None else t[index] for t in (
-            self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted)))
+            self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted, self.rewards)))
 
     @staticmethod
     def cat(parts: list["Completions"]) -> "Completions":
@@ -67,8 +70,9 @@ class Completions:
                                  for p in parts])
         logprobs = cat_rows([p.sampling_logprobs for p in parts]) if all(
             p.sampling_logprobs is not None for p in parts) else None
+        rewards = torch.cat([p.rewards for p in parts]) if all(p.rewards is not None for p in parts) else None
         return Completions(cat_rows([p.completion_ids for p in parts]), cat_rows([p.mask for p in parts]),
-                           cat_rows([p.truncated for p in parts]), logprobs, inserted)
+                           cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards)
 
 
 def cat_rows(parts: list[Tensor | None]) -> Tensor | None:
@@ -82,7 +86,11 @@ def cat_rows(parts: list[Tensor | None]) -> Tensor | None:
 
 
 class Generator(Protocol):
-    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions: ...
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: Sequence[Mapping[str, Any]] | None = None) -> Completions:
+        """``num_samples`` completions of each prompt; ``rows`` are the dataset rows the prompts came from
+        (an environment starts its episodes from them; single-turn generators do not look)."""
+        ...
 
 
 def completion_mask(tokens: Tensor, eos_ids: Tensor) -> tuple[Tensor, Tensor]:

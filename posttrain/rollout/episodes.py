@@ -1,10 +1,13 @@
-"""Multi-turn episodes: the policy calls tools, reads what they return, and continues.
+"""Multi-turn episodes: the policy calls tools or plays an environment, reads what comes back, and continues.
 
-An episode starts from a prompt. Each turn the policy generates until it closes a tool call (the
+An episode starts from a prompt (and, with an environment, from the prompt's dataset row). Each turn the policy generates until it closes a tool call (the
 format's ``call_end``), its end-of-sequence token, or the episode's token budget. A turn that closes a
 call is parsed and the call runs (:class:`Tools`: in a worker process killed at a time limit when one
-is set); the format renders its result, and the result's tokens are inserted after the turn. The next
-turn continues from everything so far, up to ``max_turns`` turns.
+is set); the format renders its result, and the result's tokens are inserted after the turn. A turn that
+ends with the end-of-sequence token ends the episode, unless an environment
+(:mod:`posttrain.data.environments`) plays it: the environment takes the turn's text and answers with
+an observation, inserted as the next user turn of the chat template, a reward and whether it is done.
+The next turn continues from everything so far, up to ``max_turns`` turns.
 
 Token in, token out: an episode's completion holds the token ids the policy sampled and the ids that
 were inserted, never re-tokenized text. ``Completions.mask`` marks the policy's tokens (what is trained
@@ -15,15 +18,17 @@ sampling, held-out evaluation and ReMax's greedy baseline run episodes unchanged
 Tool faults (an unknown tool, a malformed call, a tool that raises, hangs past its limit, dies or
 returns something that is not text) are, with ``on_error='feedback'``, the tool's result: an error
 message the policy reads, counted in :class:`EpisodeStats`; with ``on_error='raise'`` they stop the run
-with that message.
+with that message. An environment that raises ends its episode with a penalty
+(:data:`ENVIRONMENT_FAULT_REWARD`), counted in ``episode/environment_errors``, or stops the run.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -31,6 +36,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data import isolation
+from posttrain.data.environments import Environment, Step
 from posttrain.rollout.completions import Completions, Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
 
@@ -124,22 +130,26 @@ class EpisodeStats:
     tool_calls: int = 0
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOOL_ERRORS, 0))
     inserted_tokens: int = 0
+    environment_errors: int = 0
 
     def counts(self) -> dict[str, int]:
         """Totals that add up over calls and processes (:meth:`metrics_of` turns them into per-episode means)."""
         return {"episodes": len(self.turns), "turns": sum(self.turns), "tool_calls": self.tool_calls,
-                "inserted_tokens": self.inserted_tokens, **{f"tool_errors/{k}": v for k, v in self.errors.items()}}
+                "inserted_tokens": self.inserted_tokens, "environment_errors": self.environment_errors, **{f"tool_errors/{k}": v for k, v in self.errors.items()}}
 
     @staticmethod
     def metrics_of(counts: dict[str, float]) -> dict[str, float]:
         """Per-episode means of summed :meth:`counts`: ``episode/turns``, ``episode/tool_calls``,
-        ``episode/tool_errors`` (and by kind, where any), ``episode/inserted_tokens``."""
+        ``episode/tool_errors`` (and by kind, where any), ``episode/inserted_tokens``, and
+        ``episode/environment_errors`` where any."""
         n = max(counts["episodes"], 1)
         errors = {key.removeprefix("tool_errors/"): value for key, value in counts.items()
                   if key.startswith("tool_errors/")}
         return {"episode/turns": counts["turns"] / n, "episode/tool_calls": counts["tool_calls"] / n,
                 "episode/tool_errors": sum(errors.values()) / n, "episode/inserted_tokens": counts["inserted_tokens"] / n,
-                **{f"episode/tool_errors/{kind}": count / n for kind, count in errors.items() if count}}
+                **{f"episode/tool_errors/{kind}": count / n for kind, count in errors.items() if count},
+                **({"episode/environment_errors": counts["environment_errors"] / n}
+                   if counts.get("environment_errors") else {})}
 
     def metrics(self) -> dict[str, float]:
         return self.metrics_of(self.counts())
@@ -180,51 +190,106 @@ class Tools:
 
 
 def make_episode_generator(backend: str, model: Any, tokenizer: Any, params: SamplingParams, eos_ids: list[int],
-                           tools: Tools, fmt: ToolFormat, *, max_turns: int, seed: int = 0) -> "EpisodeGenerator":
-    """Episodes whose turns the configured generator samples, stopping at ``eos_ids`` and where a call closes."""
-    stop_id = tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]
+                           tools: Tools | None, fmt: ToolFormat | None, *, max_turns: int, seed: int = 0,
+                           environment: Callable[[], Environment] | None = None,
+                           on_error: str = "feedback") -> "EpisodeGenerator":
+    """Episodes whose turns the configured generator samples, stopping at ``eos_ids`` and (with tools)
+    where a call closes; an environment's observations are rendered as user turns of the chat template."""
+    stop_ids = [tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]] if tools is not None else []
 
     def turn_generator(budget: int) -> Generator:
         return make_generator(backend, model, tokenizer, dataclasses.replace(params, max_new_tokens=budget),
-                              [*eos_ids, stop_id], seed=seed)
+                              [*eos_ids, *stop_ids], seed=seed)
 
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    return EpisodeGenerator(turn_generator, tokenizer, tools, fmt, max_new_tokens=params.max_new_tokens,
-                            max_turns=max_turns, eos_ids=eos_ids, pad_id=pad_id)
+    return EpisodeGenerator(turn_generator, tokenizer, tools, fmt, environment=environment,
+                            render=user_turn(tokenizer, tokenizer.decode([eos_ids[0]])) if environment else None,
+                            on_error=on_error, max_new_tokens=params.max_new_tokens, max_turns=max_turns,
+                            eos_ids=eos_ids, pad_id=pad_id)
+
+
+def user_turn(tokenizer: Any, eos_text: str) -> Callable[[str], str]:
+    """How an observation is inserted after a policy turn that ended with ``eos_text``: as the user turn
+    the tokenizer's chat template renders, up to the assistant's next header; the text itself without
+    a template."""
+    if getattr(tokenizer, "chat_template", None) is None:
+        return lambda text: text
+    marker = "\u2063turn\u2063"  # text no template rewrites, to find where the assistant's turn ends
+
+    def render(text: str) -> str:
+        before = [{"role": "user", "content": "-"}, {"role": "assistant", "content": marker}]
+        prefix = tokenizer.apply_chat_template(before, tokenize=False)
+        full = tokenizer.apply_chat_template([*before, {"role": "user", "content": text}], tokenize=False,
+                                             add_generation_prompt=True)
+        after_turn = prefix[prefix.rindex(marker) + len(marker):]
+        if not full.startswith(prefix) or not after_turn.startswith(eos_text):
+            raise ValueError("the chat template does not render a user turn after an assistant turn that ends "
+                             f"with {eos_text!r}; cannot insert environment observations")
+        return after_turn[len(eos_text):] + full[len(prefix):]
+
+    return render
 
 
 FORMATS: dict[str, Callable[[], ToolFormat]] = {"json": JSONCalls, "inline": InlineCalls}
 """``tool_format`` name -> the format."""
 
+ENVIRONMENT_FAULT_REWARD = -1.0
+"""The environment reward added to an episode whose environment raised (``on_error='feedback'``): the
+episode ends there, with a penalty a success would outweigh in environments that score success as 1."""
+
+
+class EnvironmentFault(RuntimeError):
+    """An environment raised and ``on_error='raise'``: the message says which row, which turn and what."""
+
 
 class EpisodeGenerator:
     """A :class:`~posttrain.rollout.completions.Generator` whose completions are multi-turn episodes.
 
-    ``turn_generator(budget)`` returns a generator that stops at the end-of-sequence ids and at
-    ``stop_id`` (the last token of the format's ``call_end``) within ``budget`` new tokens. ``stats`` holds
-    what the last ``generate`` call's episodes did.
+    ``turn_generator(budget)`` returns a generator that stops at the end-of-sequence ids and (with
+    tools) at the last token of the format's ``call_end``, within ``budget`` new tokens. A turn that
+    closes a call runs it; a turn that ends with an end-of-sequence token ends the episode, or, with an
+    ``environment`` (one instance per episode, reset from the episode's row), goes to the environment,
+    whose observation ``render`` turns into inserted text. ``stats`` holds what the last ``generate``
+    call's episodes did; the completions' ``rewards`` are the environment's, per episode.
     """
 
-    def __init__(self, turn_generator: Callable[[int], Generator], tokenizer: Any, tools: Tools, fmt: ToolFormat, *,
+    def __init__(self, turn_generator: Callable[[int], Generator], tokenizer: Any, tools: Tools | None = None,
+                 fmt: ToolFormat | None = None, *, environment: Callable[[], Environment] | None = None,
+                 render: Callable[[str], str] | None = None, on_error: str = "feedback",
                  max_new_tokens: int, max_turns: int, eos_ids: Sequence[int], pad_id: int):
         if max_turns < 1:
             raise ValueError(f"max_turns must be >= 1, got {max_turns}")
+        if tools is None and environment is None:
+            raise ValueError("an episode needs tools or an environment")
+        if (tools is None) != (fmt is None):
+            raise ValueError("tools and their format go together")
+        if on_error not in ("feedback", "raise"):
+            raise ValueError(f"on_error must be 'feedback' or 'raise', got {on_error!r}")
         self.turn_generator, self.tokenizer, self.tools, self.fmt = turn_generator, tokenizer, tools, fmt
+        self.environment, self.render, self.on_error = environment, render or (lambda text: text), on_error
         self.max_new_tokens, self.max_turns, self.pad_id = max_new_tokens, max_turns, pad_id
         self.eos_ids = set(eos_ids)
-        self.stop_id = tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]
+        self.stop_id = tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1] if fmt is not None else None
         self.stats = EpisodeStats()
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: Sequence[Mapping[str, Any]] | None = None) -> Completions:
         n = len(prompt_ids) * num_samples
+        if self.environment is not None and (rows is None or len(rows) != len(prompt_ids)):
+            raise ValueError("an environment starts each episode from its dataset row: pass one row per prompt")
         context = [prompt_ids[i // num_samples] for i in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
         inserted: list[list[bool]] = [[] for _ in range(n)]
         turn_start = [0] * n  # where each row's current turn began in ``tokens``
-        turns, truncated, active = [0] * n, [False] * n, list(range(n))
+        turns, truncated, rewards = [0] * n, [False] * n, [0.0] * n
         stats = EpisodeStats(turns=turns)
-        first = True
+        envs: list[Environment | None] = [None] * n
+        active = []
+        for i in range(n):
+            if self.environment is None or self._reset(envs, i, rows[i // num_samples], stats, rewards):
+                active.append(i)
+        first = len(active) == n
         while active:
             budget = max(self.max_new_tokens - len(tokens[i]) for i in active)
             generator = self.turn_generator(budget)
@@ -253,25 +318,70 @@ class EpisodeGenerator:
                         truncated[i], turns[i] = True, turns[i] + 1
                     continue
                 turns[i] += 1
-                if ended or turns[i] >= self.max_turns:
-                    continue
-                result, fault = self._result(turn)
-                stats.tool_calls += 1
-                if fault is not None:
-                    stats.errors[fault] += 1
-                result_ids = self.tokenizer.encode(self.fmt.result(result), add_special_tokens=False)
+                if ended:
+                    if envs[i] is None:
+                        continue
+                    action = self.tokenizer.decode(tokens[i][turn_start[i]:-1], skip_special_tokens=True)
+                    step = self._step(envs[i], action, rows[i // num_samples], turns[i], stats)
+                    rewards[i] += step.reward
+                    if step.done or turns[i] >= self.max_turns:
+                        continue
+                    text = self.render(step.observation)
+                else:
+                    if turns[i] >= self.max_turns:
+                        continue
+                    result, fault = self._result(turn)
+                    stats.tool_calls += 1
+                    if fault is not None:
+                        stats.errors[fault] += 1
+                    text = self.fmt.result(result)
                 room = self.max_new_tokens - len(tokens[i])
-                tokens[i] += result_ids[:room]
-                inserted[i] += [True] * len(result_ids[:room])
-                stats.inserted_tokens += len(result_ids[:room])
+                insert = self.tokenizer.encode(text, add_special_tokens=False)
+                tokens[i] += insert[:room]
+                inserted[i] += [True] * len(insert[:room])
+                stats.inserted_tokens += len(insert[:room])
                 turn_start[i] = len(tokens[i])
-                if len(result_ids) >= room:  # no room left for the policy to read the result and answer
+                if len(insert) >= room:  # no room left for the policy to read what came back and answer
                     truncated[i] = True
                 else:
                     still.append(i)
             active = still
         self.stats = stats
-        return self._completions(tokens, inserted, truncated)
+        completions = self._completions(tokens, inserted, truncated)
+        if self.environment is not None:
+            completions.rewards = torch.tensor(rewards)
+        return completions
+
+    def _reset(self, envs: list, i: int, row: Mapping[str, Any], stats: EpisodeStats, rewards: list[float]) -> bool:
+        """Start episode ``i``'s environment; False (the episode ends before its first turn) when it raised."""
+        try:
+            envs[i] = self.environment()
+            envs[i].reset(row)
+            return True
+        except Exception as error:  # noqa: BLE001 - any failure of user code is reported or counted
+            self._environment_fault(f"resetting the environment for {_describe(row)} raised {error!r}", stats)
+            rewards[i] += ENVIRONMENT_FAULT_REWARD
+            return False
+
+    def _step(self, env: Environment, action: str, row: Mapping[str, Any], turn: int, stats: EpisodeStats) -> Step:
+        try:
+            step = env.step(action)
+            if not isinstance(step, Step):
+                raise TypeError(f"step returned {type(step).__name__}, not posttrain.data.environments.Step")
+            if not isinstance(step.observation, str):
+                raise TypeError(f"the observation is {type(step.observation).__name__}, not text")
+            if not math.isfinite(float(step.reward)):
+                raise ValueError(f"the reward is {step.reward}")
+            return step
+        except Exception as error:  # noqa: BLE001 - any failure of user code is reported or counted
+            self._environment_fault(f"the environment's step at turn {turn} of {_describe(row)} raised {error!r}",
+                                    stats)
+            return Step(reward=ENVIRONMENT_FAULT_REWARD, done=True)
+
+    def _environment_fault(self, message: str, stats: EpisodeStats) -> None:
+        if self.on_error == "raise":
+            raise EnvironmentFault(message)
+        stats.environment_errors += 1
 
     def _result(self, turn: str) -> tuple[str, str | None]:
         try:
@@ -290,3 +400,8 @@ class EpisodeGenerator:
             tool[row, : len(t)] = torch.tensor(ins, dtype=torch.bool)
             policy[row, : len(t)] = (~tool[row, : len(t)]).float()
         return Completions(ids, policy, torch.tensor(truncated), inserted=tool)
+
+
+def _describe(row: Mapping[str, Any]) -> str:
+    prompt = str(row.get("prompt", ""))
+    return f"the row with prompt {prompt[:60]!r}" + ("..." if len(prompt) > 60 else "")

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
@@ -42,7 +43,8 @@ class HFGenerator:
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: Any = None) -> Completions:
         device = self.model.device
         ids, attention = left_pad(prompt_ids, self.pad_id)
         ids = ids.repeat_interleave(num_samples, 0).to(device)
@@ -80,7 +82,8 @@ class FastGenerator:
         self.fallback_reason: str | None = None  # "" once checked and supported
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: Any = None) -> Completions:
         from posttrain.rollout.generation import (
             decode,
             preallocated_cache,
@@ -121,13 +124,16 @@ def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingPar
 
 
 def generate_texts(generator: Generator, tokenizer: Any, prompt_ids: list[Tensor], num_samples: int = 1, *,
-                   greedy: bool = False, chunk: int = 256) -> tuple[list[str], list[float]]:
-    """Decoded completions and their token counts, prompt i's samples at i*K .. i*K + K - 1,
-    generated ``chunk`` prompts at a time (evaluation sets are larger than a training batch)."""
+                   greedy: bool = False, rows: Sequence[Mapping[str, Any]] | None = None,
+                   chunk: int = 256) -> tuple[list[str], Completions]:
+    """Decoded completions and the completions themselves (token counts, environment rewards), prompt i's
+    samples at i*K .. i*K + K - 1, generated ``chunk`` prompts at a time (evaluation sets are larger than
+    a training batch); ``rows`` are the prompts' dataset rows, for environments."""
     texts: list[str] = []
-    lengths: list[float] = []
+    parts: list[Completions] = []
     for start in range(0, len(prompt_ids), chunk):
-        completions = generator.generate(prompt_ids[start:start + chunk], num_samples=num_samples, greedy=greedy)
+        completions = generator.generate(prompt_ids[start:start + chunk], num_samples=num_samples, greedy=greedy,
+                                         rows=None if rows is None else rows[start:start + chunk])
         texts += tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
-        lengths += completions.lengths.float().tolist()
-    return texts, lengths
+        parts.append(completions)
+    return texts, Completions.cat(parts)

@@ -93,7 +93,8 @@ class VLLMGenerator:
         self.llm.reset_prefix_cache()
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False) -> Completions:
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: Any = None) -> Completions:
         from vllm import SamplingParams as VLLMSampling
 
         self.sync_weights()  # a GPU-to-GPU copy, small next to a rollout: every call samples the current policy

@@ -37,7 +37,8 @@ from posttrain.training.setup import Inputs
 def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, model: str | nn.Module | None = None,
           tokenizer: Any = None, algorithm: str | None = None, train_dataset: Any = None, eval_dataset: Any = None,
           reward_funcs: Callable | str | Iterable[Callable | str] | None = None,
-          tools: Callable | str | Iterable[Callable | str] | None = None, **fields: Any) -> dict[str, Any]:
+          tools: Callable | str | Iterable[Callable | str] | None = None, environment: type | str | None = None,
+          **fields: Any) -> dict[str, Any]:
     """Train a model; returns ``{"run_dir": Path, "before": {...}, "after": {...}}`` (held-out metrics).
 
     Args:
@@ -53,13 +54,16 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
         tools: functions the policy may call (type hints and a docstring describe them to a chat template),
             or ``FILE.py:FUNCTION`` specs: each completion becomes a multi-turn episode (``max_turns``,
             ``tool_format``, ``tool_timeout``, ``tool_errors``).
+        environment: an environment class (``reset(row)``, ``step(turn) -> Step``:
+            :mod:`posttrain.data.environments`) or a ``FILE.py:CLASS`` spec: each completion is an episode
+            the environment answers turn by turn, up to ``max_turns``; its reward is added to the rewards.
         **fields: any config field or preset setting, e.g. ``max_steps=50``, ``learning_rate=1e-5``,
             ``beta=0.04``, ``lora_r=16`` (``posttrain train --help`` lists them).
     """
     if isinstance(config, Config):
         if not (fields or model is not None or tokenizer is not None or algorithm is not None
                 or train_dataset is not None or eval_dataset is not None or reward_funcs is not None
-                or tools is not None):
+                or tools is not None or environment is not None):
             return run(config)
         flat = config.to_flat()
     elif isinstance(config, (str, Path)):
@@ -108,6 +112,12 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
             tool_objects.append(fn)
     if tool_objects:
         inputs = dataclasses.replace(inputs, tools=tuple(tool_objects))
+    if environment is not None:
+        spec = recordable(environment, "environment")
+        if spec is not None:
+            flat["environment"] = spec
+        else:
+            inputs = dataclasses.replace(inputs, environment=environment)
     return run(Config.from_flat(flat), inputs)
 
 
@@ -162,11 +172,11 @@ def recordable(item: Callable | str, field: str) -> str | None:
 
 
 def function_spec(fn: Callable) -> str | None:
-    """``FILE.py:NAME`` of a function defined at the top level of a module file, else None: a lambda, a
-    closure, a callable object, or a function of ``__main__`` (loading a script again would run it)."""
+    """``FILE.py:NAME`` of a function or class defined at the top level of a module file, else None: a
+    lambda, a closure, a callable object, or one of ``__main__`` (loading a script again would run it)."""
     name = getattr(fn, "__name__", "")
-    if (not inspect.isfunction(fn) or fn.__qualname__ != name or not name.isidentifier()
-            or fn.__module__ == "__main__" or fn.__globals__.get(name) is not fn):
+    if (not (inspect.isfunction(fn) or inspect.isclass(fn)) or fn.__qualname__ != name or not name.isidentifier()
+            or fn.__module__ == "__main__" or (inspect.isfunction(fn) and fn.__globals__.get(name) is not fn)):
         return None
     file = inspect.getsourcefile(fn)
     return f"{Path(file).resolve()}:{name}" if file and file.endswith(".py") and Path(file).is_file() else None

@@ -24,7 +24,7 @@ from posttrain.data.prompts import encode_prompt
 from posttrain.data.rewards import extract_answer
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.parallel.distributed import say
-from posttrain.rollout.completions import SamplingParams
+from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import FORMATS, Tools, make_episode_generator
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.tracking.stats import summarise
@@ -104,18 +104,20 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         raise ConfigError(f"eval: {name} has no problems to evaluate on")
     extract = work.final_answer or extract_answer
 
-    def outcomes(texts: list[str], g: int) -> tuple[list[bool], list[float]]:
-        scores, correct = score_texts(work, config.data, rows, texts, g)
+    def outcomes(texts: list[str], g: int, completions: Completions) -> tuple[list[bool], list[float]]:
+        scores, correct = score_texts(work, config.data, rows, texts, g, completions.rewards)
         total = scores.total.tolist()
         verdicts = correct.tolist() if correct is not None else [t >= spec.success_threshold for t in total]
         return verdicts, total
 
     torch.manual_seed(spec.seed)
     params = SamplingParams(work.max_new_tokens, spec.temperature, spec.top_p, 0)
-    if work.tools:  # a task with tools is scored on its episodes, as it trains
+    if work.tools or work.environment:  # a task with tools or an environment is scored on its episodes
         generator = make_episode_generator(
-            "hf", policy, tokenizer, params, eos_ids, Tools(work.tools, timeout=work.tool_timeout or 0.0),
-            FORMATS[work.tool_format or "json"](), max_turns=config.rollout.max_turns)
+            "hf", policy, tokenizer, params, eos_ids,
+            Tools(work.tools, timeout=work.tool_timeout or 0.0) if work.tools else None,
+            FORMATS[work.tool_format or "json"]() if work.tools else None, max_turns=config.rollout.max_turns,
+            environment=work.environment)
     else:
         generator = make_generator("hf", policy, tokenizer, params, eos_ids)
     prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}", tools=work.tools)
@@ -123,12 +125,13 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
     say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
     k, per_sample, answers = spec.samples, None, None
     with torch.no_grad():
-        greedy_texts, lengths = generate_texts(generator, tokenizer, prompt_ids, greedy=True)
+        greedy_texts, greedy_completions = generate_texts(generator, tokenizer, prompt_ids, greedy=True, rows=rows)
         if k > 1:
-            texts, _ = generate_texts(generator, tokenizer, prompt_ids, k)
-    correct, rewards = outcomes(greedy_texts, 1)
+            texts, completions = generate_texts(generator, tokenizer, prompt_ids, k, rows=rows)
+    correct, rewards = outcomes(greedy_texts, 1, greedy_completions)
+    lengths = greedy_completions.lengths.float().tolist()
     if k > 1:
-        flat, _ = outcomes(texts, k)
+        flat, _ = outcomes(texts, k, completions)
         per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
         answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
     greedy = [{"task": name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,

@@ -55,9 +55,10 @@ def decode(s: OnlineSession, completions: Completions) -> list[str]:
     return s.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
 
 
-def score_rows(s: OnlineSession, rows: list[dict], texts: list[str], g: int) -> tuple[Scores, Tensor | None]:
+def score_rows(s: OnlineSession, rows: list[dict], completions: Completions, texts: list[str],
+               g: int) -> tuple[Scores, Tensor | None]:
     """Score ``len(rows) * g`` completions (row i's samples at i*g .. i*g + g - 1)."""
-    return score_texts(s.work, s.config.data, rows, texts, g)
+    return score_texts(s.work, s.config.data, rows, texts, g, completions.rewards)
 
 
 EPISODE_COUNT = "episode_count/"  # counts of multi-turn episodes, summed over rounds and processes
@@ -71,10 +72,10 @@ def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, flo
     rows = [s.train_rows[i] for i in indices]
     prompt_ids = [s.encoded_prompts[i] for i in indices]
     t0 = time.perf_counter()
-    completions = s.generator.generate(prompt_ids, num_samples=g)
+    completions = s.generator.generate(prompt_ids, num_samples=g, rows=rows)
     texts = decode(s, completions)
     t1 = time.perf_counter()
-    scores, correct = score_rows(s, rows, texts, g)
+    scores, correct = score_rows(s, rows, completions, texts, g)
     s.reward_watch.update(scores.terms, scores.failures)
     rewards = scores.total
     if alg.binary_reward is not None:  # DAPO: +1 for a correct answer, -1 otherwise
@@ -206,8 +207,9 @@ def greedy_rewards(s: OnlineSession, indices: list[int]) -> Tensor:
     """ReMax's baseline: the raw reward of one greedy decode per prompt, [B]."""
     if not indices:  # this process holds no group this step (reward_errors=skip dropped them)
         return torch.zeros(0)
-    completions = s.generator.generate([s.encoded_prompts[i] for i in indices], num_samples=1, greedy=True)
-    scores, _ = score_rows(s, [s.train_rows[i] for i in indices], decode(s, completions), 1)
+    rows = [s.train_rows[i] for i in indices]
+    completions = s.generator.generate([s.encoded_prompts[i] for i in indices], num_samples=1, greedy=True, rows=rows)
+    scores, _ = score_rows(s, rows, completions, decode(s, completions), 1)
     return scores.total
 
 

@@ -19,6 +19,7 @@ from torch import Tensor
 
 from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig
+from posttrain.data.environments import ENVIRONMENT_REWARD, environment_reward
 from posttrain.data.prompts import (
     PromptSampler,
     as_completion,
@@ -69,6 +70,7 @@ class Workload:
     tools: tuple[Callable, ...] = ()  # the task's tools (multi-turn episodes)
     tool_format: str | None = None  # how the task's calls are written
     tool_timeout: float | None = None  # the task's limit per call
+    environment: Callable[[], Any] | None = None  # the class whose instances play the episodes
 
 
 def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
@@ -95,13 +97,18 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
                    *(data.reward_weights or [1.0] * len(data.reward))]
     else:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
+    environment = inputs.environment or (
+        load_reward_function(config.rollout.environment, "environment") if config.rollout.environment else None)
+    environment = environment or (task.environment if task else None)
+    if environment is not None and environment_reward not in fns:  # the episode's reward counts, always
+        fns, weights = [environment_reward, *fns], [1.0, *weights]
     budget = config.rollout.max_new_tokens or (task.max_new_tokens if task else None)
     if budget is None:
         raise ConfigError("max_new_tokens: set the completion token budget for a dataset run")
     return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
                     task.correct if task else None, budget, task.default_model if task else None,
                     task.final_answer if task else None, task.tools if task else (),
-                    task.tool_format if task else None, task.tool_timeout if task else None)
+                    task.tool_format if task else None, task.tool_timeout if task else None, environment)
 
 
 def eval_label(task: str) -> str:
@@ -140,12 +147,15 @@ def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Worklo
 
 
 def score_texts(work: Workload, data: DataConfig, rows: list[dict], texts: list[str],
-                g: int) -> tuple[Scores, Tensor | None]:
+                g: int, environment_rewards: Tensor | None = None) -> tuple[Scores, Tensor | None]:
     """The workload's rewards of ``len(rows) * g`` completion texts (row i's at i*g .. i*g + g - 1), and
-    the task's verdicts ([N] bool; None when the workload has no correctness check)."""
+    the task's verdicts ([N] bool; None when the workload has no correctness check). An environment's
+    episode rewards ([N]) reach the reward functions and the check as the ``environment_reward`` column."""
     prompts = [row["prompt"] for row in rows for _ in range(g)]
     completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
     columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
+    if environment_rewards is not None:
+        columns[ENVIRONMENT_REWARD] = environment_rewards.tolist()
     scores = score(work.reward_fns, work.reward_weights, prompts, completions, columns,
                    RewardPolicy(data.reward_timeout, data.reward_errors))
     correct = None
@@ -201,7 +211,7 @@ class OnlineSession:
     bad_steps: int = 0
     fingerprint: dict[str, Any] = field(default_factory=dict)
     eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
-    episodes: EpisodeGenerator | None = None  # with tools: the generator, whose stats the step logs
+    episodes: EpisodeGenerator | None = None  # with tools or an environment: the generator, whose stats the step logs
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
     # the guards against runs that learn nothing (posttrain.training.guards)
     signal_watch: SignalWatch = field(init=False)
@@ -241,12 +251,14 @@ class OnlineSession:
         seed = config.run.seed + distributed.rank()
         tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in r.tools), *work.tools)
         episodes = None
-        if tools:
+        if tools or work.environment:
+            on_error = "raise" if r.tool_errors == "error" else "feedback"
             episodes = make_episode_generator(
                 r.backend, policy, tokenizer, params, eos_ids,
-                Tools(tools, timeout=_first(r.tool_timeout, work.tool_timeout, 10.0),
-                      on_error="raise" if r.tool_errors == "error" else "feedback"),
-                FORMATS[_first(r.tool_format, work.tool_format, "json")](), max_turns=r.max_turns, seed=seed)
+                Tools(tools, timeout=_first(r.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
+                if tools else None,
+                FORMATS[_first(r.tool_format, work.tool_format, "json")]() if tools else None,
+                max_turns=r.max_turns, seed=seed, environment=work.environment, on_error=on_error)
         generator = episodes or make_generator(r.backend, policy, tokenizer, params, eos_ids,
                                                model_path=policy.config.name_or_path, seed=seed)
         return cls(
@@ -373,10 +385,12 @@ def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, pref
     rows = work.test_rows[:limit]
     if not rows:
         return {}
-    texts, lengths = generate_texts(s.generator, s.tokenizer,
-                                    [encode_prompt(s.tokenizer, r["prompt"], tools=s.tools) for r in rows], greedy=True)
-    scores, correct = score_texts(work, s.config.data, rows, texts, 1)
-    out = {f"{prefix}reward": scores.total.mean().item(), f"{prefix}completion_length": sum(lengths) / len(lengths)}
+    texts, completions = generate_texts(s.generator, s.tokenizer,
+                                        [encode_prompt(s.tokenizer, r["prompt"], tools=s.tools) for r in rows],
+                                        greedy=True, rows=rows)
+    scores, correct = score_texts(work, s.config.data, rows, texts, 1, completions.rewards)
+    out = {f"{prefix}reward": scores.total.mean().item(),
+           f"{prefix}completion_length": completions.lengths.float().mean().item()}
     if correct is not None:
         out[f"{prefix}accuracy"] = correct.float().mean().item()
         out[f"{prefix}accuracy_low"], out[f"{prefix}accuracy_high"] = wilson_interval(int(correct.sum()), len(correct))

@@ -53,6 +53,8 @@ class Inputs:
     """One per ``reward_funcs`` entry; empty: 1.0 each."""
     tools: tuple[Callable[..., Any], ...] = ()
     """Tools the policy may call, before the config's ``tools`` files."""
+    environment: Callable[[], Any] | None = None
+    """An environment class (:mod:`posttrain.data.environments`), instead of the config's ``environment``."""
 
 
 class Trainer(Protocol):

@@ -7,7 +7,9 @@ functions with weights, a ``correct`` check used for held-out accuracy, a
 token budget and the built-in starting model the task was designed for.
 
 Besides the registry :data:`TASKS`, ``--task reasoning-gym:SPEC`` builds a task from reasoning-gym's
-procedural families (:mod:`posttrain.data.tasks.reasoning_gym`, needs the ``reasoning-gym`` extra).
+procedural families (:mod:`posttrain.data.tasks.reasoning_gym`, needs the ``reasoning-gym`` extra), and
+``--task gem:ENV_ID`` a multi-turn task from a GEM environment (:mod:`posttrain.data.tasks.gem`, needs
+the ``gem`` extra).
 """
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ import importlib.util
 from collections.abc import Callable
 
 from posttrain.config import ConfigError
-from posttrain.data.tasks.task import REASONING_GYM_PREFIX, Task
+from posttrain.data.tasks.task import GEM_PREFIX, REASONING_GYM_PREFIX, Task
 
 
 def _addition(seed: int) -> Task:
@@ -48,12 +50,23 @@ def _reasoning_gym(spec: str, seed: int) -> Task:
     return reasoning_gym.make_task(spec, seed)
 
 
+def _gem(spec: str, seed: int) -> Task:
+    if importlib.util.find_spec("gem") is None:
+        raise ConfigError(f"task: {spec!r} needs the gem-llm package: pip install 'posttrain[gem]'")
+    from posttrain.data.tasks import gem
+
+    return gem.make_task(spec, seed)
+
+
 def get_task(name: str, seed: int = 0) -> Task:
-    """The built-in task ``name``, or the reasoning-gym task of a ``reasoning-gym:...`` spec, its split
-    drawn with ``seed``."""
+    """The built-in task ``name``, the reasoning-gym task of a ``reasoning-gym:...`` spec, or the GEM
+    environment of a ``gem:ENV_ID`` spec, its split drawn with ``seed``."""
     if name.startswith(REASONING_GYM_PREFIX):
         return _reasoning_gym(name, seed)
+    if name.startswith(GEM_PREFIX):
+        return _gem(name, seed)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}, "
-                         f"or {REASONING_GYM_PREFIX}FAMILY for a reasoning-gym family")
+                         f"or {REASONING_GYM_PREFIX}FAMILY for a reasoning-gym family, or {GEM_PREFIX}ENV_ID for a "
+                         "GEM environment")
     return TASKS[name](seed)

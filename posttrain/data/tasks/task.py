@@ -10,6 +10,8 @@ from posttrain.data.rewards import RewardFn
 
 REASONING_GYM_PREFIX = "reasoning-gym:"
 """``--task reasoning-gym:SPEC`` builds a task from reasoning-gym's families (:mod:`.reasoning_gym`)."""
+GEM_PREFIX = "gem:"
+"""``--task gem:ENV_ID`` plays a GEM environment (:mod:`.gem`)."""
 
 
 @dataclass(frozen=True)
@@ -41,6 +43,8 @@ class Task:
     """How its calls are written (``json`` or ``inline``); None: the run's."""
     tool_timeout: float | None = None
     """Seconds per call of its tools (0: in-process, for tools that cannot hang); None: the run's."""
+    environment: Callable[[], Any] | None = None
+    """The environment class its episodes are played in (:mod:`posttrain.data.environments`), or None."""
 
 
 @dataclass(frozen=True)
