@@ -159,3 +159,66 @@ def test_the_budget_truncates_an_episode_and_max_turns_ends_it():
                                Tools([calculate]), max_new_tokens=24)
     assert comp.truncated.tolist() == [True, False]
     assert comp.present[0].sum() == 24 and comp.mask[0].sum() == 24 - len("=2;")
+
+
+def calculator_tool(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: numbers with + - * / and parentheses
+    """
+    return expression
+
+
+def test_tools_are_described_in_a_system_message_where_the_chat_template_does_not_render_them():
+    import json
+
+    from posttrain.data.prompts import encode_prompt, renders_tools
+
+    chat = char_tokenizer("".join(chr(c) for c in range(32, 127)) + "\n")
+    chat.chat_template = "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}"
+    assert not renders_tools(chat)
+    text = chat.decode(encode_prompt(chat, [{"role": "user", "content": "2+3?"}], tools=[calculator_tool]))
+    system, user = text.split("\n[user]")
+    schema = {"type": "function", "function": {
+        "name": "calculator_tool", "description": "Evaluate an arithmetic expression.",
+        "parameters": {"type": "object", "properties": {"expression": {
+            "type": "string", "description": "numbers with + - * / and parentheses"}}, "required": ["expression"]},
+        "return": {"type": "string"}}}
+    assert system.startswith("[system]You may call these tools") and json.dumps(schema) in system
+    assert system.endswith('<tool_call>{"name": "calculator_tool", "arguments": {"expression": "..."}}</tool_call>')
+    assert user == "2+3?\n"
+    # after the conversation's own system message; without tools, nothing changes
+    own = chat.decode(encode_prompt(chat, [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "hi"}],
+                                    tools=[calculator_tool]))
+    assert own.startswith("[system]Be brief.\n\nYou may call these tools")
+    assert chat.decode(encode_prompt(chat, [{"role": "user", "content": "hi"}])) == "[user]hi\n"
+    # a template that renders tools itself gets them as they are
+    chat.chat_template = ("{% for t in tools or [] %}<{{ t['function']['name'] }}>{% endfor %}"
+                          "{% for m in messages %}[{{ m['role'] }}]{{ m['content'] }}\n{% endfor %}")
+    assert renders_tools(chat)
+    assert chat.decode(encode_prompt(chat, [{"role": "user", "content": "hi"}], tools=[calculator_tool])) == (
+        "<calculator_tool>[user]hi\n")
+
+
+@pytest.mark.parametrize("expression, value", [("(12 + 30) * 2", "84"), ("7 / 2", "3.5"), ("3 x 4", "12"),
+                                               ("-5 + 2", "-3"), ("1/3", "0.333333")])
+def test_the_gsm_calculator_evaluates_arithmetic_and_nothing_else(expression, value):
+    from posttrain.data.tasks.gsm import calculator
+
+    assert calculator(expression) == value
+    with pytest.raises(ValueError, match=r"not arithmetic: '2 \*\* 10'"):
+        calculator("2 ** 10")
+    with pytest.raises(ValueError, match=r"not arithmetic: \"open\('x'\)\""):
+        calculator("open('x')")
+
+
+def test_gsm_calculator_is_the_gsm_split_with_the_tool():
+    from posttrain.data.tasks import get_task
+    from posttrain.data.tasks.gsm import INSTRUCTION, TOOL_INSTRUCTION, calculator
+
+    gsm, tool = get_task("gsm"), get_task("gsm-calculator")
+    assert tool.tools == (calculator,) and tool.tool_format == "json" and tool.max_new_tokens == 256
+    assert [r["answer"] for r in tool.test] == [r["answer"] for r in gsm.test]
+    assert tool.test[0]["prompt"][0]["content"] == gsm.test[0]["prompt"][0]["content"].replace(
+        INSTRUCTION, TOOL_INSTRUCTION)

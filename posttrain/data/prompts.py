@@ -86,14 +86,50 @@ def require_chat_template(tokenizer: Any, where: str) -> None:
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], where: str = "prompt",
                   tools: Sequence[Callable] = ()) -> Tensor:
     """Token ids of a prompt; chat messages get the template and the generation prompt, and the ``tools``'
-    descriptions (from their type hints and docstrings) where the template renders tools."""
+    descriptions (from their type hints and docstrings): rendered by the template where it renders tools,
+    else in a system message (:func:`with_tool_descriptions`)."""
     if is_chat(prompt):
         require_chat_template(tokenizer, where)
+        if tools and not renders_tools(tokenizer):
+            prompt = with_tool_descriptions(prompt, tools)
         ids = tokenizer.apply_chat_template(prompt, tools=list(tools) or None, add_generation_prompt=True,
                                             tokenize=True, return_dict=False)
     else:
         ids = tokenizer(prompt)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
+
+
+TOOLS_SYSTEM_PROMPT = (
+    "You may call these tools, one call at a time, and read each result before you go on:\n{tools}\n"
+    "To call one, write the call and stop; its result comes back in <tool_response></tool_response>. "
+    "A call is written like this:\n{example}"
+)
+"""The system message that describes tools to a chat template that does not render them (Hermes' format,
+the one ``JSONCalls`` parses), with an example call of the first tool."""
+
+
+def renders_tools(tokenizer: Any) -> bool:
+    """Whether the chat template writes the tools it is given into the prompt."""
+    def probe(fn_name: str) -> str:
+        tool = {"type": "function", "function": {"name": fn_name, "description": "probe",
+                                                 "parameters": {"type": "object", "properties": {}}}}
+        return tokenizer.apply_chat_template([{"role": "user", "content": "-"}], tools=[tool], tokenize=False)
+
+    return "posttrain_probe_tool" in probe("posttrain_probe_tool")
+
+
+def with_tool_descriptions(messages: list[dict[str, str]], tools: Sequence[Callable]) -> list[dict[str, str]]:
+    """``messages`` with the tools' JSON schemas (from their type hints and docstrings) in the system
+    message, :data:`TOOLS_SYSTEM_PROMPT`; after the conversation's own system message, where it has one."""
+    from transformers.utils import get_json_schema
+
+    schemas = [get_json_schema(fn)["function"] for fn in tools]
+    example = {"name": schemas[0]["name"], "arguments": {name: "..." for name in schemas[0]["parameters"]["properties"]}}
+    text = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(get_json_schema(fn)) for fn in tools),
+                                      example=f"<tool_call>{json.dumps(example)}</tool_call>")
+    if messages and messages[0].get("role") == "system":
+        return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]
+    return [{"role": "system", "content": text}, *messages]
 
 
 def as_completion(prompt: Any, text: str) -> str | list[dict[str, str]]:

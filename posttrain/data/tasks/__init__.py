@@ -33,13 +33,20 @@ def _gsm(seed: int) -> Task:
     return gsm.make_task(seed)
 
 
+def _gsm_calculator(seed: int) -> Task:
+    from posttrain.data.tasks import gsm
+
+    return gsm.make_tool_task(seed)
+
+
 def _calculator(seed: int) -> Task:
     from posttrain.data.tasks import calculator
 
     return calculator.make_task(seed)
 
 
-TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "gsm": _gsm, "calculator": _calculator}
+TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "gsm": _gsm, "gsm-calculator": _gsm_calculator,
+                                           "calculator": _calculator}
 """Task name -> builder taking the split seed."""
 
 def _reasoning_gym(spec: str, seed: int) -> Task:

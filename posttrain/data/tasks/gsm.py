@@ -14,11 +14,18 @@ held-out split and the next ``n_train`` the training split, so the two are disjo
 
 Reward: :func:`posttrain.data.rewards.math_answer` (1.0 for the right final answer, read from
 ``\\boxed{}``, "the answer is ..." or the last number). ``correct`` is the same check.
+
+``--task gsm-calculator`` is the same split with a :func:`calculator` tool the policy may call
+(multi-turn episodes, :mod:`posttrain.rollout.episodes`).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import operator
 import random
+import re
 from collections.abc import Callable
 from typing import Any
 
@@ -172,6 +179,48 @@ answer_reward = math_answer()
 def correct(prompts: list, completions: list, answer: list[str], **columns: Any) -> list[bool]:
     """Whether each completion's final answer equals ``answer`` (the reward's check)."""
     return [score == 1.0 for score in answer_reward(prompts, completions, answer=answer)]
+
+
+OPERATORS = {ast.Add: operator.add, ast.Sub: operator.sub, ast.Mult: operator.mul, ast.Div: operator.truediv}
+
+
+def calculator(expression: str) -> str:
+    """Evaluate an arithmetic expression.
+
+    Args:
+        expression: numbers joined by +, -, *, / and parentheses, e.g. "(12 + 30) * 2"
+    """
+
+    def value(node: ast.AST) -> float:
+        if isinstance(node, ast.Constant) and isinstance(node.value, (int, float)) and not isinstance(node.value, bool):
+            return node.value
+        if isinstance(node, ast.UnaryOp) and isinstance(node.op, (ast.USub, ast.UAdd)):
+            return -value(node.operand) if isinstance(node.op, ast.USub) else value(node.operand)
+        if isinstance(node, ast.BinOp) and type(node.op) in OPERATORS:
+            return OPERATORS[type(node.op)](value(node.left), value(node.right))
+        raise ValueError(f"not arithmetic: {ast.unparse(node)!r} (use numbers, + - * / and parentheses)")
+
+    times = re.sub(r"(?<=[\d)\s])[x×](?=[\s\d(])", "*", expression)  # 3 x 4, a common way to write it
+    result = value(ast.parse(times, mode="eval").body)
+    return str(int(result)) if float(result).is_integer() else f"{result:.6g}"
+
+
+TOOL_INSTRUCTION = 'Use the calculator for the arithmetic, then end with "The answer is N." where N is a number.'
+
+
+def make_tool_task(seed: int = 0) -> Task:
+    """``--task gsm-calculator``: the same problems, with the :func:`calculator` tool (JSON calls, described in
+    the system prompt where the chat template does not render tools) and a budget for the whole episode."""
+    task = make_task(seed)
+
+    def with_tool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+        return [{**row, "prompt": [{"role": "user", "content": row["prompt"][0]["content"].replace(
+            INSTRUCTION, TOOL_INSTRUCTION)}]} for row in rows]
+
+    return dataclasses.replace(
+        task, name="gsm-calculator", train=with_tool(task.train), test=with_tool(task.test),
+        description=task.description + "; a calculator tool the policy may call", tools=(calculator,),
+        tool_format="json", tool_timeout=0.0, max_new_tokens=256)
 
 
 def make_task(seed: int = 0, n_train: int = 2000, n_test: int = 200) -> Task:
