@@ -17,7 +17,7 @@ Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
 (group estimators, REINFORCE++), `_returns` (token rewards, returns, GAE,
 whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
 `_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_shaping` (overlong penalty,
-best-of-N), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
+best-of-N), `_mismatch` (importance weights for a sampler that is not the trained policy), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
@@ -25,6 +25,7 @@ from ._advantages import advantages, reinforce_pp_advantages
 from ._aggregate import aggregate
 from ._kl import kl_estimate
 from ._logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
+from ._mismatch import rollout_correction
 from ._policy import nll_loss, policy_loss
 from ._preference import (
     chosen_nll,
@@ -57,6 +58,7 @@ __all__ = [
     "overlong_penalty",
     "policy_loss",
     "reinforce_pp_advantages",
+    "rollout_correction",
     "selective_log_softmax",
     "simpo_loss",
     "value_loss",
