@@ -149,6 +149,12 @@ class DataConfig:
             _require(Path(path).exists(), "reward", f"file {path!r} of {spec!r} does not exist")
 
 
+CORRECTIONS = {"token-truncate": ("token", "truncate"), "token-mask": ("token", "mask"),
+               "sequence-truncate": ("sequence", "truncate"), "sequence-mask": ("sequence", "mask"),
+               "geometric-mask": ("geometric", "mask")}
+"""``correction`` name -> (level, mode) of :func:`posttrain.functional.rollout_correction`."""
+
+
 @dataclass(frozen=True)
 class RolloutConfig:
     prompts_per_step: int = _help("Prompts per optimizer step (B).", 32)
@@ -182,6 +188,18 @@ class RolloutConfig:
                              "error (stop the run). An environment that raises: feedback ends its episode with "
                              "reward -1 (counted in episode/environment_errors); error stops the run.", "feedback")
 
+    correction: str | None = _help(
+        "Correct the policy gradient for a sampler that is not the trained policy (another engine or precision, "
+        "a perturbed copy): token-truncate (TIS), token-mask, sequence-truncate, sequence-mask or geometric-mask "
+        "(F.rollout_correction). Needs the sampler's log-probs (the hf decode loop and vLLM keep them); the "
+        "mismatch/ metrics are logged whenever they are known. Default: no correction.")
+    correction_high: float = _help("The correction's cap (truncate) or its band's upper bound (mask).", 2.0)
+    correction_low: float | None = _help("The band's lower bound of the mask corrections. Default 1 / correction_high.")
+    sampler_noise: float = _help(
+        "Sample from a copy of the policy whose weights carry multiplicative Gaussian noise of this relative "
+        "size, drawn afresh each step: a deliberately mismatched sampler, to measure the correction. 0: sample "
+        "from the policy.", 0.0)
+
     def __post_init__(self) -> None:
         _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
         _require(self.group_size >= 1, "group_size", f"got {self.group_size}; use 1 or more")
@@ -198,6 +216,17 @@ class RolloutConfig:
         _require(self.tool_format in (None, "json", "inline"), "tool_format",
                  f"got {self.tool_format!r}; use json or inline")
         _require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
+        _require(self.correction in (None, *CORRECTIONS), "correction",
+                 f"got {self.correction!r}; use one of {', '.join(CORRECTIONS)}")
+        _require(self.correction != "geometric-mask" or self.correction_high >= 1.0, "correction_high",
+                 f"got {self.correction_high}; the geometric mask's band must contain 1")
+        _require(self.correction_high > 0, "correction_high", f"got {self.correction_high}; use a value > 0")
+        low = 1.0 / self.correction_high if self.correction_low is None else self.correction_low
+        _require(0 < low <= self.correction_high, "correction_low",
+                 f"got {self.correction_low}; use a value in (0, correction_high]")
+        _require(self.sampler_noise >= 0, "sampler_noise", f"got {self.sampler_noise}; use 0 or more")
+        _require(not self.sampler_noise or self.backend == "hf", "sampler_noise",
+                 "a perturbed sampling copy runs on the hf backend; set backend hf")
         _require(self.tool_timeout is None or self.tool_timeout >= 0, "tool_timeout",
                  f"got {self.tool_timeout}; use 0 (in-process) or seconds")
         _require(self.tool_errors in ("feedback", "error"), "tool_errors",

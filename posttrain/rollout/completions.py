@@ -31,8 +31,10 @@ class Completions:
     mask:           [N, T] 1.0 for the tokens the policy generated (the EOS token included), 0.0 for
                     padding and inserted tokens: what the loss, the KL and every token count see.
     truncated:      [N] bool, True when the budget ran out before EOS.
-    sampling_logprobs: [N, T] the sampling engine's log-probs of the tokens (vLLM only; a
-                    diagnostic, the trainer recomputes the log-probs it trains with), else None.
+    sampling_logprobs: [N, T] the sampler's log-probs of the policy's tokens (0 elsewhere), as it drew them
+                    (posttrain's decode loop and vLLM; None when greedy or from transformers' generate).
+                    The trainer recomputes the log-probs it trains with and compares the two: the
+                    rollout correction (``F.rollout_correction``) and the ``mismatch/`` metrics.
     inserted:       [N, T] bool, the tokens a tool or an environment inserted between the policy's turns
                     (multi-turn episodes): context the policy reads and never trains on. None: one turn.
     rewards:        [N] the environment's reward of each episode (the sum of its steps'); None without one.

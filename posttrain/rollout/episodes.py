@@ -281,6 +281,7 @@ class EpisodeGenerator:
         context = [prompt_ids[i // num_samples] for i in range(n)]
         tokens: list[list[int]] = [[] for _ in range(n)]
         inserted: list[list[bool]] = [[] for _ in range(n)]
+        sampled: list[list[float]] | None = [[] for _ in range(n)]  # the sampler's log-probs, 0 where inserted
         turn_start = [0] * n  # where each row's current turn began in ``tokens``
         turns, truncated, rewards = [0] * n, [False] * n, [0.0] * n
         stats = EpisodeStats(turns=turns)
@@ -300,10 +301,15 @@ class EpisodeGenerator:
                 out = generator.generate([torch.cat([context[i], torch.tensor(tokens[i], dtype=torch.long)])
                                           for i in active], num_samples=1, greedy=greedy)
             still = []
+            if out.sampling_logprobs is None:
+                sampled = None
             for row, i in enumerate(active):
-                new = out.completion_ids[row][out.mask[row].bool()].tolist()[: self.max_new_tokens - len(tokens[i])]
+                policy = out.mask[row].bool()
+                new = out.completion_ids[row][policy].tolist()[: self.max_new_tokens - len(tokens[i])]
                 tokens[i] += new
                 inserted[i] += [False] * len(new)
+                if sampled is not None:
+                    sampled[i] += out.sampling_logprobs[row][policy].tolist()[: len(new)]
                 ended = bool(new) and new[-1] in self.eos_ids
                 closed = bool(new) and new[-1] == self.stop_id and not ended
                 if not ended and not closed:  # the budget ran out mid-turn
@@ -339,6 +345,8 @@ class EpisodeGenerator:
                 insert = self.tokenizer.encode(text, add_special_tokens=False)
                 tokens[i] += insert[:room]
                 inserted[i] += [True] * len(insert[:room])
+                if sampled is not None:
+                    sampled[i] += [0.0] * len(insert[:room])
                 stats.inserted_tokens += len(insert[:room])
                 turn_start[i] = len(tokens[i])
                 if len(insert) >= room:  # no room left for the policy to read what came back and answer
@@ -347,7 +355,7 @@ class EpisodeGenerator:
                     still.append(i)
             active = still
         self.stats = stats
-        completions = self._completions(tokens, inserted, truncated)
+        completions = self._completions(tokens, inserted, truncated, sampled)
         if self.environment is not None:
             completions.rewards = torch.tensor(rewards)
         return completions
@@ -390,16 +398,20 @@ class EpisodeGenerator:
             return self.tools.fault("malformed_call", f"malformed tool call: {error}")
         return self.tools.run(call)
 
-    def _completions(self, tokens: list[list[int]], inserted: list[list[bool]], truncated: list[bool]) -> Completions:
+    def _completions(self, tokens: list[list[int]], inserted: list[list[bool]], truncated: list[bool],
+                     sampled: list[list[float]] | None) -> Completions:
         width = max(1, max(len(t) for t in tokens))
         ids = torch.full((len(tokens), width), self.pad_id, dtype=torch.long)
         policy = torch.zeros(len(tokens), width)
         tool = torch.zeros(len(tokens), width, dtype=torch.bool)
+        logprobs = None if sampled is None else torch.zeros(len(tokens), width)
         for row, (t, ins) in enumerate(zip(tokens, inserted)):
             ids[row, : len(t)] = torch.tensor(t, dtype=torch.long)
             tool[row, : len(t)] = torch.tensor(ins, dtype=torch.bool)
             policy[row, : len(t)] = (~tool[row, : len(t)]).float()
-        return Completions(ids, policy, torch.tensor(truncated), inserted=tool)
+            if logprobs is not None:
+                logprobs[row, : len(t)] = torch.tensor(sampled[row])
+        return Completions(ids, policy, torch.tensor(truncated), sampling_logprobs=logprobs, inserted=tool)
 
 
 def _describe(row: Mapping[str, Any]) -> str:

@@ -80,19 +80,33 @@ def draw(probs_NK: Tensor, token_ids_NK: Tensor | None, uniform_N: Tensor) -> Te
     uniform_N: [N] numbers in [0, 1). The CDF is accumulated in float64; ``right=True`` makes a
     zero-probability column unreachable (its CDF step is empty).
     """
-    cdf = probs_NK.double().cumsum(-1)
-    target = uniform_N.double().unsqueeze(1) * cdf[:, -1:]
-    column = torch.searchsorted(cdf, target, right=True).clamp_(max=probs_NK.shape[1] - 1)
+    column = _draw_columns(probs_NK, uniform_N)
     chosen = column if token_ids_NK is None else token_ids_NK.gather(1, column)
     return chosen.squeeze(1)
 
 
+def _draw_columns(probs_NK: Tensor, uniform_N: Tensor) -> Tensor:
+    cdf = probs_NK.double().cumsum(-1)
+    target = uniform_N.double().unsqueeze(1) * cdf[:, -1:]
+    return torch.searchsorted(cdf, target, right=True).clamp_(max=probs_NK.shape[1] - 1)  # [N, 1]
+
+
 def next_tokens(logits_NV: Tensor, *, greedy: bool, temperature: float, top_k: int, top_p: float) -> Tensor:
     """One token per row [N]: the argmax when greedy, else a draw from :func:`sampling_distribution`."""
+    return sample_tokens(logits_NV, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)[0]
+
+
+def sample_tokens(logits_NV: Tensor, *, greedy: bool, temperature: float, top_k: int,
+                  top_p: float) -> tuple[Tensor, Tensor | None]:
+    """:func:`next_tokens` and, when sampling, the sampler's log-probability of each drawn token [N]:
+    of the distribution it was drawn from (after temperature, top-k and top-p); None when greedy."""
     if greedy:
-        return logits_NV.argmax(-1)
+        return logits_NV.argmax(-1), None
     probs, token_ids = sampling_distribution(logits_NV, temperature, top_k, top_p)
-    return draw(probs, token_ids, torch.rand(logits_NV.shape[0], device=logits_NV.device, dtype=torch.float64))
+    column = _draw_columns(probs, torch.rand(logits_NV.shape[0], device=logits_NV.device, dtype=torch.float64))
+    chosen = column if token_ids is None else token_ids.gather(1, column)
+    logprob = probs.gather(1, column).log() - probs.sum(-1, keepdim=True).log()
+    return chosen.squeeze(1), logprob.squeeze(1)
 
 
 class PreallocatedLayer(DynamicLayer):
@@ -171,9 +185,11 @@ def decode(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
-) -> Tensor:
+) -> tuple[Tensor, Tensor | None]:
     """``num_samples`` completions of each left-padded prompt: tokens [P*G, T], ``pad_id`` after a row's
-    first EOS; T is the number of steps run (all rows finished, or ``max_new_tokens``).
+    first EOS; T is the number of steps run (all rows finished, or ``max_new_tokens``). Also, when
+    sampling, the sampler's log-prob of each token [P*G, T] (:func:`sample_tokens`; 0 after a row's
+    end), which the trainer compares with its own; None when greedy.
 
     ids_PL, attention_PL: [P, L] left-padded prompts and their attention mask, on the model's device.
     cache: an empty :func:`preallocated_cache` with ``repeats=num_samples`` and capacity >= L + T.
@@ -190,10 +206,13 @@ def decode(
     attention_NS = torch.zeros(len(logits), width + max_new_tokens, dtype=attention_PL.dtype, device=device)
     attention_NS[:, :width] = attention_PL.repeat_interleave(g, 0)
     tokens_NT = torch.full((len(logits), max_new_tokens), pad_id, dtype=torch.long, device=device)
+    logprobs_NT = None if greedy else torch.zeros(len(logits), max_new_tokens, device=device)
     rows = torch.arange(len(logits), device=device)  # output row of each active row
     for t in range(max_new_tokens):
-        token_n = next_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
+        token_n, logprob_n = sample_tokens(logits, greedy=greedy, temperature=temperature, top_k=top_k, top_p=top_p)
         tokens_NT[rows, t] = token_n
+        if logprobs_NT is not None:
+            logprobs_NT[rows, t] = logprob_n
         running = ~torch.isin(token_n, eos_ids)
         if t + 1 == max_new_tokens or not running.any():
             break
@@ -211,4 +230,4 @@ def decode(
                            position_ids=position_N1, cache=cache, use_cache=True).logits[:, -1]
         position_N1 = position_N1 + 1
     with torch.inference_mode(False):  # a normal tensor: the training forward saves its ids for the backward
-        return tokens_NT[:, : t + 1].clone()
+        return tokens_NT[:, : t + 1].clone(), None if logprobs_NT is None else logprobs_NT[:, : t + 1].clone()

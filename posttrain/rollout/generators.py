@@ -103,11 +103,15 @@ class FastGenerator:
         was_training = self.model.training
         self.model.eval()
         p = self.params
-        tokens = decode(self.model, cache, ids.to(device), attention.to(device), num_samples=num_samples,
-                        max_new_tokens=p.max_new_tokens, eos_ids=self.eos_ids.to(device), pad_id=self.pad_id,
-                        greedy=greedy, temperature=p.temperature, top_k=p.top_k, top_p=p.top_p)
+        tokens, logprobs = decode(self.model, cache, ids.to(device), attention.to(device), num_samples=num_samples,
+                                  max_new_tokens=p.max_new_tokens, eos_ids=self.eos_ids.to(device),
+                                  pad_id=self.pad_id, greedy=greedy, temperature=p.temperature, top_k=p.top_k,
+                                  top_p=p.top_p)
         self.model.train(was_training)
-        return to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
+        completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
+        if logprobs is not None:
+            completions.sampling_logprobs = logprobs.cpu() * completions.mask
+        return completions
 
 
 def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,

@@ -36,6 +36,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
+from posttrain.config import CORRECTIONS, RolloutConfig
 from posttrain.data.scoring import Scores
 from posttrain.functional._value import explained_variance
 from posttrain.models.modeling import batched_logprobs, collate, forward
@@ -345,9 +346,14 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     mask = batch.mask
     old = cut(groups.old_logprobs) if groups.old_logprobs is not None else out.logprobs.detach()
     ref_mb = cut(ref)
-    loss, metrics = alg.policy_loss(out.logprobs, old, cut(advantages), mask,
+    advantages_mb, mismatch = cut(advantages), {}
+    if comp.sampling_logprobs is not None:  # the sampler's own log-probs: measure (and correct) the mismatch
+        weights, mismatch = rollout_correction(s.config.rollout, old, cut(comp.sampling_logprobs), mask)
+        advantages_mb = advantages_mb * weights  # weights of 1 without a correction
+    loss, metrics = alg.policy_loss(out.logprobs, old, advantages_mb, mask,
                                     ref_logprobs=ref_mb if alg.kl_placement == "loss" else None,
                                     normalizer=normalizer, max_tokens=s.max_new_tokens)
+    metrics.update(mismatch)
     if s.value_head is not None:
         value_loss, value_metrics = alg.value_loss(out.values, cut(groups.old_values), cut(returns), mask,
                                                    normalizer=normalizer)
@@ -362,10 +368,21 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
 
 
+def rollout_correction(r: RolloutConfig, old: Tensor, sampler: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+    """The configured correction's weights [n, T] (all 1 without one) and the ``mismatch/`` metrics."""
+    if r.correction is None:  # measure only: the raw ratios' statistics
+        weights, metrics = F.rollout_correction(old, sampler, mask, high=math.inf)
+        return mask, metrics
+    level, mode = CORRECTIONS[r.correction]
+    return F.rollout_correction(old, sampler, mask, level=level, mode=mode, high=r.correction_high,
+                                low=r.correction_low)
+
+
 def train_step(s: OnlineSession) -> dict[str, float]:
     """One optimizer step (several for PPO's epochs): the whole online algorithm."""
     alg = s.alg
     lr = s.scheduler.get_last_lr()[0]  # this step's (the first of PPO's updates); the scheduler then moves on
+    s.refresh_sampler()  # sampler_noise: this step's perturbed sampling copy
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for generation and every pass before the update
         groups, metrics = collect_groups(s)
         t0 = time.perf_counter()

@@ -10,6 +10,7 @@ session and joins the process group (``posttrain.parallel.distributed``).
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -183,6 +184,9 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
             check_vllm_available()
         except RuntimeError as error:
             raise ConfigError(f"backend: {error}") from None
+    if r.sampler_noise and config.model.fsdp:
+        raise ConfigError("sampler_noise: the perturbed sampling copy is a whole model in every process; "
+                          "set fsdp off")
     world = distributed.world_size()
     if r.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
@@ -213,6 +217,8 @@ class OnlineSession:
     eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
     episodes: EpisodeGenerator | None = None  # with tools or an environment: the generator, whose stats the step logs
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
+    sampling_copy: Any | None = None  # sampler_noise: the perturbed copy of the policy that samples the rollouts
+    eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
     # the guards against runs that learn nothing (posttrain.training.guards)
     signal_watch: SignalWatch = field(init=False)
     reward_watch: RewardWatch = field(init=False)
@@ -250,17 +256,23 @@ class OnlineSession:
         params = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
         seed = config.run.seed + distributed.rank()
         tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in r.tools), *work.tools)
-        episodes = None
-        if tools or work.environment:
-            on_error = "raise" if r.tool_errors == "error" else "feedback"
-            episodes = make_episode_generator(
-                r.backend, policy, tokenizer, params, eos_ids,
-                Tools(tools, timeout=_first(r.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
-                if tools else None,
-                FORMATS[_first(r.tool_format, work.tool_format, "json")]() if tools else None,
-                max_turns=r.max_turns, seed=seed, environment=work.environment, on_error=on_error)
-        generator = episodes or make_generator(r.backend, policy, tokenizer, params, eos_ids,
-                                               model_path=policy.config.name_or_path, seed=seed)
+        on_error = "raise" if r.tool_errors == "error" else "feedback"
+
+        def generator_of(model: Any) -> Any:
+            if tools or work.environment:
+                return make_episode_generator(
+                    r.backend, model, tokenizer, params, eos_ids,
+                    Tools(tools, timeout=_first(r.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
+                    if tools else None,
+                    FORMATS[_first(r.tool_format, work.tool_format, "json")]() if tools else None,
+                    max_turns=r.max_turns, seed=seed, environment=work.environment, on_error=on_error)
+            return make_generator(r.backend, model, tokenizer, params, eos_ids,
+                                  model_path=policy.config.name_or_path, seed=seed)
+
+        # sampler_noise: a perturbed copy samples the rollouts (refresh_sampler); evaluation samples the policy
+        sampling_copy = copy.deepcopy(policy).requires_grad_(False) if r.sampler_noise else None
+        generator = generator_of(sampling_copy if sampling_copy is not None else policy)
+        episodes = generator if isinstance(generator, EpisodeGenerator) else None
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator,
             [encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
@@ -271,6 +283,8 @@ class OnlineSession:
             eval_workloads=eval_workloads,
             episodes=episodes,
             tools=tools,
+            sampling_copy=sampling_copy,
+            eval_generator=None if sampling_copy is None else generator_of(policy),
         )
 
     # -- what the loop asks ------------------------------------------------------------------
@@ -300,6 +314,18 @@ class OnlineSession:
         a = self.alg
         kl_in_reward = a.needs_reference and a.kl_placement != "loss"
         return a.needs_old_logprobs or kl_in_reward or a.needs_value_model
+
+    def refresh_sampler(self) -> None:
+        """With ``sampler_noise``: the sampling copy becomes the policy's current weights times
+        ``1 + sampler_noise * N(0, 1)``, the noise drawn from (seed, step), so a resumed run draws it again."""
+        if self.sampling_copy is None:
+            return
+        generator = torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + self.step)
+        noise = self.config.rollout.sampler_noise
+        with torch.no_grad():
+            for copy_, weight in zip(self.sampling_copy.parameters(), self.policy.parameters(), strict=True):
+                factor = 1 + noise * torch.randn(weight.shape, generator=generator)
+                copy_.copy_(weight * factor.to(weight.device, weight.dtype))
 
     def optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped, not applied."""
@@ -385,7 +411,7 @@ def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, pref
     rows = work.test_rows[:limit]
     if not rows:
         return {}
-    texts, completions = generate_texts(s.generator, s.tokenizer,
+    texts, completions = generate_texts(s.eval_generator or s.generator, s.tokenizer,
                                         [encode_prompt(s.tokenizer, r["prompt"], tools=s.tools) for r in rows],
                                         greedy=True, rows=rows)
     scores, correct = score_texts(work, s.config.data, rows, texts, 1, completions.rewards)
