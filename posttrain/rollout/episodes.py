@@ -275,105 +275,93 @@ class EpisodeGenerator:
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
                  rows: Sequence[Mapping[str, Any]] | None = None) -> Completions:
-        n = len(prompt_ids) * num_samples
         if self.environment is not None and (rows is None or len(rows) != len(prompt_ids)):
             raise ValueError("an environment starts each episode from its dataset row: pass one row per prompt")
-        context = [prompt_ids[i // num_samples] for i in range(n)]
-        tokens: list[list[int]] = [[] for _ in range(n)]
-        inserted: list[list[bool]] = [[] for _ in range(n)]
-        sampled: list[list[float]] | None = [[] for _ in range(n)]  # the sampler's log-probs, 0 where inserted
-        turn_start = [0] * n  # where each row's current turn began in ``tokens``
-        turns, truncated, rewards = [0] * n, [False] * n, [0.0] * n
-        stats = EpisodeStats(turns=turns)
-        envs: list[Environment | None] = [None] * n
-        active = []
-        for i in range(n):
-            if self.environment is None or self._reset(envs, i, rows[i // num_samples], stats, rewards):
-                active.append(i)
-        first = len(active) == n
+        stats = EpisodeStats()
+        episodes = [Episode(prompt_ids[i // num_samples], rows[i // num_samples] if rows is not None else {})
+                    for i in range(len(prompt_ids) * num_samples)]
+        active = [e for e in episodes if self.environment is None or self._reset(e, stats)]
+        first, sampler_logprobs = len(active) == len(episodes), True
         while active:
-            budget = max(self.max_new_tokens - len(tokens[i]) for i in active)
-            generator = self.turn_generator(budget)
+            generator = self.turn_generator(max(self.max_new_tokens - len(e.tokens) for e in active))
             if first:  # every prompt's samples at once, as a plain rollout
                 out = generator.generate(prompt_ids, num_samples=num_samples, greedy=greedy)
                 first = False
             else:
-                out = generator.generate([torch.cat([context[i], torch.tensor(tokens[i], dtype=torch.long)])
-                                          for i in active], num_samples=1, greedy=greedy)
+                out = generator.generate([e.context() for e in active], num_samples=1, greedy=greedy)
+            sampler_logprobs &= out.sampling_logprobs is not None
             still = []
-            if out.sampling_logprobs is None:
-                sampled = None
-            for row, i in enumerate(active):
+            for row, e in enumerate(active):
                 policy = out.mask[row].bool()
-                new = out.completion_ids[row][policy].tolist()[: self.max_new_tokens - len(tokens[i])]
-                tokens[i] += new
-                inserted[i] += [False] * len(new)
-                if sampled is not None:
-                    sampled[i] += out.sampling_logprobs[row][policy].tolist()[: len(new)]
-                ended = bool(new) and new[-1] in self.eos_ids
-                closed = bool(new) and new[-1] == self.stop_id and not ended
-                if not ended and not closed:  # the budget ran out mid-turn
-                    truncated[i] = True
-                    turns[i] += 1
-                    continue
-                turn = self.tokenizer.decode(tokens[i][turn_start[i]:], skip_special_tokens=False)
-                if closed and not turn.endswith(self.fmt.call_end):  # the stop token inside other text: go on
-                    if len(tokens[i]) < self.max_new_tokens:
-                        still.append(i)
-                    else:
-                        truncated[i], turns[i] = True, turns[i] + 1
-                    continue
-                turns[i] += 1
-                if ended:
-                    if envs[i] is None:
-                        continue
-                    action = self.tokenizer.decode(tokens[i][turn_start[i]:-1], skip_special_tokens=True)
-                    step = self._step(envs[i], action, rows[i // num_samples], turns[i], stats)
-                    rewards[i] += step.reward
-                    if step.done or turns[i] >= self.max_turns:
-                        continue
-                    text = self.render(step.observation)
-                else:
-                    if turns[i] >= self.max_turns:
-                        continue
-                    result, fault = self._result(turn)
-                    stats.tool_calls += 1
-                    if fault is not None:
-                        stats.errors[fault] += 1
-                    text = self.fmt.result(result)
-                room = self.max_new_tokens - len(tokens[i])
-                insert = self.tokenizer.encode(text, add_special_tokens=False)
-                tokens[i] += insert[:room]
-                inserted[i] += [True] * len(insert[:room])
-                if sampled is not None:
-                    sampled[i] += [0.0] * len(insert[:room])
-                stats.inserted_tokens += len(insert[:room])
-                turn_start[i] = len(tokens[i])
-                if len(insert) >= room:  # no room left for the policy to read what came back and answer
-                    truncated[i] = True
-                else:
-                    still.append(i)
+                new = out.completion_ids[row][policy].tolist()[: self.max_new_tokens - len(e.tokens)]
+                e.add(new, out.sampling_logprobs[row][policy].tolist() if sampler_logprobs else None)
+                if self._goes_on(e, new, stats):
+                    still.append(e)
             active = still
+        stats.turns = [e.turns for e in episodes]
         self.stats = stats
-        completions = self._completions(tokens, inserted, truncated, sampled)
+        completions = self._completions(episodes, sampler_logprobs)
         if self.environment is not None:
-            completions.rewards = torch.tensor(rewards)
+            completions.rewards = torch.tensor([e.reward for e in episodes])
         return completions
 
-    def _reset(self, envs: list, i: int, row: Mapping[str, Any], stats: EpisodeStats, rewards: list[float]) -> bool:
-        """Start episode ``i``'s environment; False (the episode ends before its first turn) when it raised."""
+    def _goes_on(self, e: Episode, new: list[int], stats: EpisodeStats) -> bool:
+        """After the policy wrote ``new``: insert what comes back and return True when the episode goes on;
+        False when it ended (its end-of-sequence token with no environment or a done one, its last
+        turn, its token budget)."""
+        ended = bool(new) and new[-1] in self.eos_ids
+        closed = bool(new) and new[-1] == self.stop_id and not ended
+        if not ended and not closed:  # the budget ran out mid-turn
+            e.truncated, e.turns = True, e.turns + 1
+            return False
+        turn = self.tokenizer.decode(e.tokens[e.turn_start:], skip_special_tokens=False)
+        if closed and not turn.endswith(self.fmt.call_end):  # the stop token inside other text: go on
+            if len(e.tokens) < self.max_new_tokens:
+                return True
+            e.truncated, e.turns = True, e.turns + 1
+            return False
+        e.turns += 1
+        if ended:
+            if e.environment is None:
+                return False
+            action = self.tokenizer.decode(e.tokens[e.turn_start:-1], skip_special_tokens=True)
+            step = self._step(e, action, stats)
+            e.reward += step.reward
+            if step.done or e.turns >= self.max_turns:
+                return False
+            text = self.render(step.observation)
+        else:
+            if e.turns >= self.max_turns:
+                return False
+            result, fault = self._result(turn)
+            stats.tool_calls += 1
+            if fault is not None:
+                stats.errors[fault] += 1
+            text = self.fmt.result(result)
+        insert = self.tokenizer.encode(text, add_special_tokens=False)
+        room = self.max_new_tokens - len(e.tokens)
+        e.add(insert[:room], inserted=True)
+        stats.inserted_tokens += len(insert[:room])
+        e.turn_start = len(e.tokens)
+        if len(insert) >= room:  # no room left for the policy to read what came back and answer
+            e.truncated = True
+            return False
+        return True
+
+    def _reset(self, e: Episode, stats: EpisodeStats) -> bool:
+        """Start episode ``e``'s environment; False (the episode ends before its first turn) when it raised."""
         try:
-            envs[i] = self.environment()
-            envs[i].reset(row)
+            e.environment = self.environment()
+            e.environment.reset(e.row)
             return True
         except Exception as error:  # noqa: BLE001 - any failure of user code is reported or counted
-            self._environment_fault(f"resetting the environment for {_describe(row)} raised {error!r}", stats)
-            rewards[i] += ENVIRONMENT_FAULT_REWARD
+            self._environment_fault(f"resetting the environment for {_describe(e.row)} raised {error!r}", stats)
+            e.environment, e.reward = None, e.reward + ENVIRONMENT_FAULT_REWARD
             return False
 
-    def _step(self, env: Environment, action: str, row: Mapping[str, Any], turn: int, stats: EpisodeStats) -> Step:
+    def _step(self, e: Episode, action: str, stats: EpisodeStats) -> Step:
         try:
-            step = env.step(action)
+            step = e.environment.step(action)
             if not isinstance(step, Step):
                 raise TypeError(f"step returned {type(step).__name__}, not posttrain.data.environments.Step")
             if not isinstance(step.observation, str):
@@ -382,8 +370,8 @@ class EpisodeGenerator:
                 raise ValueError(f"the reward is {step.reward}")
             return step
         except Exception as error:  # noqa: BLE001 - any failure of user code is reported or counted
-            self._environment_fault(f"the environment's step at turn {turn} of {_describe(row)} raised {error!r}",
-                                    stats)
+            self._environment_fault(f"the environment's step at turn {e.turns} of {_describe(e.row)} raised "
+                                    f"{error!r}", stats)
             return Step(reward=ENVIRONMENT_FAULT_REWARD, done=True)
 
     def _environment_fault(self, message: str, stats: EpisodeStats) -> None:
@@ -398,20 +386,48 @@ class EpisodeGenerator:
             return self.tools.fault("malformed_call", f"malformed tool call: {error}")
         return self.tools.run(call)
 
-    def _completions(self, tokens: list[list[int]], inserted: list[list[bool]], truncated: list[bool],
-                     sampled: list[list[float]] | None) -> Completions:
-        width = max(1, max(len(t) for t in tokens))
-        ids = torch.full((len(tokens), width), self.pad_id, dtype=torch.long)
-        policy = torch.zeros(len(tokens), width)
-        tool = torch.zeros(len(tokens), width, dtype=torch.bool)
-        logprobs = None if sampled is None else torch.zeros(len(tokens), width)
-        for row, (t, ins) in enumerate(zip(tokens, inserted)):
-            ids[row, : len(t)] = torch.tensor(t, dtype=torch.long)
-            tool[row, : len(t)] = torch.tensor(ins, dtype=torch.bool)
-            policy[row, : len(t)] = (~tool[row, : len(t)]).float()
+    def _completions(self, episodes: list[Episode], sampler_logprobs: bool) -> Completions:
+        width = max(1, max(len(e.tokens) for e in episodes))
+        ids = torch.full((len(episodes), width), self.pad_id, dtype=torch.long)
+        inserted = torch.zeros(len(episodes), width, dtype=torch.bool)
+        logprobs = torch.zeros(len(episodes), width) if sampler_logprobs else None
+        for row, e in enumerate(episodes):
+            ids[row, : len(e.tokens)] = torch.tensor(e.tokens, dtype=torch.long)
+            inserted[row, : len(e.tokens)] = torch.tensor(e.inserted, dtype=torch.bool)
             if logprobs is not None:
-                logprobs[row, : len(t)] = torch.tensor(sampled[row])
-        return Completions(ids, policy, torch.tensor(truncated), sampling_logprobs=logprobs, inserted=tool)
+                logprobs[row, : len(e.tokens)] = torch.tensor(e.logprobs)
+        held = torch.arange(width)[None, :] < torch.tensor([len(e.tokens) for e in episodes])[:, None]
+        policy = (held & ~inserted).float()  # every position an episode holds, less the inserted ones
+        return Completions(ids, policy, torch.tensor([e.truncated for e in episodes]), sampling_logprobs=logprobs,
+                           inserted=inserted)
+
+
+@dataclass
+class Episode:
+    """One episode as it is played: its prompt and row, the ids so far (the policy's and the inserted
+    ones, marked), the sampler's log-probs of the policy's (0 for inserted ones), and what it scored."""
+
+    prompt: Tensor
+    row: Mapping[str, Any]
+    environment: Environment | None = None
+    tokens: list[int] = field(default_factory=list)
+    inserted: list[bool] = field(default_factory=list)
+    logprobs: list[float] = field(default_factory=list)
+    turn_start: int = 0
+    """Where the current turn began in ``tokens``."""
+    turns: int = 0
+    truncated: bool = False
+    reward: float = 0.0
+    """The environment's, summed over its steps."""
+
+    def add(self, ids: list[int], logprobs: list[float] | None = None, *, inserted: bool = False) -> None:
+        self.tokens += ids
+        self.inserted += [inserted] * len(ids)
+        self.logprobs += logprobs[: len(ids)] if logprobs is not None else [0.0] * len(ids)
+
+    def context(self) -> Tensor:
+        """What the next turn reads: the prompt and everything so far."""
+        return torch.cat([self.prompt, torch.tensor(self.tokens, dtype=torch.long)])
 
 
 def _describe(row: Mapping[str, Any]) -> str:

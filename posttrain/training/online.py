@@ -371,7 +371,7 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
 def rollout_correction(r: RolloutConfig, old: Tensor, sampler: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
     """The configured correction's weights [n, T] (all 1 without one) and the ``mismatch/`` metrics."""
     if r.correction is None:  # measure only: the raw ratios' statistics
-        weights, metrics = F.rollout_correction(old, sampler, mask, high=math.inf)
+        _, metrics = F.rollout_correction(old, sampler, mask, high=math.inf)
         return mask, metrics
     level, mode = CORRECTIONS[r.correction]
     return F.rollout_correction(old, sampler, mask, level=level, mode=mode, high=r.correction_high,
