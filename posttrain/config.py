@@ -168,6 +168,25 @@ class RolloutConfig:
         "Stop after this many consecutive steps in which every group's rewards were all equal (zero "
         "advantages: nothing is learned); a warning comes after 5. 0 = never stop.", 25,
     )
+    def __post_init__(self) -> None:
+        _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
+        _require(self.group_size >= 1, "group_size", f"got {self.group_size}; use 1 or more")
+        _require(
+            self.max_new_tokens is None or self.max_new_tokens > 0,
+            "max_new_tokens", f"got {self.max_new_tokens}; the token budget must be > 0",
+        )
+        _require(self.temperature > 0, "temperature", f"got {self.temperature}; use a value > 0")
+        _require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
+        _require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
+        _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
+        _require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
+                 f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
+
+
+@dataclass(frozen=True)
+class EpisodeConfig:
+    """Multi-turn episodes: tools the policy calls, an environment it plays (posttrain.rollout.episodes)."""
+
     tools: tuple[str, ...] = _help(
         "Tools the policy may call, as FILE.py:FUNCTION (repeatable): each completion becomes a multi-turn "
         "episode in which a call's result is inserted (and never trained on) before the policy goes on.", (),
@@ -188,6 +207,29 @@ class RolloutConfig:
                              "error (stop the run). An environment that raises: feedback ends its episode with "
                              "reward -1 (counted in episode/environment_errors); error stops the run.", "feedback")
 
+    def __post_init__(self) -> None:
+        _require(self.tool_format in (None, "json", "inline"), "tool_format",
+                 f"got {self.tool_format!r}; use json or inline")
+        _require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
+        _require(self.tool_timeout is None or self.tool_timeout >= 0, "tool_timeout",
+                 f"got {self.tool_timeout}; use 0 (in-process) or seconds")
+        _require(self.tool_errors in ("feedback", "error"), "tool_errors",
+                 f"got {self.tool_errors!r}; use feedback or error")
+        for field_name, specs, kind in (("tools", self.tools, "FUNCTION"),
+                                        ("environment", (self.environment,) if self.environment else (), "CLASS")):
+            for spec in specs:
+                _require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
+                         f"{spec!r} is not FILE.py:{kind} of an existing file")
+
+    @property
+    def multi_turn(self) -> bool:
+        return bool(self.tools or self.environment)
+
+
+@dataclass(frozen=True)
+class OffPolicyConfig:
+    """Samples from a sampler that is not the trained policy: measured, corrected (F.rollout_correction)."""
+
     correction: str | None = _help(
         "Correct the policy gradient for a sampler that is not the trained policy (another engine or precision, "
         "a perturbed copy): token-truncate (TIS), token-mask, sequence-truncate, sequence-mask or geometric-mask "
@@ -201,44 +243,15 @@ class RolloutConfig:
         "from the policy.", 0.0)
 
     def __post_init__(self) -> None:
-        _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
-        _require(self.group_size >= 1, "group_size", f"got {self.group_size}; use 1 or more")
-        _require(
-            self.max_new_tokens is None or self.max_new_tokens > 0,
-            "max_new_tokens", f"got {self.max_new_tokens}; the token budget must be > 0",
-        )
-        _require(self.temperature > 0, "temperature", f"got {self.temperature}; use a value > 0")
-        _require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
-        _require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
-        _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
-        _require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
-                 f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
-        _require(self.tool_format in (None, "json", "inline"), "tool_format",
-                 f"got {self.tool_format!r}; use json or inline")
-        _require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
         _require(self.correction in (None, *CORRECTIONS), "correction",
                  f"got {self.correction!r}; use one of {', '.join(CORRECTIONS)}")
+        _require(self.correction_high > 0, "correction_high", f"got {self.correction_high}; use a value > 0")
         _require(self.correction != "geometric-mask" or self.correction_high >= 1.0, "correction_high",
                  f"got {self.correction_high}; the geometric mask's band must contain 1")
-        _require(self.correction_high > 0, "correction_high", f"got {self.correction_high}; use a value > 0")
         low = 1.0 / self.correction_high if self.correction_low is None else self.correction_low
         _require(0 < low <= self.correction_high, "correction_low",
                  f"got {self.correction_low}; use a value in (0, correction_high]")
         _require(self.sampler_noise >= 0, "sampler_noise", f"got {self.sampler_noise}; use 0 or more")
-        _require(not self.sampler_noise or self.backend == "hf", "sampler_noise",
-                 "a perturbed sampling copy runs on the hf backend; set backend hf")
-        _require(self.tool_timeout is None or self.tool_timeout >= 0, "tool_timeout",
-                 f"got {self.tool_timeout}; use 0 (in-process) or seconds")
-        _require(self.tool_errors in ("feedback", "error"), "tool_errors",
-                 f"got {self.tool_errors!r}; use feedback or error")
-        environment = (self.environment,) if self.environment else ()
-        for field_name, specs in (("tools", self.tools), ("environment", environment)):
-            _require(not specs or self.backend == "hf", field_name,
-                     "multi-turn episodes run on the hf backend; set backend hf")
-            for spec in specs:
-                _require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
-                         f"{spec!r} is not FILE.py:{'FUNCTION' if field_name == 'tools' else 'CLASS'} of an "
-                         "existing file")
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -362,6 +375,8 @@ SECTIONS: dict[str, type] = {
     "model": ModelConfig,
     "data": DataConfig,
     "rollout": RolloutConfig,
+    "episodes": EpisodeConfig,
+    "off_policy": OffPolicyConfig,
     "optim": OptimConfig,
     "preference": PreferenceConfig,
     "run": RunConfig,
@@ -377,9 +392,19 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     data: DataConfig = field(default_factory=DataConfig)
     rollout: RolloutConfig = field(default_factory=RolloutConfig)
+    episodes: EpisodeConfig = field(default_factory=EpisodeConfig)
+    off_policy: OffPolicyConfig = field(default_factory=OffPolicyConfig)
     optim: OptimConfig = field(default_factory=OptimConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     run: RunConfig = field(default_factory=RunConfig)
+
+    def __post_init__(self) -> None:
+        if self.rollout.backend != "hf":  # the vLLM path samples single turns from the policy's own weights
+            _require(not self.episodes.tools, "tools", "multi-turn episodes run on the hf backend; set backend hf")
+            _require(not self.episodes.environment, "environment",
+                     "multi-turn episodes run on the hf backend; set backend hf")
+            _require(not self.off_policy.sampler_noise, "sampler_noise",
+                     "a perturbed sampling copy runs on the hf backend; set backend hf")
 
     def preset(self):  # -> OnlineAlgorithm | PreferenceAlgorithm
         return algorithm(self.algorithm, **self.overrides)
@@ -394,9 +419,9 @@ class Config:
             data=dataclasses.replace(
                 self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
                 reward=tuple(_absolute_spec(spec) for spec in self.data.reward)),
-            rollout=dataclasses.replace(self.rollout, tools=tuple(_absolute_spec(spec) for spec in self.rollout.tools),
-                                        environment=_absolute_spec(self.rollout.environment)
-                                        if self.rollout.environment else None),
+            episodes=dataclasses.replace(self.episodes, tools=tuple(_absolute_spec(spec) for spec in self.episodes.tools),
+                                         environment=_absolute_spec(self.episodes.environment)
+                                         if self.episodes.environment else None),
             run=dataclasses.replace(self.run, output=absolute_path(self.run.output),
                                     resume=absolute_path(self.run.resume),
                                     plugin=tuple(absolute_path(path) for path in self.run.plugin)),

@@ -116,7 +116,7 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         generator = make_episode_generator(
             "hf", policy, tokenizer, params, eos_ids,
             Tools(work.tools, timeout=work.tool_timeout or 0.0) if work.tools else None,
-            FORMATS[work.tool_format or "json"]() if work.tools else None, max_turns=config.rollout.max_turns,
+            FORMATS[work.tool_format or "json"]() if work.tools else None, max_turns=config.episodes.max_turns,
             environment=work.environment)
     else:
         generator = make_generator("hf", policy, tokenizer, params, eos_ids)

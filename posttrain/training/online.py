@@ -36,7 +36,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain.config import CORRECTIONS, RolloutConfig
+from posttrain.config import CORRECTIONS, OffPolicyConfig
 from posttrain.data.scoring import Scores
 from posttrain.functional._value import explained_variance
 from posttrain.models.modeling import batched_logprobs, collate, forward
@@ -348,7 +348,7 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     ref_mb = cut(ref)
     advantages_mb, mismatch = cut(advantages), {}
     if comp.sampling_logprobs is not None:  # the sampler's own log-probs: measure (and correct) the mismatch
-        weights, mismatch = rollout_correction(s.config.rollout, old, cut(comp.sampling_logprobs), mask)
+        weights, mismatch = rollout_correction(s.config.off_policy, old, cut(comp.sampling_logprobs), mask)
         advantages_mb = advantages_mb * weights  # weights of 1 without a correction
     loss, metrics = alg.policy_loss(out.logprobs, old, advantages_mb, mask,
                                     ref_logprobs=ref_mb if alg.kl_placement == "loss" else None,
@@ -368,7 +368,7 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
 
 
-def rollout_correction(r: RolloutConfig, old: Tensor, sampler: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
+def rollout_correction(r: OffPolicyConfig, old: Tensor, sampler: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
     """The configured correction's weights [n, T] (all 1 without one) and the ``mismatch/`` metrics."""
     if r.correction is None:  # measure only: the raw ratios' statistics
         _, metrics = F.rollout_correction(old, sampler, mask, high=math.inf)

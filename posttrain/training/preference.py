@@ -138,7 +138,7 @@ class PreferenceSession:
             raise ConfigError("eval_tasks: only the online trainer scores other tasks during a run; for a preference "
                               "run, score its final_model/ with posttrain eval --task ...")
         data = config.data
-        if inputs.tools or config.rollout.tools:
+        if inputs.tools or config.episodes.tools:
             raise ConfigError("tools: multi-turn episodes are sampled by online presets (grpo, rloo, ...); a "
                               "preference preset trains on given pairs")
         if inputs.reward_funcs:

@@ -99,7 +99,7 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     else:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
     environment = inputs.environment or (
-        load_reward_function(config.rollout.environment, "environment") if config.rollout.environment else None)
+        load_reward_function(config.episodes.environment, "environment") if config.episodes.environment else None)
     environment = environment or (task.environment if task else None)
     if environment is not None and environment_reward not in fns:  # the episode's reward counts, always
         fns, weights = [environment_reward, *fns], [1.0, *weights]
@@ -184,7 +184,7 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
             check_vllm_available()
         except RuntimeError as error:
             raise ConfigError(f"backend: {error}") from None
-    if r.sampler_noise and config.model.fsdp:
+    if config.off_policy.sampler_noise and config.model.fsdp:
         raise ConfigError("sampler_noise: the perturbed sampling copy is a whole model in every process; "
                           "set fsdp off")
     world = distributed.world_size()
@@ -252,25 +252,25 @@ class OnlineSession:
             config, policy, list(value_head.parameters()) if value_head else [],
             optimizer_steps=config.run.max_steps * alg.num_epochs * alg.mini_batches)
         eos_ids = eos_token_ids(policy, tokenizer)
-        r = config.rollout
+        r, e = config.rollout, config.episodes
         params = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
         seed = config.run.seed + distributed.rank()
-        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in r.tools), *work.tools)
-        on_error = "raise" if r.tool_errors == "error" else "feedback"
+        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools), *work.tools)
+        on_error = "raise" if e.tool_errors == "error" else "feedback"
 
         def generator_of(model: Any) -> Any:
             if tools or work.environment:
                 return make_episode_generator(
                     r.backend, model, tokenizer, params, eos_ids,
-                    Tools(tools, timeout=_first(r.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
+                    Tools(tools, timeout=_first(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
                     if tools else None,
-                    FORMATS[_first(r.tool_format, work.tool_format, "json")]() if tools else None,
-                    max_turns=r.max_turns, seed=seed, environment=work.environment, on_error=on_error)
+                    FORMATS[_first(e.tool_format, work.tool_format, "json")]() if tools else None,
+                    max_turns=e.max_turns, seed=seed, environment=work.environment, on_error=on_error)
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
                                   model_path=policy.config.name_or_path, seed=seed)
 
         # sampler_noise: a perturbed copy samples the rollouts (refresh_sampler); evaluation samples the policy
-        sampling_copy = copy.deepcopy(policy).requires_grad_(False) if r.sampler_noise else None
+        sampling_copy = copy.deepcopy(policy).requires_grad_(False) if config.off_policy.sampler_noise else None
         generator = generator_of(sampling_copy if sampling_copy is not None else policy)
         episodes = generator if isinstance(generator, EpisodeGenerator) else None
         return cls(
@@ -321,7 +321,7 @@ class OnlineSession:
         if self.sampling_copy is None:
             return
         generator = torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + self.step)
-        noise = self.config.rollout.sampler_noise
+        noise = self.config.off_policy.sampler_noise
         with torch.no_grad():
             for copy_, weight in zip(self.sampling_copy.parameters(), self.policy.parameters(), strict=True):
                 factor = 1 + noise * torch.randn(weight.shape, generator=generator)
