@@ -81,6 +81,23 @@ def run_interrupted(session, config, step_fn, evaluate, after: int) -> None:
         run_training(session, config, step_or_die, evaluate)
 
 
+def assert_online_resume_is_exact(config_of, tmp_path: Path, after: int = 2) -> None:
+    """An online run killed after step ``after`` and resumed from its checkpoint ends as the run that was
+    never interrupted: the same metrics and final weights. ``config_of(output)`` is the run's config
+    writing to ``output`` (``save_every`` must divide ``after``)."""
+    from posttrain.training.online import train_step
+    from posttrain.training.runner import run_training
+    from posttrain.training.session import OnlineSession, evaluate
+
+    whole = config_of(str(tmp_path / "whole"))
+    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
+    first = config_of(str(tmp_path / "split"))
+    run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=after)
+    second = resumed(first, tmp_path / "split")
+    run_training(OnlineSession.create(second), second, train_step, evaluate)
+    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+
+
 def resumed(config, run_dir: Path):
     """``config`` resuming ``run_dir``."""
     from posttrain.config import Config

@@ -18,8 +18,7 @@ from posttrain.config import ConfigError
 from posttrain.models.modeling import collate, forward
 from posttrain.rollout.generation import sample_tokens
 from posttrain.training.online import train_step
-from posttrain.training.runner import run_training
-from posttrain.training.session import OnlineSession, evaluate
+from posttrain.training.session import OnlineSession
 
 
 def test_the_sampler_log_prob_is_that_of_the_distribution_it_drew_from():
@@ -83,19 +82,11 @@ def test_the_correction_weights_each_tokens_policy_gradient_term(tiny_model_dir,
 
 
 def test_a_run_with_a_perturbed_sampler_resumes_exactly(tiny_model_dir, reward_file, tmp_path):
-    from conftest import assert_runs_identical, resumed, run_interrupted
+    from conftest import assert_online_resume_is_exact
 
-    def config(name):
-        return make_config(tiny_model_dir, reward_file, "grpo", sampler_noise=0.05, correction="token-truncate",
-                           max_steps=4, save_every=2, eval_every=2, output=str(tmp_path / name))
-
-    whole = config("whole")
-    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
-    first = config("split")
-    run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=2)
-    second = resumed(first, tmp_path / "split")
-    run_training(OnlineSession.create(second), second, train_step, evaluate)
-    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+    assert_online_resume_is_exact(lambda output: make_config(
+        tiny_model_dir, reward_file, "grpo", sampler_noise=0.05, correction="token-truncate", max_steps=4,
+        save_every=2, eval_every=2, output=output), tmp_path)
 
 
 def test_correction_settings_are_checked(tiny_model_dir, reward_file):

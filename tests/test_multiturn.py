@@ -197,13 +197,10 @@ def test_a_multi_turn_run_resumed_equals_an_uninterrupted_one(tmp_path, printabl
     generators, data order and weights resume them."""
     import json
 
-    from conftest import assert_runs_identical, resumed, run_interrupted
+    from conftest import assert_online_resume_is_exact
 
     from posttrain.config import Config
     from posttrain.tracking.metrics import read_metrics
-    from posttrain.training.online import train_step
-    from posttrain.training.runner import run_training
-    from posttrain.training.session import OnlineSession, evaluate
 
     data = tmp_path / "prompts.jsonl"
     data.write_text("\n".join(json.dumps({"prompt": f"[echo {a}]", "answer": str(a)}) for a in range(8)))
@@ -217,20 +214,11 @@ def test_a_multi_turn_run_resumed_equals_an_uninterrupted_one(tmp_path, printabl
     multi_turn = ({"tools": [f"{files}:echo"], "tool_format": "inline"} if episodes == "tools"
                   else {"environment": f"{files}:Lengths"})
 
-    def config(name):
-        return Config.from_flat(dict(
-            algorithm="grpo", model=str(printable_model_dir), dataset=str(data), reward=[f"{files}:brackets"],
-            prompts_per_step=2, group_size=4, max_new_tokens=64, **multi_turn,
-            max_steps=4, eval_every=2, save_every=2, log_samples_every=0, eval_size=0, learning_rate=1e-2,
-            output=str(tmp_path / name), progress=False, report_to="none", seed=3))
-
-    whole = config("whole")
-    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
-    first = config("split")
-    run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=2)
-    second = resumed(first, tmp_path / "split")
-    run_training(OnlineSession.create(second), second, train_step, evaluate)
-    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+    assert_online_resume_is_exact(lambda output: Config.from_flat(dict(
+        algorithm="grpo", model=str(printable_model_dir), dataset=str(data), reward=[f"{files}:brackets"],
+        prompts_per_step=2, group_size=4, max_new_tokens=64, **multi_turn,
+        max_steps=4, eval_every=2, save_every=2, log_samples_every=0, eval_size=0, learning_rate=1e-2,
+        output=output, progress=False, report_to="none", seed=3)), tmp_path)
     steps = [row for row in read_metrics(tmp_path / "whole") if "loss" in row]
     if episodes == "environment":  # some turns ended with EOS and the environment answered them
         assert any(row["reward/environment_reward"] > 0 for row in steps)

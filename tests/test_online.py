@@ -15,7 +15,7 @@ from posttrain.training import online
 from posttrain.training.online import has_signal, mini_batch_rows, train_step
 from posttrain.training.runner import run_training
 from posttrain.training.session import OnlineSession, evaluate
-from conftest import assert_runs_identical, resumed, run_interrupted
+from conftest import assert_online_resume_is_exact, assert_runs_identical, resumed, run_interrupted
 
 ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, OnlineAlgorithm)]
 
@@ -204,18 +204,9 @@ def test_micro_batching_gives_the_same_gradient(name, tiny_model_dir, reward_fil
 
 
 def test_resumed_run_equals_uninterrupted(tiny_model_dir, reward_file, tmp_path):
-    common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=0)
-    whole = make_config(tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None,
-                        output=str(tmp_path / "whole"), **common)
-    run_training(OnlineSession.create(whole), whole, train_step, evaluate)
-
-    first = make_config(tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None,
-                        output=str(tmp_path / "split"), **common)
-    run_interrupted(OnlineSession.create(first), first, train_step, evaluate, after=2)
-    second = resumed(first, tmp_path / "split")
-    run_training(OnlineSession.create(second), second, train_step, evaluate)
-
-    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
+    assert_online_resume_is_exact(lambda output: make_config(
+        tiny_model_dir, reward_file, "dapo", reward="starts_even", binary_reward=None, max_steps=4, eval_every=2,
+        save_every=2, log_samples_every=0, output=output), tmp_path)
 
 
 def test_group_estimator_with_one_sample_is_rejected_before_loading(tiny_model_dir, reward_file):
