@@ -67,7 +67,8 @@ def _flag_type(annotation: Any):
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
     hints = {}
     for title, klass in SECTIONS.items():
-        group = parser.add_argument_group(f"{title} options")
+        group = parser.add_argument_group(f"{title.replace('_', '-')} options", klass.__doc__ if klass.__doc__
+                                          and not klass.__doc__.startswith(klass.__name__ + "(") else None)
         hints = typing.get_type_hints(klass)
         for f in dataclasses.fields(klass):
             flag = "--" + f.name.replace("_", "-")
