@@ -23,5 +23,11 @@ stamp=.venv/.posttrain-installed
 want="$(cat pyproject.toml | sha256sum | cut -d' ' -f1) $EXTRAS"
 if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   .venv/bin/python -m pip install --quiet -e ".[$EXTRAS]"
+  # GEM's environments (--task gem:ENV_ID): gem-llm 0.1.0 pins reasoning-gym 0.1.23, older than the
+  # reasoning-gym extra's; it runs with 0.1.25, so it goes in without its pins (its other dependencies
+  # are the gem extra's, which dev includes).
+  if [[ ",$EXTRAS," == *,dev,* || ",$EXTRAS," == *,gem,* ]]; then
+    .venv/bin/python -m pip install --quiet --no-deps "gem-llm==0.1.0"
+  fi
   echo "$want" > "$stamp"
 fi

@@ -59,7 +59,8 @@ def _reasoning_gym(spec: str, seed: int) -> Task:
 
 def _gem(spec: str, seed: int) -> Task:
     if importlib.util.find_spec("gem") is None:
-        raise ConfigError(f"task: {spec!r} needs the gem-llm package: pip install 'posttrain[gem]'")
+        raise ConfigError(f"task: {spec!r} needs the gem-llm package: pip install 'posttrain[gem]' && "
+                          "pip install --no-deps gem-llm==0.1.0 (it pins an older reasoning-gym than posttrain's)")
     from posttrain.data.tasks import gem
 
     return gem.make_task(spec, seed)

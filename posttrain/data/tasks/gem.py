@@ -38,7 +38,8 @@ TEST_SEED_START = 1_000_000
 
 def require_gem() -> None:
     if importlib.util.find_spec("gem") is None:
-        raise ImportError("GEM environments need the gem-llm package: pip install 'posttrain[gem]'")
+        raise ImportError("GEM environments need the gem-llm package: pip install 'posttrain[gem]' && "
+                          "pip install --no-deps gem-llm==0.1.0 (it pins an older reasoning-gym than posttrain's)")
 
 
 class GemEnvironment:
