@@ -54,6 +54,17 @@ def test_a_perturbed_sampler_shows_a_mismatch_and_evaluation_uses_the_policy(tin
     assert deviation.std().item() == pytest.approx(0.05, rel=0.05)
 
 
+def test_a_bfloat16_sampling_copy_shows_the_engine_precision_mismatch(tiny_model_dir, reward_file):
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", sampler_dtype="bfloat16"))
+    metrics = train_step(s)
+    assert {p.dtype for p in s.sampling_copy.parameters()} == {torch.bfloat16}
+    assert {p.dtype for p in s.policy.parameters()} == {torch.float32}
+    assert 1e-8 < metrics["mismatch/kl_k3"] < 1e-2  # rounding of the weights: small, and not zero
+    s.step += 1
+    s.refresh_sampler()  # as the next step begins: its copy is the updated policy, rounded
+    assert all(torch.equal(c, p.to(torch.bfloat16)) for c, p in zip(s.sampling_copy.parameters(), s.policy.parameters()))
+
+
 @pytest.mark.parametrize("correction, high", [("token-truncate", 1.02), ("sequence-mask", 1.05),
                                               ("geometric-mask", 1.005)])
 def test_the_correction_weights_each_tokens_policy_gradient_term(tiny_model_dir, reward_file, correction, high):
@@ -96,3 +107,5 @@ def test_correction_settings_are_checked(tiny_model_dir, reward_file):
         make_config(tiny_model_dir, reward_file, correction="token-mask", correction_low=3.0)
     with pytest.raises(ConfigError, match="sampler_noise: got -0.1"):
         make_config(tiny_model_dir, reward_file, sampler_noise=-0.1)
+    with pytest.raises(ConfigError, match="sampler_dtype: got 'int8'; use bfloat16 or float16"):
+        make_config(tiny_model_dir, reward_file, sampler_dtype="int8")

@@ -70,8 +70,8 @@ class Config:
             _require(not self.episodes.tools, "tools", "multi-turn episodes run on the hf backend; set backend hf")
             _require(not self.episodes.environment, "environment",
                      "multi-turn episodes run on the hf backend; set backend hf")
-            _require(not self.off_policy.sampler_noise, "sampler_noise",
-                     "a perturbed sampling copy runs on the hf backend; set backend hf")
+            _require(not self.off_policy.sampling_copy, "sampler_noise" if self.off_policy.sampler_noise
+                     else "sampler_dtype", "a sampling copy of the policy runs on the hf backend; set backend hf")
 
     def preset(self):  # -> OnlineAlgorithm | PreferenceAlgorithm
         return algorithm(self.algorithm, **self.overrides)

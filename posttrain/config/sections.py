@@ -225,6 +225,14 @@ class OffPolicyConfig:
         "Sample from a copy of the policy whose weights carry multiplicative Gaussian noise of this relative "
         "size, drawn afresh each step: a deliberately mismatched sampler, to measure the correction. 0: sample "
         "from the policy.", 0.0)
+    sampler_dtype: str | None = _help(
+        "Sample from a copy of the policy whose weights are in this dtype (bfloat16 or float16) while the trainer "
+        "keeps its own: the engine-precision mismatch of the papers on rollout correction. Default: the policy's.")
+
+    @property
+    def sampling_copy(self) -> bool:
+        """Whether a copy of the policy, not the policy, samples the rollouts."""
+        return bool(self.sampler_noise or self.sampler_dtype)
 
     def __post_init__(self) -> None:
         _require(self.correction in (None, *CORRECTIONS), "correction",
@@ -236,6 +244,8 @@ class OffPolicyConfig:
         _require(0 < low <= self.correction_high, "correction_low",
                  f"got {self.correction_low}; use a value in (0, correction_high]")
         _require(self.sampler_noise >= 0, "sampler_noise", f"got {self.sampler_noise}; use 0 or more")
+        _require(self.sampler_dtype in (None, "bfloat16", "float16"), "sampler_dtype",
+                 f"got {self.sampler_dtype!r}; use bfloat16 or float16")
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")

@@ -184,8 +184,8 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
             check_vllm_available()
         except RuntimeError as error:
             raise ConfigError(f"backend: {error}") from None
-    if config.off_policy.sampler_noise and config.model.fsdp:
-        raise ConfigError("sampler_noise: the perturbed sampling copy is a whole model in every process; "
+    if config.off_policy.sampling_copy and config.model.fsdp:
+        raise ConfigError("sampler_noise, sampler_dtype: the sampling copy is a whole model in every process; "
                           "set fsdp off")
     world = distributed.world_size()
     if r.prompts_per_step % world:
@@ -217,7 +217,7 @@ class OnlineSession:
     eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
     episodes: EpisodeGenerator | None = None  # with tools or an environment: the generator, whose stats the step logs
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
-    sampling_copy: Any | None = None  # sampler_noise: the perturbed copy of the policy that samples the rollouts
+    sampling_copy: Any | None = None  # sampler_noise/_dtype: the copy of the policy that samples the rollouts
     eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
     # the guards against runs that learn nothing (posttrain.training.guards)
     signal_watch: SignalWatch = field(init=False)
@@ -269,8 +269,12 @@ class OnlineSession:
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
                                   model_path=policy.config.name_or_path, seed=seed)
 
-        # sampler_noise: a perturbed copy samples the rollouts (refresh_sampler); evaluation samples the policy
-        sampling_copy = copy.deepcopy(policy).requires_grad_(False) if config.off_policy.sampler_noise else None
+        # sampler_noise/_dtype: a copy samples the rollouts (refresh_sampler); evaluation samples the policy
+        sampling_copy = None
+        if config.off_policy.sampling_copy:
+            sampling_copy = copy.deepcopy(policy).requires_grad_(False)
+            if config.off_policy.sampler_dtype:
+                sampling_copy.to(getattr(torch, config.off_policy.sampler_dtype))
         generator = generator_of(sampling_copy if sampling_copy is not None else policy)
         episodes = generator if isinstance(generator, EpisodeGenerator) else None
         return cls(
@@ -316,7 +320,7 @@ class OnlineSession:
         return a.needs_old_logprobs or kl_in_reward or a.needs_value_model
 
     def refresh_sampler(self) -> None:
-        """With ``sampler_noise``: the sampling copy becomes the policy's current weights times
+        """The sampling copy becomes the policy's current weights (in ``sampler_dtype``), times
         ``1 + sampler_noise * N(0, 1)``, the noise drawn from (seed, step), so a resumed run draws it again."""
         if self.sampling_copy is None:
             return
@@ -324,8 +328,11 @@ class OnlineSession:
         noise = self.config.off_policy.sampler_noise
         with torch.no_grad():
             for copy_, weight in zip(self.sampling_copy.parameters(), self.policy.parameters(), strict=True):
-                factor = 1 + noise * torch.randn(weight.shape, generator=generator)
-                copy_.copy_(weight * factor.to(weight.device, weight.dtype))
+                if noise:
+                    factor = 1 + noise * torch.randn(weight.shape, generator=generator)
+                    copy_.copy_(weight * factor.to(weight.device, weight.dtype))  # cast to the copy's dtype
+                else:
+                    copy_.copy_(weight)
 
     def optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped, not applied."""
