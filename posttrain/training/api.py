@@ -85,7 +85,14 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
         for key, dataset, name in (("dataset", train_dataset, "train"), ("eval_dataset", eval_dataset, "eval")):
             if dataset is not None:
                 flat[key] = dataset_path(dataset, output / "inputs" / f"{name}.jsonl", f"{name}_dataset")
-    funcs = _as_list(reward_funcs)
+    inputs = _record_rewards(flat, inputs, _as_list(reward_funcs))
+    inputs = _record_episodes(flat, inputs, _as_list(tools), environment)
+    return run(Config.from_flat(flat), inputs)
+
+
+def _record_rewards(flat: dict[str, Any], inputs: Inputs, funcs: list[Callable | str]) -> Inputs:
+    """Reward functions defined in files go into ``flat`` as specs (a resume finds them), the others into
+    ``inputs``, each with its weight."""
     weights = list(flat.pop("reward_weights", None) or [])
     if weights and len(weights) != len(funcs) + len(flat.get("reward", ())):
         raise ConfigError(f"reward_weights: {len(weights)} weight(s) for {len(funcs) + len(flat.get('reward', ()))} "
@@ -100,25 +107,31 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
     if given:
         flat["reward"] = [spec for spec, _ in recorded]
         flat["reward_weights"] = [w for _, w in recorded] if in_memory or any(w != 1.0 for w in weights) else []
-    if in_memory:
-        inputs = dataclasses.replace(inputs, reward_funcs=tuple(fn for fn, _ in in_memory),
-                                     reward_weights=tuple(w for _, w in in_memory))
-    tool_objects = []
-    for fn in _as_list(tools):
+    if not in_memory:
+        return inputs
+    return dataclasses.replace(inputs, reward_funcs=tuple(fn for fn, _ in in_memory),
+                               reward_weights=tuple(w for _, w in in_memory))
+
+
+def _record_episodes(flat: dict[str, Any], inputs: Inputs, tools: list[Callable | str],
+                     environment: type | str | None) -> Inputs:
+    """Tools and an environment class defined in files go into ``flat`` as specs, the others into ``inputs``."""
+    objects = []
+    for fn in tools:
         spec = recordable(fn, "tools")
         if spec is not None:
             flat["tools"] = [*flat.get("tools", ()), spec]
         else:
-            tool_objects.append(fn)
-    if tool_objects:
-        inputs = dataclasses.replace(inputs, tools=tuple(tool_objects))
+            objects.append(fn)
+    if objects:
+        inputs = dataclasses.replace(inputs, tools=tuple(objects))
     if environment is not None:
         spec = recordable(environment, "environment")
         if spec is not None:
             flat["environment"] = spec
         else:
             inputs = dataclasses.replace(inputs, environment=environment)
-    return run(Config.from_flat(flat), inputs)
+    return inputs
 
 
 def run(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
