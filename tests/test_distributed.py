@@ -80,7 +80,11 @@ class FixedGenerator:
                 samples.append(tokens)
         tokens = torch.stack(samples)
         mask, truncated = completion_mask(tokens, torch.tensor([self.eos_id]))
-        return Completions(tokens.masked_fill(mask == 0, self.pad_id), mask, truncated)
+        # a sampler's log-probs, a fixed function of the token: the mismatch metrics (and, where a scenario
+        # asks, the correction) see ratios far from 1
+        sampler_logprobs = -3.5 - 0.3 * (tokens % 7).float()
+        return Completions(tokens.masked_fill(mask == 0, self.pad_id), mask, truncated,
+                           sampling_logprobs=sampler_logprobs * mask)
 
 
 # An environment for multi-turn episodes: it answers each turn with the count of its sevens, rewards
@@ -99,6 +103,7 @@ class Sevens:
         return Step(f"={sevens};", 0.5 * sevens, done=self.turns == 3 or not sevens)
 """
 EPISODES = "grpo-episodes"  # GRPO whose rollouts are episodes in that environment
+CORRECTED = "grpo-corrected"  # GRPO with truncated importance weights against FixedGenerator's log-probs
 
 
 def write_data(folder: Path) -> None:
@@ -147,6 +152,10 @@ def trained(data: Path, model_dir, reward_file, name: str, **flat) -> dict:
         config = online_config(data, model_dir, reward_file, "grpo", environment=f"{data / 'environment.py'}:Sevens",
                                max_turns=3, max_new_tokens=24, **flat)
         return train(fixed_session(config), train_step)
+    if name == CORRECTED:
+        config = online_config(data, model_dir, reward_file, "grpo", correction="token-truncate",
+                               correction_high=1.5, **flat)
+        return train(fixed_session(config), train_step)
     if name not in PREFERENCE:
         return train(fixed_session(online_config(data, model_dir, reward_file, name, **flat)), train_step)
     return train(PreferenceSession.create(preference_config(data, model_dir, name, **flat)), preference_train_step)
@@ -193,7 +202,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # posttrain's init then joins this group
     out = Path(out)
-    for name in [*PRESETS, *PREFERENCE, EPISODES]:
+    for name in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED]:
         torch.save(trained(out, model_dir, reward_file, name), out / f"{name}-rank{rank}.pt")
     for name in FSDP:
         torch.save(trained(out, model_dir, reward_file, name, fsdp=True), out / f"fsdp-{name}-rank{rank}.pt")
@@ -260,11 +269,12 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
-@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE, EPISODES]),
+@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED]),
                                           *(("fsdp", n) for n in FSDP), ("fsdp-checkpointed", "grpo")])
 def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_processes, reward_file):
     """Plain data parallelism, and FSDP (each process holds half of every parameter and of AdamW's
-    state between steps): both make the one-process update; so do multi-turn episodes."""
+    state between steps): both make the one-process update; so do multi-turn episodes and the rollout
+    correction."""
     out, tiny_model_dir = two_processes
     prefix = "" if engine == "replicated" else f"{engine}-"  # fsdp-checkpointed: and gradient checkpointing
     rank0, rank1 = (torch.load(out / f"{prefix}{name}-rank{r}.pt") for r in (0, 1))
@@ -287,10 +297,12 @@ def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_p
             tolerance = 0.005 if key.endswith(("clip_fraction", "zero_gradient_fraction")) else 1e-6
             assert two[key] == pytest.approx(single[key], rel=1e-5, abs=tolerance), key
     assert rank0["metrics"] == rank1["metrics"]  # (times too: the slowest process's)
+    first = one["metrics"][0]
     if name == EPISODES:  # the episodes had several turns, inserted tokens and environment rewards
-        first = one["metrics"][0]
         assert first["episode/turns"] > 1 and first["episode/inserted_tokens"] > 0
         assert first["reward/environment_reward"] > 0
+    if name == CORRECTED:  # the correction acted: some weights were truncated
+        assert first["mismatch/truncated_fraction"] > 0 and first["mismatch/kl_k3"] > 0
 
 
 def test_a_process_without_groups_joins_the_step(two_processes):

@@ -239,9 +239,10 @@ def step_normalizer(mask: Tensor, aggregation: str) -> Tensor:
 
 
 # Micro-batch losses are partial sums (the normaliser is the optimizer step's), so they add up
-# (over micro-batches and processes) to the step's loss; every other metric is a per-token mean,
-# averaged weighted by tokens.
-ADDITIVE_METRICS = ("loss", "policy_loss", "value_loss")
+# (over micro-batches and processes) to the step's loss, as do the sums the importance weights'
+# effective sample size is made of; every other metric is a per-token mean, averaged weighted by tokens.
+ESS_SUMS = ("mismatch_sum/weights", "mismatch_sum/squares", "mismatch_sum/tokens")
+ADDITIVE_METRICS = ("loss", "policy_loss", "value_loss", *ESS_SUMS)
 
 
 def mini_batch_rows(rows: int, mini_batches: int, seed: int, step: int, epoch: int) -> list[Tensor]:
@@ -300,6 +301,9 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
     tokens_seen = distributed.reduce_values({"tokens": tokens_seen})["tokens"]
     out = {key: value / max(tokens_seen, 1.0) for key, value in weighted.items()}
     out.update({key: value / steps for key, value in additive.items()})
+    if ESS_SUMS[0] in out:  # of the whole step's tokens: (sum w)^2 / (n sum w^2), whatever the split
+        weights, squares, tokens = (out.pop(key) for key in ESS_SUMS)
+        out["mismatch/ess"] = weights ** 2 / (tokens * squares) if squares > 0 else 0.0
     out["grad_norm"] = sum(grad_norms) / steps
     out["skipped_steps"] = skipped
     return out
@@ -348,8 +352,10 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     ref_mb = cut(ref)
     advantages_mb, mismatch = cut(advantages), {}
     if comp.sampling_logprobs is not None:  # the sampler's own log-probs: measure (and correct) the mismatch
-        weights, mismatch = rollout_correction(s.config.off_policy, old, cut(comp.sampling_logprobs), mask)
+        weights, measured, mismatch = rollout_correction(s.config.off_policy, old, cut(comp.sampling_logprobs), mask)
         advantages_mb = advantages_mb * weights  # weights of 1 without a correction
+        mismatch.pop("mismatch/ess")  # this micro-batch's; the step's comes from these sums
+        mismatch.update(zip(ESS_SUMS, ((measured * mask).sum(), (measured.square() * mask).sum(), mask.sum())))
     loss, metrics = alg.policy_loss(out.logprobs, old, advantages_mb, mask,
                                     ref_logprobs=ref_mb if alg.kl_placement == "loss" else None,
                                     normalizer=normalizer, max_tokens=s.max_new_tokens)
@@ -368,14 +374,17 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}
 
 
-def rollout_correction(r: OffPolicyConfig, old: Tensor, sampler: Tensor, mask: Tensor) -> tuple[Tensor, dict]:
-    """The configured correction's weights [n, T] (all 1 without one) and the ``mismatch/`` metrics."""
+def rollout_correction(r: OffPolicyConfig, old: Tensor, sampler: Tensor,
+                       mask: Tensor) -> tuple[Tensor, Tensor, dict[str, Tensor]]:
+    """The weights [n, T] the policy-gradient term gets (the mask without a correction), the weights
+    whose effective sample size is logged (the raw ratios without one), and the ``mismatch/`` metrics."""
     if r.correction is None:  # measure only: the raw ratios' statistics
-        _, metrics = F.rollout_correction(old, sampler, mask, high=math.inf)
-        return mask, metrics
+        ratios, metrics = F.rollout_correction(old, sampler, mask, high=math.inf)
+        return mask, ratios, metrics
     level, mode = CORRECTIONS[r.correction]
-    return F.rollout_correction(old, sampler, mask, level=level, mode=mode, high=r.correction_high,
-                                low=r.correction_low)
+    weights, metrics = F.rollout_correction(old, sampler, mask, level=level, mode=mode, high=r.correction_high,
+                                            low=r.correction_low)
+    return weights, weights, metrics
 
 
 def train_step(s: OnlineSession) -> dict[str, float]:
