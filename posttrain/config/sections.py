@@ -205,10 +205,6 @@ class EpisodeConfig:
                 _require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
                          f"{spec!r} is not FILE.py:{kind} of an existing file")
 
-    @property
-    def multi_turn(self) -> bool:
-        return bool(self.tools or self.environment)
-
 
 @dataclass(frozen=True)
 class OffPolicyConfig:

@@ -314,7 +314,7 @@ class EpisodeGenerator:
         if not ended and not closed:  # the budget ran out mid-turn
             e.truncated, e.turns = True, e.turns + 1
             return False
-        turn = self.tokenizer.decode(e.tokens[e.turn_start:], skip_special_tokens=False)
+        turn = self.tokenizer.decode(e.tokens[e.turn_start:], skip_special_tokens=False) if closed else ""
         if closed and not turn.endswith(self.fmt.call_end):  # the stop token inside other text: go on
             if len(e.tokens) < self.max_new_tokens:
                 return True
