@@ -104,6 +104,7 @@ class Sevens:
 """
 EPISODES = "grpo-episodes"  # GRPO whose rollouts are episodes in that environment
 CORRECTED = "grpo-corrected"  # GRPO with truncated importance weights against FixedGenerator's log-probs
+ASYNC = "grpo-async"  # GRPO whose batches a rollout process per process samples one step ahead
 
 
 def write_data(folder: Path) -> None:
@@ -156,6 +157,13 @@ def trained(data: Path, model_dir, reward_file, name: str, **flat) -> dict:
         config = online_config(data, model_dir, reward_file, "grpo", correction="token-truncate",
                                correction_high=1.5, **flat)
         return train(fixed_session(config), train_step)
+    if name == ASYNC:
+        config = online_config(data, model_dir, reward_file, "grpo", async_rollout=True, max_staleness=1, **flat)
+        s = fixed_session(config)
+        try:
+            return train(s, train_step)
+        finally:
+            s.close()
     if name not in PREFERENCE:
         return train(fixed_session(online_config(data, model_dir, reward_file, name, **flat)), train_step)
     return train(PreferenceSession.create(preference_config(data, model_dir, name, **flat)), preference_train_step)
@@ -202,7 +210,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # posttrain's init then joins this group
     out = Path(out)
-    for name in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED]:
+    for name in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED, ASYNC]:
         torch.save(trained(out, model_dir, reward_file, name), out / f"{name}-rank{rank}.pt")
     for name in FSDP:
         torch.save(trained(out, model_dir, reward_file, name, fsdp=True), out / f"fsdp-{name}-rank{rank}.pt")
@@ -212,6 +220,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
                       silent_rank=1)
     torch.save(train(s, train_step), out / f"fsdp-uneven-rank{rank}.pt")
     config = run_config(out, model_dir, reward_file, out / "run-fsdp", fsdp=True, max_grad_norm=0.5)
+    run_training(fixed_session(config), config, train_step, evaluate)
+    config = run_config(out, model_dir, reward_file, out / "run-async", **RUN_ASYNC)
     run_training(fixed_session(config), config, train_step, evaluate)
     # Dynamic sampling where rank 1's groups never carry signal: it trains on nothing, rank 0 refills.
     s = fixed_session(online_config(out, model_dir, reward_file, "dapo", max_generation_rounds=2), silent_rank=1)
@@ -269,7 +279,8 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
         assert torch.allclose(a[key], b[key], rtol=0, atol=atol), (key, (a[key] - b[key]).abs().max())
 
 
-@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED]),
+@pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED,
+                                                                         ASYNC]),
                                           *(("fsdp", n) for n in FSDP), ("fsdp-checkpointed", "grpo")])
 def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_processes, reward_file):
     """Plain data parallelism, and FSDP (each process holds half of every parameter and of AdamW's
@@ -303,6 +314,8 @@ def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_p
         assert first["reward/environment_reward"] > 0
     if name == CORRECTED:  # the correction acted: some weights were truncated
         assert first["mismatch/truncated_fraction"] > 0 and first["mismatch/kl_k3"] > 0
+    if name == ASYNC:  # the second step trained on the batch sampled with the first step's weights
+        assert [row["staleness/max"] for row in one["metrics"]] == [0, 1]
 
 
 def test_a_process_without_groups_joins_the_step(two_processes):
@@ -358,6 +371,14 @@ def resume_in_one_process_matches(out: Path, reward_file, tmp_path: Path, run: s
 
 def test_a_two_process_run_resumes_in_one_process(two_processes, reward_file, tmp_path):
     resume_in_one_process_matches(two_processes[0], reward_file, tmp_path, "run")
+
+
+RUN_ASYNC = dict(async_rollout=True, max_staleness=2)
+
+
+def test_a_two_process_asynchronous_run_resumes_in_one_process(two_processes, reward_file, tmp_path):
+    """Its checkpoint holds both processes' batches sampled ahead, whole: one process takes all of them."""
+    resume_in_one_process_matches(two_processes[0], reward_file, tmp_path, "run-async", **RUN_ASYNC)
 
 
 def test_prompts_per_step_must_split_evenly_over_the_processes(tiny_model_dir, reward_file, tmp_path, monkeypatch):

@@ -72,6 +72,12 @@ class Config:
                      "multi-turn episodes run on the hf backend; set backend hf")
             _require(not self.off_policy.sampling_copy, "sampler_noise" if self.off_policy.sampler_noise
                      else "sampler_dtype", "a sampling copy of the policy runs on the hf backend; set backend hf")
+            _require(not self.off_policy.async_rollout, "async_rollout",
+                     "the rollout process samples with posttrain's decode loop; set backend hf (vLLM runs its own "
+                     "engine beside the trainer, synchronously)")
+        if self.off_policy.async_rollout:
+            _require(not self.model.fsdp, "async_rollout", "the rollout process holds a whole copy of the model; "
+                     "set fsdp off")
 
     def preset(self):  # -> OnlineAlgorithm | PreferenceAlgorithm
         return algorithm(self.algorithm, **self.overrides)

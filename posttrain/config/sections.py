@@ -224,6 +224,17 @@ class OffPolicyConfig:
     sampler_dtype: str | None = _help(
         "Sample from a copy of the policy whose weights are in this dtype (bfloat16 or float16) while the trainer "
         "keeps its own: the engine-precision mismatch of the papers on rollout correction. Default: the policy's.")
+    async_rollout: bool = _help(
+        "Sample in a process of its own, with its own copy of the weights, up to max_staleness steps ahead of the "
+        "trainer, which trains meanwhile: each step trains on completions sampled by the policy max_staleness "
+        "versions before it (posttrain.training.rollouts). The sampler's log-probs are kept, so the correction "
+        "and the mismatch/ metrics apply.", False)
+    max_staleness: int = _help(
+        "With async_rollout: how many policy versions (optimizer steps of the preset) a step's completions may be "
+        "behind the policy it updates. 0 samples each batch when its step begins, as a synchronous run does, "
+        "with the same result.", 1)
+    rollout_threads: int | None = _help(
+        "With async_rollout: torch threads of the rollout process. Default: the trainer's.")
 
     @property
     def sampling_copy(self) -> bool:
@@ -242,6 +253,9 @@ class OffPolicyConfig:
         _require(self.sampler_noise >= 0, "sampler_noise", f"got {self.sampler_noise}; use 0 or more")
         _require(self.sampler_dtype in (None, "bfloat16", "float16"), "sampler_dtype",
                  f"got {self.sampler_dtype!r}; use bfloat16 or float16")
+        _require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; use 0 or more")
+        _require(self.rollout_threads is None or self.rollout_threads >= 1, "rollout_threads",
+                 f"got {self.rollout_threads}; use 1 or more")
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")

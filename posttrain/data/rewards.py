@@ -224,6 +224,11 @@ class RewardModel:
         return scores
 
 
+USER_MODULE_PREFIX = "posttrain_user_reward_"
+"""The module name of a file :func:`load_reward_function` loads begins with this (a process that unpickles
+its functions loads the file again under the same name: posttrain.rollout.worker)."""
+
+
 def load_reward_function(spec: str, what: str = "reward") -> RewardFn:
     """Import ``func_name`` from the Python file of ``"path/to/file.py:func_name"`` (``what`` names it in errors:
     a reward function, a tool)."""
@@ -233,7 +238,7 @@ def load_reward_function(spec: str, what: str = "reward") -> RewardFn:
     path = Path(path_text)
     if not path.is_file():
         raise FileNotFoundError(f"{what} file {str(path)!r} (from {spec!r}) does not exist")
-    module_name = f"posttrain_user_reward_{abs(hash(str(path.resolve())))}"
+    module_name = f"{USER_MODULE_PREFIX}{abs(hash(str(path.resolve())))}"
     module_spec = importlib.util.spec_from_file_location(module_name, path)
     module = importlib.util.module_from_spec(module_spec)
     sys.modules[module_name] = module  # dataclasses and pickling look the module up here

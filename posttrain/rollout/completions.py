@@ -38,6 +38,10 @@ class Completions:
     inserted:       [N, T] bool, the tokens a tool or an environment inserted between the policy's turns
                     (multi-turn episodes): context the policy reads and never trains on. None: one turn.
     rewards:        [N] the environment's reward of each episode (the sum of its steps'); None without one.
+    versions:       [N] long, the policy version (the trainer's step count) whose weights sampled each row;
+                    the trainer sets it (a generator does not know which version it holds). Step ``t``'s
+                    rows are ``t - version`` versions stale: 0 in a synchronous run, at most
+                    ``max_staleness`` with asynchronous rollouts.
     """
 
     completion_ids: Tensor
@@ -46,6 +50,7 @@ class Completions:
     sampling_logprobs: Tensor | None = None
     inserted: Tensor | None = None
     rewards: Tensor | None = None
+    versions: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -61,7 +66,8 @@ class Completions:
     def rows(self, index: Tensor) -> "Completions":
         """The completions of rows ``index`` (a [n] long tensor)."""
         return Completions(*(None if t is None else t[index] for t in (
-            self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted, self.rewards)))
+            self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted, self.rewards,
+            self.versions)))
 
     @staticmethod
     def cat(parts: list["Completions"]) -> "Completions":
@@ -72,9 +78,11 @@ class Completions:
                                  for p in parts])
         logprobs = cat_rows([p.sampling_logprobs for p in parts]) if all(
             p.sampling_logprobs is not None for p in parts) else None
-        rewards = torch.cat([p.rewards for p in parts]) if all(p.rewards is not None for p in parts) else None
+        rewards, versions = (torch.cat([getattr(p, name) for p in parts])
+                             if all(getattr(p, name) is not None for p in parts) else None
+                             for name in ("rewards", "versions"))
         return Completions(cat_rows([p.completion_ids for p in parts]), cat_rows([p.mask for p in parts]),
-                           cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards)
+                           cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards, versions)
 
 
 def cat_rows(parts: list[Tensor | None]) -> Tensor | None:

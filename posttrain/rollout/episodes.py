@@ -196,16 +196,34 @@ def make_episode_generator(backend: str, model: Any, tokenizer: Any, params: Sam
     """Episodes whose turns the configured generator samples, stopping at ``eos_ids`` and (with tools)
     where a call closes; an environment's observations are rendered as user turns of the chat template."""
     stop_ids = [tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]] if tools is not None else []
-
-    def turn_generator(budget: int) -> Generator:
-        return make_generator(backend, model, tokenizer, dataclasses.replace(params, max_new_tokens=budget),
-                              [*eos_ids, *stop_ids], seed=seed)
-
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
-    return EpisodeGenerator(turn_generator, tokenizer, tools, fmt, environment=environment,
+    return EpisodeGenerator(TurnGenerators(backend, model, tokenizer, params, [*eos_ids, *stop_ids], seed),
+                            tokenizer, tools, fmt, environment=environment,
                             render=user_turn(tokenizer, tokenizer.decode([eos_ids[0]])) if environment else None,
                             on_error=on_error, max_new_tokens=params.max_new_tokens, max_turns=max_turns,
                             eos_ids=eos_ids, pad_id=pad_id)
+
+
+@dataclass
+class TurnGenerators:
+    """``turn_generators(budget)``: the configured generator for one turn of at most ``budget`` tokens, which
+    stops at ``stop_ids``. (A class, not a closure, so that an episode generator pickles: asynchronous
+    rollouts send it to their process.)"""
+
+    backend: str
+    model: Any
+    tokenizer: Any
+    params: SamplingParams
+    stop_ids: list[int]
+    seed: int
+
+    def __call__(self, budget: int) -> Generator:
+        return make_generator(self.backend, self.model, self.tokenizer,
+                              dataclasses.replace(self.params, max_new_tokens=budget), self.stop_ids, seed=self.seed)
+
+
+def as_is(text: str) -> str:
+    return text
 
 
 def user_turn(tokenizer: Any, eos_text: str) -> Callable[[str], str]:
@@ -213,21 +231,29 @@ def user_turn(tokenizer: Any, eos_text: str) -> Callable[[str], str]:
     the tokenizer's chat template renders, up to the assistant's next header; the text itself without
     a template."""
     if getattr(tokenizer, "chat_template", None) is None:
-        return lambda text: text
+        return as_is
+    return UserTurn(tokenizer, eos_text)
+
+
+@dataclass
+class UserTurn:
+    """An observation as the chat template's next user turn, after an assistant turn that ended with
+    ``eos_text``: found by rendering a conversation with and without it."""
+
+    tokenizer: Any
+    eos_text: str
     marker = "\u2063turn\u2063"  # text no template rewrites, to find where the assistant's turn ends
 
-    def render(text: str) -> str:
-        before = [{"role": "user", "content": "-"}, {"role": "assistant", "content": marker}]
-        prefix = tokenizer.apply_chat_template(before, tokenize=False)
-        full = tokenizer.apply_chat_template([*before, {"role": "user", "content": text}], tokenize=False,
-                                             add_generation_prompt=True)
-        after_turn = prefix[prefix.rindex(marker) + len(marker):]
-        if not full.startswith(prefix) or not after_turn.startswith(eos_text):
+    def __call__(self, text: str) -> str:
+        before = [{"role": "user", "content": "-"}, {"role": "assistant", "content": self.marker}]
+        prefix = self.tokenizer.apply_chat_template(before, tokenize=False)
+        full = self.tokenizer.apply_chat_template([*before, {"role": "user", "content": text}], tokenize=False,
+                                                  add_generation_prompt=True)
+        after_turn = prefix[prefix.rindex(self.marker) + len(self.marker):]
+        if not full.startswith(prefix) or not after_turn.startswith(self.eos_text):
             raise ValueError("the chat template does not render a user turn after an assistant turn that ends "
-                             f"with {eos_text!r}; cannot insert environment observations")
-        return after_turn[len(eos_text):] + full[len(prefix):]
-
-    return render
+                             f"with {self.eos_text!r}; cannot insert environment observations")
+        return after_turn[len(self.eos_text):] + full[len(prefix):]
 
 
 FORMATS: dict[str, Callable[[], ToolFormat]] = {"json": JSONCalls, "inline": InlineCalls}
@@ -266,7 +292,7 @@ class EpisodeGenerator:
         if on_error not in ("feedback", "raise"):
             raise ValueError(f"on_error must be 'feedback' or 'raise', got {on_error!r}")
         self.turn_generator, self.tokenizer, self.tools, self.fmt = turn_generator, tokenizer, tools, fmt
-        self.environment, self.render, self.on_error = environment, render or (lambda text: text), on_error
+        self.environment, self.render, self.on_error = environment, render or as_is, on_error
         self.max_new_tokens, self.max_turns, self.pad_id = max_new_tokens, max_turns, pad_id
         self.eos_ids = set(eos_ids)
         self.stop_id = tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1] if fmt is not None else None

@@ -65,15 +65,15 @@ def score_rows(s: OnlineSession, rows: list[dict], completions: Completions, tex
 EPISODE_COUNT = "episode_count/"  # counts of multi-turn episodes, summed over rounds and processes
 
 
-def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, float], dict[str, int]]:
-    """Generate and score ``G`` completions for each prompt; shape their rewards.
-    Also returns the generation and scoring times, and counts: failed rewards by function and, for
-    multi-turn episodes, turns, tool calls, tool errors and inserted tokens."""
+def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], dict[str, int]]:
+    """A generation round's ``G`` completions of each prompt (the step's batch, or a refill), scored, their
+    rewards shaped. Also returns the generation and scoring times, and counts: failed rewards by function
+    and, for multi-turn episodes, turns, tool calls, tool errors and inserted tokens."""
     alg, g = s.alg, s.config.rollout.group_size
+    sampled = s.rollouts.first_round(s) if first else s.rollouts.extra_round(s)
+    indices, completions = sampled.indices, sampled.completions
     rows = [s.train_rows[i] for i in indices]
     prompt_ids = [s.encoded_prompts[i] for i in indices]
-    t0 = time.perf_counter()
-    completions = s.generator.generate(prompt_ids, num_samples=g, rows=rows)
     texts = decode(s, completions)
     t1 = time.perf_counter()
     scores, correct = score_rows(s, rows, completions, texts, g)
@@ -94,10 +94,12 @@ def rollout(s: OnlineSession, indices: list[int]) -> tuple[Groups, dict[str, flo
         list(indices), [p for p in prompt_ids for _ in range(g)], completions, texts,
         rewards.view(-1, g), scores.terms, correct,
     )
-    times = {"time/generation": t1 - t0, "time/scoring": time.perf_counter() - t1}
+    # generation: the sampling's own time (the rollout process's, when asynchronous); rollout_wait: what the
+    # trainer spent waiting for it (all of it, when synchronous)
+    times = {"time/generation": sampled.seconds, "time/rollout_wait": sampled.waited,
+             "time/scoring": time.perf_counter() - t1}
     failures = {f"reward_failures/{name}": count for name, count in scores.failures.items()}
-    if s.episodes is not None:
-        failures.update({f"{EPISODE_COUNT}{key}": value for key, value in s.episodes.stats.counts().items()})
+    failures.update({f"{EPISODE_COUNT}{key}": value for key, value in sampled.episode_counts.items()})
     if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
         groups = groups.select(~scores.failed.view(-1, g).any(-1))
     return groups, times, failures
@@ -111,11 +113,11 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
     share = b // distributed.world_size()
     kept: list[Groups] = [s.surplus] if s.surplus is not None else []
     have = sum(len(p.indices) for p in kept)
-    times: dict[str, float] = {"time/generation": 0.0, "time/scoring": 0.0}
+    times: dict[str, float] = {"time/generation": 0.0, "time/rollout_wait": 0.0, "time/scoring": 0.0}
     failures: dict[str, float] = {}
     rounds, generated, zero_variance, fresh = 0, 0, 0, []
     while rounds < (alg.max_generation_rounds if alg.dynamic_sampling else 1) and distributed.any_true(have < share):
-        groups, round_times, round_failures = rollout(s, distributed.shard(s.sampler.next(b)))
+        groups, round_times, round_failures = rollout(s, first=rounds == 0)
         for totals, new in ((times, round_times), (failures, round_failures)):
             for key, value in new.items():
                 totals[key] = totals.get(key, 0.0) + value
@@ -139,7 +141,7 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
     # a step's share of groups waits for the next step (one process keeps fewer than B); more happens
     # only when this process generated again for another that was still short.
     batch, surplus = Groups.cat([p for p in kept if p.indices] or kept[-1:]).split(share)
-    s.surplus = None if surplus is None else surplus.split(share)[0]
+    s.surplus = None if surplus is None else fresh_enough(s, surplus.split(share)[0])
     # The step's metrics: counts summed over processes, times the slowest process's, the rollout's
     # metrics over every process's new groups.
     total = distributed.reduce_values({"generated": generated, "zero_variance": zero_variance,
@@ -156,10 +158,38 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
 
         "groups_trained": total["groups_trained"],
         "surplus_groups": total["surplus_groups"],
+        **staleness(s, batch),
     }
     generated_metrics = rollout_metrics(Groups.cat(distributed.concat(fresh)))
     stats["reward_signal"] = float(distributed.any_true(any(step_has_signal(p.rewards) for p in fresh)))
     return batch, {**stats, **generated_metrics}
+
+
+def staleness_bound(s: OnlineSession) -> int:
+    """How many versions behind the policy a trained sample may be: ``max_staleness`` with asynchronous
+    rollouts. Dynamic sampling's surplus groups train one step after they were sampled, in a synchronous run
+    too, so the bound is at least 1 for them."""
+    return max(s.config.off_policy.max_staleness if s.config.off_policy.async_rollout else 0, 1)
+
+
+def fresh_enough(s: OnlineSession, surplus: Groups) -> Groups | None:
+    """The surplus groups still within the staleness bound at the next step (older ones are dropped)."""
+    versions = surplus.completions.versions
+    if versions is None:
+        return surplus
+    keep = (s.step + 1 - versions.view(-1, surplus.group_size)[:, 0]) <= staleness_bound(s)
+    return surplus.select(keep) if keep.any() else None
+
+
+def staleness(s: OnlineSession, batch: Groups) -> dict[str, float]:
+    """How many policy versions behind this step's policy the trained samples are, over every process."""
+    versions = batch.completions.versions
+    if versions is None:  # surplus groups from a checkpoint written before versions were recorded
+        return {}
+    age = (s.step - versions).float()
+    total = distributed.reduce_values({"sum": float(age.sum()), "rows": len(age)})
+    oldest = distributed.reduce_values({"max": float(age.max()) if len(age) else 0.0}, max)
+    return {"staleness/mean": total["sum"] / max(total["rows"], 1), "staleness/max": oldest["max"]}
 
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:

@@ -220,6 +220,9 @@ class PreferenceSession:
         if self.prompt_sampler is not None:
             self.prompt_sampler.load_state_dict(state["prompt_sampler"])
 
+    def close(self) -> None:
+        pass  # nothing runs beside the trainer
+
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first examples with their log-probs, for samples.jsonl."""
         per_example = {k: v for k, v in self.last_inputs.items() if k.endswith("logps") and v.dim() == 1}

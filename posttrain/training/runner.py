@@ -122,6 +122,14 @@ def run_training(session: T, config: Config, train_step: Callable[[T], dict[str,
                  evaluate: Callable[[T, int | None], dict[str, float]]) -> dict[str, Any]:
     """Drive ``train_step(session)`` to ``max_steps`` with ``evaluate(session, limit)`` every ``eval_every``
     steps (the first ``limit`` held-out prompts; None: all), logging and checkpoints."""
+    try:
+        return _run(session, config, train_step, evaluate)
+    finally:
+        session.close()
+
+
+def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
+         evaluate: Callable[[T, int | None], dict[str, float]]) -> dict[str, Any]:
     run = config.run
     run_dir = distributed.on_main(open_run_dir, config)
     start = restore(session, run_dir) if run.resume else 0

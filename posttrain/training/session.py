@@ -46,6 +46,7 @@ from posttrain.tracking.stats import wilson_interval
 from posttrain.training.groups import Groups
 from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
 from posttrain.training.optim import apply_gradients
+from posttrain.training.rollouts import AsyncRollouts, SyncRollouts
 from posttrain.training.setup import (
     Inputs,
     build_optimization,
@@ -219,6 +220,7 @@ class OnlineSession:
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
     sampling_copy: Any | None = None  # sampler_noise/_dtype: the copy of the policy that samples the rollouts
     eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
+    rollouts: SyncRollouts | AsyncRollouts = field(default_factory=SyncRollouts)  # where each round comes from
     # the guards against runs that learn nothing (posttrain.training.guards)
     signal_watch: SignalWatch = field(init=False)
     reward_watch: RewardWatch = field(init=False)
@@ -289,6 +291,8 @@ class OnlineSession:
             tools=tools,
             sampling_copy=sampling_copy,
             eval_generator=None if sampling_copy is None else generator_of(policy),
+            rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads)
+            if config.off_policy.async_rollout else SyncRollouts(),
         )
 
     # -- what the loop asks ------------------------------------------------------------------
@@ -319,12 +323,14 @@ class OnlineSession:
         kl_in_reward = a.needs_reference and a.kl_placement != "loss"
         return a.needs_old_logprobs or kl_in_reward or a.needs_value_model
 
-    def refresh_sampler(self) -> None:
+    def refresh_sampler(self, for_step: int | None = None) -> None:
         """The sampling copy becomes the policy's current weights (in ``sampler_dtype``), times
-        ``1 + sampler_noise * N(0, 1)``, the noise drawn from (seed, step), so a resumed run draws it again."""
+        ``1 + sampler_noise * N(0, 1)``, the noise drawn from (seed, the step that trains on its samples:
+        this one unless sampled ahead), so a resumed run draws it again."""
         if self.sampling_copy is None:
             return
-        generator = torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + self.step)
+        step = self.step if for_step is None else for_step
+        generator = torch.Generator().manual_seed(self.config.run.seed * 1_000_003 + step)
         noise = self.config.off_policy.sampler_noise
         with torch.no_grad():
             for copy_, weight in zip(self.sampling_copy.parameters(), self.policy.parameters(), strict=True):
@@ -358,10 +364,11 @@ class OnlineSession:
                 "no_signal_steps": self.signal_watch.streak}
 
     def extra_state(self) -> dict[str, Any]:
-        """Tensor state: dynamic sampling's surplus groups of every process, which train at the next step
-        (every process must call it)."""
+        """Tensor state: dynamic sampling's surplus groups of every process, which train at the next step, and
+        the batches asynchronous rollouts sampled ahead (every process must call it)."""
         parts = [groups for groups in distributed.gather(self.surplus) if groups is not None]
-        return {"surplus": dataclasses.asdict(Groups.cat(parts)) if parts else None}
+        return {"surplus": dataclasses.asdict(Groups.cat(parts)) if parts else None,
+                "rollouts": self.rollouts.state(self)}
 
     def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
         self.sampler.load_state_dict(state["sampler"])
@@ -370,6 +377,11 @@ class OnlineSession:
         surplus = extra.get("surplus")  # every process's: each takes its share, whatever the process count
         self.surplus = None if surplus is None else Groups(**{
             **surplus, "completions": Completions(**surplus["completions"])}).shard()
+        self.rollouts.load(extra.get("rollouts"))
+
+    def close(self) -> None:
+        """Stop the rollout process, if any."""
+        self.rollouts.close()
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first completions with their rewards, for samples.jsonl."""

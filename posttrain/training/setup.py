@@ -89,6 +89,10 @@ class Trainer(Protocol):
         """The last step's samples, for ``samples.jsonl``."""
         ...
 
+    def close(self) -> None:
+        """Release what the session started (a rollout process); the run calls it however it ends."""
+        ...
+
 
 def start_processes(config: Config, *, needs_reference: bool, name: str) -> None:
     """The checks that need no model (FSDP's, offloading's), then the process group and the seeds."""

@@ -1,0 +1,207 @@
+"""Generation in a process of its own: the sampler of asynchronous rollouts.
+
+The trainer hands a :class:`RolloutWorker` a generator and the model it samples with (pickled once;
+the worker keeps its own copy), then requests in order: prompts to complete, with the weights to
+complete them with when they changed since the last request. The worker answers each request in
+the order it came, so the trainer can queue several ahead and keep training meanwhile.
+
+The worker is spawned, not forked: a fork of a process whose OpenMP threads have run hangs at the
+child's first parallel region with more than one thread. What the generator holds crosses by
+pickling: tensors through shared memory (``torch.multiprocessing``); functions and classes by
+reference. Those of a file loaded as ``FILE.py:NAME`` (reward functions, tools, environments) are
+loaded again in the worker, under the module name the trainer gave them, before the generator is
+unpickled; anything else must be importable (defined at a module's top level).
+
+The worker's torch random generator starts from the state the trainer gives it and is the only one
+its sampling draws from, so a worker that receives the requests a synchronous run would make, in the
+same order, samples the same tokens.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import pickle
+import queue
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.multiprocessing as mp
+from multiprocessing.reduction import ForkingPickler
+from torch import Tensor
+
+from posttrain.data.rewards import USER_MODULE_PREFIX
+from posttrain.rollout.completions import Completions
+
+POLL_SECONDS = 1.0  # how often a waiting side checks that the other is still alive
+
+
+@dataclass
+class Request:
+    """Complete ``prompt_ids`` (``num_samples`` each) with the model at policy version ``version``; ``weights``
+    (parameter name -> tensor) replace the worker's before it starts, None: keep the last ones."""
+
+    request_id: int
+    version: int
+    prompt_ids: list[Tensor]
+    num_samples: int
+    greedy: bool = False
+    rows: list[dict[str, Any]] | None = None
+    weights: dict[str, Tensor] | None = None
+
+
+@dataclass
+class Result:
+    """What the worker sampled for one request, and the seconds it took."""
+
+    request_id: int
+    completions: Completions
+    seconds: float
+    episode_counts: dict[str, int] = field(default_factory=dict)  # multi-turn episodes: turns, tool calls, ...
+
+
+class RolloutWorkerError(RuntimeError):
+    """The rollout process failed; the message holds its traceback."""
+
+
+class RolloutWorker:
+    """A process that samples with its own copy of ``model``, driven by :meth:`submit` and :meth:`receive`."""
+
+    def __init__(self, generator: Any, model: torch.nn.Module, *, threads: int, rng_state: Tensor):
+        """``generator`` samples with ``model`` (a module it holds); ``threads``: the worker's torch threads;
+        ``rng_state``: its torch random generator's state to start from."""
+        try:
+            payload = _dumps((generator, model))
+        except Exception as error:  # a lambda, a nested function, a class defined inside a function
+            raise RolloutWorkerError(
+                f"async_rollout: the generator cannot be sent to the rollout process ({type(error).__name__}: "
+                f"{error}); tools, environments and reward functions must be defined at a module's top level "
+                "(or in a file passed as FILE.py:NAME)") from None
+        modules = {name: module.__file__ for name, module in list(sys.modules.items())
+                   if name.startswith(USER_MODULE_PREFIX) and getattr(module, "__file__", None)}
+        context = mp.get_context("spawn")
+        self.requests, self.results = context.Queue(), context.Queue()
+        self.process = context.Process(target=_serve, name="posttrain-rollout", daemon=False,
+                                       args=(payload, modules, threads, rng_state, os.getpid(),
+                                             self.requests, self.results))
+        self.process.start()
+        self.outstanding = 0  # requests sent and not answered yet
+
+    def submit(self, request: Request) -> None:
+        self.requests.put(request)
+        self.outstanding += 1
+
+    def receive(self) -> Result:
+        """The answer to the oldest outstanding request (waits for it)."""
+        kind, payload = self._answer()
+        if kind != "result":
+            raise RolloutWorkerError(f"rollout process: expected a result, got {kind!r}")
+        return payload
+
+    def rng_state(self) -> Tensor:
+        """The worker's random generator state once every outstanding request is answered (receive them first)."""
+        if self.outstanding:
+            raise RuntimeError("rng_state: receive the outstanding results first")
+        self.requests.put("rng_state")
+        self.outstanding += 1
+        kind, state = self._answer()
+        return state
+
+    def close(self) -> None:
+        if self.process.is_alive():
+            self.requests.put(None)
+            self.process.join(timeout=10)
+        if self.process.is_alive():
+            self.process.kill()
+            self.process.join()
+        for channel in (self.requests, self.results):
+            channel.close()
+            channel.join_thread()
+
+    def _answer(self) -> tuple[str, Any]:
+        while True:
+            try:
+                kind, payload = self.results.get(timeout=POLL_SECONDS)
+                break
+            except queue.Empty:
+                if not self.process.is_alive():
+                    raise RolloutWorkerError(f"the rollout process died (exit code {self.process.exitcode}) "
+                                             "without an answer") from None
+        self.outstanding -= 1
+        if kind == "error":
+            error, text = payload
+            if error is not None:  # the generator's own exception (EnvironmentFault, a tool's error): as it was
+                raise error
+            raise RolloutWorkerError(f"the rollout process failed:\n{text}")
+        return kind, payload
+
+
+def _dumps(obj: Any) -> bytes:
+    """Pickle with torch's reductions: tensors travel as shared-memory handles, not copies."""
+    buffer = io.BytesIO()
+    ForkingPickler(buffer, pickle.HIGHEST_PROTOCOL).dump(obj)
+    return buffer.getvalue()
+
+
+def _load_user_modules(modules: dict[str, str]) -> None:
+    import importlib.util
+
+    for name, path in modules.items():
+        spec = importlib.util.spec_from_file_location(name, path)
+        module = importlib.util.module_from_spec(spec)
+        sys.modules[name] = module
+        spec.loader.exec_module(module)
+
+
+def _serve(payload: bytes, modules: dict[str, str], threads: int, rng_state: Tensor, parent: int,
+           requests: Any, results: Any) -> None:
+    """The worker's loop: answer requests in order until ``None`` arrives or the trainer is gone."""
+    torch.set_num_threads(threads)
+    try:
+        _load_user_modules(modules)
+        generator, model = pickle.loads(payload)
+        torch.set_rng_state(rng_state)
+        parameters = dict(model.named_parameters())
+    except BaseException as error:
+        results.put(("error", (_picklable(error), traceback.format_exc())))
+        return
+    while True:
+        try:
+            request = requests.get(timeout=POLL_SECONDS)
+        except queue.Empty:
+            if os.getppid() != parent:  # the trainer died without closing us
+                return
+            continue
+        if request is None:
+            return
+        if request == "rng_state":
+            results.put(("rng_state", torch.get_rng_state()))
+            continue
+        try:
+            results.put(("result", _generate(generator, parameters, request)))
+        except BaseException as error:
+            results.put(("error", (_picklable(error), traceback.format_exc())))
+
+
+@torch.no_grad()
+def _generate(generator: Any, parameters: dict[str, torch.nn.Parameter], request: Request) -> Result:
+    for name, weight in (request.weights or {}).items():
+        parameters[name].copy_(weight)
+    start = time.perf_counter()
+    completions = generator.generate(request.prompt_ids, num_samples=request.num_samples, greedy=request.greedy,
+                                     rows=request.rows)
+    stats = getattr(generator, "stats", None)  # an EpisodeGenerator's counts of this call's episodes
+    return Result(request.request_id, completions, time.perf_counter() - start,
+                  stats.counts() if stats is not None else {})
+
+
+def _picklable(error: BaseException) -> BaseException | None:
+    try:
+        pickle.loads(pickle.dumps(error))
+        return error
+    except Exception:
+        return None

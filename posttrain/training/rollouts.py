@@ -1,0 +1,204 @@
+"""Where an online step's completions come from: sampled in the trainer's process when the step asks
+(synchronous), or by a rollout process that samples ahead while the trainer trains (asynchronous).
+
+Both hand the loop :class:`Round`\\ s: this process's prompts of one generation round and their
+completions, each row tagged with the policy version that sampled it (the trainer's step count when
+its weights were taken). A step's first round is its batch; dynamic sampling asks for more rounds.
+
+Asynchronous rollouts (``async_rollout``, ``max_staleness`` K) keep the first rounds of the next K
+steps in flight: at the start of step ``t`` the rollout process holds requests for steps ``t`` to
+``t + K``, the last one submitted now with the current weights (version ``t``). Step ``t``'s batch was
+therefore sampled by version ``max(0, t - K)``: exactly K versions stale once the pipeline is full,
+never more. Refill rounds are submitted with the current weights (0 stale) and answered after the
+rounds already queued. With K = 0 every request is the synchronous run's, made at the same point, and
+the process samples from the same random stream: the same tokens, weights and metrics.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from posttrain.config import ConfigError
+from posttrain.parallel import distributed
+from posttrain.rollout.completions import Completions
+from posttrain.rollout.worker import Request, RolloutWorker
+
+if TYPE_CHECKING:
+    from posttrain.training.session import OnlineSession
+
+
+@dataclass
+class Round:
+    """One generation round of this process: its prompts and their ``G`` completions each."""
+
+    indices: list[int]  # [b] dataset rows of the prompts
+    completions: Completions  # [b * G], ``versions`` set
+    seconds: float = 0.0  # spent sampling (in the rollout process, for an asynchronous round)
+    waited: float = 0.0  # the trainer blocked on it
+    episode_counts: dict[str, int] = field(default_factory=dict)  # multi-turn episodes: turns, tool calls, ...
+
+
+def draw_prompts(s: OnlineSession) -> list[int]:
+    """This process's share of the next ``prompts_per_step`` prompts of the sampler's order."""
+    return distributed.shard(s.sampler.next(s.config.rollout.prompts_per_step))
+
+
+def tagged(completions: Completions, version: int) -> Completions:
+    completions.versions = torch.full((len(completions.mask),), version, dtype=torch.long)
+    return completions
+
+
+class SyncRollouts:
+    """Every round sampled in this process, by the current policy (or its sampling copy), when asked."""
+
+    def first_round(self, s: OnlineSession) -> Round:
+        return self.round(s)
+
+    def extra_round(self, s: OnlineSession) -> Round:
+        return self.round(s)
+
+    def round(self, s: OnlineSession) -> Round:
+        indices = draw_prompts(s)
+        start = time.perf_counter()
+        completions = s.generator.generate([s.encoded_prompts[i] for i in indices],
+                                           num_samples=s.config.rollout.group_size,
+                                           rows=[s.train_rows[i] for i in indices])
+        seconds = time.perf_counter() - start
+        counts = s.episodes.stats.counts() if s.episodes is not None else {}
+        return Round(indices, tagged(completions, s.step), seconds, seconds, counts)
+
+    def state(self, s: OnlineSession) -> dict[str, Any] | None:
+        return None
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        if state and state["rounds"]:
+            raise ConfigError(f"resume: the checkpoint holds {len(state['rounds'])} batch(es) sampled ahead by "
+                              "asynchronous rollouts; resume with --async-rollout and --max-staleness "
+                              f"{len(state['rounds'])} or more")
+
+    def close(self) -> None:
+        pass
+
+
+class AsyncRollouts:
+    """The steps' first rounds sampled up to ``max_staleness`` steps ahead by a :class:`RolloutWorker`."""
+
+    def __init__(self, max_staleness: int, threads: int | None = None):
+        self.max_staleness = max_staleness
+        self.threads = threads or torch.get_num_threads()
+        self.worker: RolloutWorker | None = None
+        self.next_id = 0
+        self.in_flight: deque[tuple[int, list[int], int]] = deque()  # (request id, prompts, version), in order
+        self.answered: dict[int, Round] = {}
+        self.ahead: deque[int] = deque()  # request ids of the first rounds of steps step, step + 1, ...
+        self.sent_version: int | None = None  # the weights the worker holds
+        self.rng_state: torch.Tensor | None = None  # a resumed worker's random generator
+
+    def first_round(self, s: OnlineSession) -> Round:
+        self.start(s)
+        while len(self.ahead) <= self.max_staleness:  # this step's batch and the next K steps'
+            self.ahead.append(self.submit(s, for_step=s.step + len(self.ahead)))
+        return self.wait(self.ahead.popleft())
+
+    def extra_round(self, s: OnlineSession) -> Round:
+        self.start(s)
+        return self.wait(self.submit(s, for_step=s.step))
+
+    def start(self, s: OnlineSession) -> None:
+        """Spawn the rollout process with a copy of the sampling model (the trainer's weights keep moving),
+        its random generator where this process's is (or where a checkpoint left it)."""
+        if self.worker is not None:
+            return
+        model = s.sampling_copy if s.sampling_copy is not None else s.policy
+        generator, model = copy.deepcopy((s.generator, model))  # one copy: the generator holds the model
+        rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
+        self.worker = RolloutWorker(generator, model, threads=self.threads, rng_state=rng)
+        self.sent_version = s.step  # the copy is the current policy's
+
+    def submit(self, s: OnlineSession, for_step: int) -> int:
+        """Request the next prompts' completions with the current weights; ``for_step``: the step that will
+        train on them (the sampling copy's noise is drawn for it, as a synchronous run draws it)."""
+        indices = draw_prompts(s)
+        weights = None
+        noise = s.config.off_policy.sampler_noise
+        if s.sampling_copy is not None and (noise or self.sent_version != s.step):
+            s.refresh_sampler(for_step)
+            weights = {name: p.detach().clone() for name, p in s.sampling_copy.named_parameters()}
+        elif s.sampling_copy is None and self.sent_version != s.step:
+            weights = {name: p.detach().clone() for name, p in s.policy.named_parameters() if p.requires_grad}
+        self.sent_version = s.step
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        self.worker.submit(Request(request_id, s.step, [s.encoded_prompts[i] for i in indices],
+                                   s.config.rollout.group_size, rows=[s.train_rows[i] for i in indices],
+                                   weights=weights))
+        self.in_flight.append((request_id, indices, s.step))
+        return request_id
+
+    def wait(self, request_id: int) -> Round:
+        start = time.perf_counter()
+        while request_id not in self.answered:
+            result = self.worker.receive()
+            expected, indices, version = self.in_flight.popleft()
+            assert result.request_id == expected, "the rollout process answers in order"
+            self.answered[expected] = Round(indices, tagged(result.completions, version), result.seconds,
+                                            episode_counts=result.episode_counts)
+        return dataclasses.replace(self.answered.pop(request_id), waited=time.perf_counter() - start)
+
+    # -- checkpoint state: the batches sampled ahead, and the rollout process's random generator -------------
+
+    def state(self, s: OnlineSession) -> dict[str, Any]:
+        """Every process's rounds sampled ahead (each one a whole step's batch, in rank order) and rank 0's
+        worker generator state; waits for the rounds in flight. Every process must call it."""
+        rounds = [self.wait(request_id) for request_id in self.ahead]
+        self.ahead = deque()
+        for round_ in rounds:  # they stay this process's next batches
+            self.ahead.append(self.keep(round_))
+        rng = self.worker.rng_state() if self.worker is not None else self.rng_state
+        parts = distributed.gather([(r.indices, dataclasses.asdict(r.completions), r.episode_counts)
+                                    for r in rounds])
+        whole = []
+        for k in range(len(rounds)):
+            shares = [part[k] for part in parts]
+            counts: dict[str, int] = {}
+            for _, _, share_counts in shares:
+                for key, value in share_counts.items():
+                    counts[key] = counts.get(key, 0) + value
+            whole.append({"indices": sum((indices for indices, _, _ in shares), []),
+                          "completions": dataclasses.asdict(Completions.cat([Completions(**c) for _, c, _ in shares])),
+                          "episode_counts": counts})
+        return {"rounds": whole, "rng": rng}
+
+    def load(self, state: dict[str, Any] | None) -> None:
+        """The rounds a checkpoint holds become this process's next batches (its share of each)."""
+        if not state:
+            return
+        rounds = state["rounds"]
+        if len(rounds) > self.max_staleness:
+            raise ConfigError(f"max_staleness: the checkpoint holds {len(rounds)} batch(es) sampled ahead; "
+                              f"resume with --max-staleness {len(rounds)} or more")
+        self.rng_state = state["rng"]
+        for whole in rounds:
+            completions = Completions(**whole["completions"])
+            g = len(completions.mask) // len(whole["indices"])
+            mine = distributed.shard(range(len(whole["indices"])))
+            rows = torch.tensor([i * g + j for i in mine for j in range(g)], dtype=torch.long)
+            self.ahead.append(self.keep(Round([whole["indices"][i] for i in mine], completions.rows(rows),
+                                              episode_counts=whole["episode_counts"] if distributed.is_main() else {})))
+
+    def keep(self, round_: Round) -> int:
+        """File an answered round under a new request id."""
+        request_id, self.next_id = self.next_id, self.next_id + 1
+        self.answered[request_id] = round_
+        return request_id
+
+    def close(self) -> None:
+        if self.worker is not None:
+            self.worker.close()
+            self.worker = None
