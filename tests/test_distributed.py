@@ -21,17 +21,17 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file
+from test_online import make_config
 
-from posttrain.parallel import distributed, fsdp
 from posttrain.config import Config, ConfigError
+from posttrain.parallel import distributed, fsdp
+from posttrain.rollout.completions import Completions, completion_mask
 from posttrain.tracking.metrics import read_metrics
 from posttrain.training.online import train_step
-from posttrain.training.preference import PreferenceSession, train_step as preference_train_step
-from posttrain.rollout.completions import Completions, completion_mask
+from posttrain.training.preference import PreferenceSession
+from posttrain.training.preference import train_step as preference_train_step
 from posttrain.training.runner import run_training
 from posttrain.training.session import OnlineSession, evaluate
-
-from test_online import make_config
 
 # Sequence mean with KL in the loss; token mean with dynamic sampling; batch whitening; constant.
 PRESETS = {

@@ -27,11 +27,11 @@ import sys
 import time
 import traceback
 from dataclasses import dataclass, field
+from multiprocessing.reduction import ForkingPickler
 from typing import Any
 
 import torch
 import torch.multiprocessing as mp
-from multiprocessing.reduction import ForkingPickler
 from torch import Tensor
 
 from posttrain.data.rewards import USER_MODULE_PREFIX
