@@ -39,6 +39,7 @@ def comparable(metrics: list[dict]) -> list[dict]:
     ("dapo", {"binary_reward": None}),  # dynamic sampling: refill rounds and surplus groups
     ("ppo", {}),  # mini-batches, several epochs, a value head
     ("grpo", {"sampler_noise": 0.05, "correction": "token-truncate"}),  # a sampling copy, its noise per step
+    ("grpo", {"mixed_precision": "bf16"}),  # a model whose decoder's forward is wrapped on the instance
 ])
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, reward_file, algorithm, flat):
     sync, sync_metrics, _ = train(make_config(tiny_model_dir, reward_file, algorithm, **flat), 3)
@@ -187,3 +188,32 @@ def test_a_checkpoint_with_batches_sampled_ahead_resumes_only_asynchronously(tin
     smaller = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", async_rollout=True, max_staleness=1))
     with pytest.raises(ConfigError, match="max_staleness: the checkpoint holds 2 batch"):
         smaller.load_trainer_state(smaller.trainer_state(), extra)
+
+
+def test_with_staleness_the_trainer_and_the_rollout_process_share_the_threads(tiny_model_dir, reward_file):
+    """They run at once: the rollout process takes ``rollout_threads``, the trainer the rest until the run ends."""
+    before = torch.get_num_threads()
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", async_rollout=True, max_staleness=1,
+                                         rollout_threads=1))
+    try:
+        train_step(s)
+        assert torch.get_num_threads() == max(1, before - 1)
+    finally:
+        s.close()
+    assert torch.get_num_threads() == before
+
+
+def test_a_rollout_process_that_dies_is_reported_not_waited_on(tiny_model_dir, reward_file):
+    from posttrain.rollout.worker import RolloutWorkerError
+
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", async_rollout=True, max_staleness=1))
+    try:
+        train_step(s)
+        s.step += 1
+        s.rollouts.worker.process.kill()  # an out-of-memory kill, a segfault in a kernel
+        with pytest.raises(RolloutWorkerError, match=r"the rollout process died \(exit code -9\)"):
+            for _ in range(2):  # (the batch sampled ahead may have been answered before the kill)
+                train_step(s)
+                s.step += 1
+    finally:
+        s.close()

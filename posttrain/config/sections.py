@@ -234,7 +234,9 @@ class OffPolicyConfig:
         "behind the policy it updates. 0 samples each batch when its step begins, as a synchronous run does, "
         "with the same result.", 1)
     rollout_threads: int | None = _help(
-        "With async_rollout: torch threads of the rollout process. Default: the trainer's.")
+        "With async_rollout and max_staleness >= 1: torch threads of the rollout process; the trainer keeps the "
+        "rest of its own. Default: half (on 2 cores, one each). With max_staleness 0 the two take turns, and the "
+        "rollout process has as many as the trainer.")
 
     @property
     def sampling_copy(self) -> bool:

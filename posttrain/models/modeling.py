@@ -101,7 +101,9 @@ forward+backward runs faster than with the attention in bfloat16, for the same l
 float32 (benchmarks/RESULTS.md). transformers does not save it in the model's config."""
 
 
-def _register_float32_sdpa() -> None:
+def register_attention_implementations() -> None:
+    """Register posttrain's attention implementations with transformers (idempotent). A process that
+    unpickles a model set to one of them (asynchronous rollouts' process) must call this first."""
     from transformers import AttentionInterface
     from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
 
@@ -128,8 +130,10 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
     its head under autocast too.
 
     Each forward pass is its own autocast region, so the weight casts autocast caches never outlive an
-    optimizer step. The change is a bound method on the instance: a copy of the model (the reference)
-    keeps it, bound to the copy. :class:`posttrain.rollout.decode_step.FusedDecoder` reads the dtype and casts its
+    optimizer step. The change is a ``functools.partial`` of a module-level function on the instance: a
+    copy of the model (the reference) keeps it, bound to the copy, and it pickles (a bound method stored
+    under another name than its own does not), so asynchronous rollouts can send the model to their
+    process. :class:`posttrain.rollout.decode_step.FusedDecoder` reads the dtype and casts its
     prepared weights once per ``decode`` call. Calling it again is a no-op.
 
     On a CPU, attention stays float32 (:data:`FLOAT32_SDPA`: PyTorch's SDPA kernel runs slower in
@@ -143,12 +147,12 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
         raise RuntimeError(f"use_mixed_precision: {type(body).__name__}.forward is already replaced on this "
                            "instance; apply mixed precision to the model as loaded, before other wrappers")
     body.posttrain_autocast_dtype = dtype
-    body.forward = _autocast_forward.__get__(body)
+    body.forward = functools.partial(_autocast_forward, body)
     if next(body.parameters()).device.type == "cpu":
         bound_kernel_caches()
         base = unwrapped(model)
         if getattr(base.config, "_attn_implementation", None) == "sdpa":
-            _register_float32_sdpa()
+            register_attention_implementations()
             base.set_attn_implementation(FLOAT32_SDPA)
 
 

@@ -26,6 +26,7 @@ import queue
 import sys
 import time
 import traceback
+import weakref
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -35,6 +36,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from posttrain.data.rewards import USER_MODULE_PREFIX
+from posttrain.models.modeling import register_attention_implementations
 from posttrain.rollout.completions import Completions
 
 POLL_SECONDS = 1.0  # how often a waiting side checks that the other is still alive
@@ -90,6 +92,8 @@ class RolloutWorker:
                                              self.requests, self.results))
         self.process.start()
         self.outstanding = 0  # requests sent and not answered yet
+        # a worker nobody closed (a session dropped in a notebook) stops when this object goes
+        self._finalizer = weakref.finalize(self, _stop, self.process, self.requests, self.results)
 
     def submit(self, request: Request) -> None:
         self.requests.put(request)
@@ -112,15 +116,7 @@ class RolloutWorker:
         return state
 
     def close(self) -> None:
-        if self.process.is_alive():
-            self.requests.put(None)
-            self.process.join(timeout=10)
-        if self.process.is_alive():
-            self.process.kill()
-            self.process.join()
-        for channel in (self.requests, self.results):
-            channel.close()
-            channel.join_thread()
+        self._finalizer()
 
     def _answer(self) -> tuple[str, Any]:
         while True:
@@ -129,8 +125,10 @@ class RolloutWorker:
                 break
             except queue.Empty:
                 if not self.process.is_alive():
-                    raise RolloutWorkerError(f"the rollout process died (exit code {self.process.exitcode}) "
-                                             "without an answer") from None
+                    raise self._died() from None
+            except (ConnectionError, EOFError, OSError):  # an answer whose tensors died with the process
+                self.process.join(timeout=POLL_SECONDS)
+                raise self._died() from None
         self.outstanding -= 1
         if kind == "error":
             error, text = payload
@@ -138,6 +136,22 @@ class RolloutWorker:
                 raise error
             raise RolloutWorkerError(f"the rollout process failed:\n{text}")
         return kind, payload
+
+    def _died(self) -> RolloutWorkerError:
+        return RolloutWorkerError(f"the rollout process died (exit code {self.process.exitcode}) without an answer")
+
+
+def _stop(process: Any, requests: Any, results: Any) -> None:
+    """Ask the process to stop, kill it if it does not within 10 s, and close the queues."""
+    if process.is_alive():
+        requests.put(None)
+        process.join(timeout=10)
+    if process.is_alive():
+        process.kill()
+        process.join()
+    for channel in (requests, results):
+        channel.cancel_join_thread()  # nobody reads what is still buffered for a stopped process
+        channel.close()
 
 
 def _dumps(obj: Any) -> bytes:
@@ -162,6 +176,7 @@ def _serve(payload: bytes, modules: dict[str, str], threads: int, rng_state: Ten
     """The worker's loop: answer requests in order until ``None`` arrives or the trainer is gone."""
     torch.set_num_threads(threads)
     try:
+        register_attention_implementations()  # a mixed-precision model names one of posttrain's
         _load_user_modules(modules)
         generator, model = pickle.loads(payload)
         torch.set_rng_state(rng_state)

@@ -92,7 +92,7 @@ class AsyncRollouts:
 
     def __init__(self, max_staleness: int, threads: int | None = None):
         self.max_staleness = max_staleness
-        self.threads = threads or torch.get_num_threads()
+        self.threads = threads  # the rollout process's torch threads (None: see ``start``)
         self.worker: RolloutWorker | None = None
         self.next_id = 0
         self.in_flight: deque[tuple[int, list[int], int]] = deque()  # (request id, prompts, version), in order
@@ -100,6 +100,7 @@ class AsyncRollouts:
         self.ahead: deque[int] = deque()  # request ids of the first rounds of steps step, step + 1, ...
         self.sent_version: int | None = None  # the weights the worker holds
         self.rng_state: torch.Tensor | None = None  # a resumed worker's random generator
+        self.trainer_threads: int | None = None  # the trainer's torch threads before it shared them
 
     def first_round(self, s: OnlineSession) -> Round:
         self.start(s)
@@ -113,13 +114,23 @@ class AsyncRollouts:
 
     def start(self, s: OnlineSession) -> None:
         """Spawn the rollout process with a copy of the sampling model (the trainer's weights keep moving),
-        its random generator where this process's is (or where a checkpoint left it)."""
+        its random generator where this process's is (or where a checkpoint left it).
+
+        Threads: with K >= 1 the trainer and the rollout process run at once, so they split this process's
+        torch threads (``rollout_threads`` for the rollout process, half by default; the trainer keeps the
+        rest), as two threads each would oversubscribe the cores. With K = 0 they take turns and the
+        rollout process gets as many as the trainer (the synchronous run's count, so the same arithmetic)."""
         if self.worker is not None:
             return
+        total = torch.get_num_threads()
+        threads = self.threads or (max(1, total // 2) if self.max_staleness else total)
+        if self.max_staleness:
+            self.trainer_threads = total  # given back at close
+            torch.set_num_threads(max(1, total - threads))
         model = s.sampling_copy if s.sampling_copy is not None else s.policy
         generator, model = copy.deepcopy((s.generator, model))  # one copy: the generator holds the model
         rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
-        self.worker = RolloutWorker(generator, model, threads=self.threads, rng_state=rng)
+        self.worker = RolloutWorker(generator, model, threads=threads, rng_state=rng)
         self.sent_version = s.step  # the copy is the current policy's
 
     def submit(self, s: OnlineSession, for_step: int) -> int:
@@ -202,3 +213,6 @@ class AsyncRollouts:
         if self.worker is not None:
             self.worker.close()
             self.worker = None
+        if self.trainer_threads is not None:
+            torch.set_num_threads(self.trainer_threads)
+            self.trainer_threads = None
