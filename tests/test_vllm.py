@@ -96,3 +96,37 @@ def test_selecting_vllm_here_is_a_config_error_before_any_model_loads(reward_fil
 
     with pytest.raises(ConfigError, match="backend: backend=vllm needs"):
         OnlineSession.create(make_config("does-not-exist", reward_file, "grpo", backend="vllm"))
+
+
+def test_an_engines_samples_get_the_same_correction_and_version_bookkeeping(tiny_model_dir, reward_file):
+    """The loop does not know which engine sampled: samples converted as the vLLM backend converts them,
+    with the engine's log-probs off the trainer's (another precision), are measured, corrected and tagged."""
+    from test_online import make_config
+
+    from posttrain.training.online import train_step
+    from posttrain.training.session import OnlineSession
+
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", correction="token-truncate",
+                                         correction_high=1.1, max_steps=2))
+    policy_sampler = s.generator
+
+    class Engine:  # the policy's tokens, reported through vLLM's sample objects with a biased log-prob
+        def generate(self, prompt_ids, *, num_samples, greedy=False, rows=None):
+            comp = policy_sampler.generate(prompt_ids, num_samples=num_samples, greedy=greedy)
+            eos = policy_sampler.eos_ids
+            samples = [vllm_sample([int(t) for t, m in zip(ids, mask) if m],
+                                   [float(lp) - 0.3 for lp, m in zip(lps, mask) if m],
+                                   "length" if truncated else "stop")
+                       for ids, mask, lps, truncated in zip(comp.completion_ids, comp.mask, comp.sampling_logprobs,
+                                                            comp.truncated)]
+            rows_ = [sample_row(sample, eos) for sample in samples]
+            return completions_from_samples([r[0] for r in rows_], [r[1] for r in rows_], eos, policy_sampler.pad_id)
+
+    s.generator = Engine()
+    for step in range(2):
+        metrics = train_step(s)
+        assert s.last_groups.completions.versions.tolist() == [step] * 16 and metrics["staleness/max"] == 0
+        # log ratio +0.3 a token: k1 KL -0.3, every weight exp(0.3) = 1.35 truncated at 1.1
+        assert metrics["mismatch/kl_k1"] == pytest.approx(-0.3, abs=1e-4)
+        assert metrics["mismatch/truncated_fraction"] > 0.99
+        s.step += 1
