@@ -21,7 +21,7 @@ import dataclasses
 import time
 from collections import deque
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch
 
@@ -30,8 +30,23 @@ from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.worker import Request, RolloutWorker
 
-if TYPE_CHECKING:
-    from posttrain.training.session import OnlineSession
+
+class RolloutSession(Protocol):
+    """What the rollouts use of ``posttrain.training.session.OnlineSession`` (which holds them)."""
+
+    config: Any
+    step: int
+    sampler: Any  # PromptSampler: the prompts' order
+    encoded_prompts: list[torch.Tensor]
+    generator: Any  # samples in this process (synchronous rounds; the rollout process gets a copy)
+    episodes: Any  # the generator again when it plays multi-turn episodes, else None
+    policy: torch.nn.Module
+    sampling_copy: torch.nn.Module | None
+
+    @property
+    def train_rows(self) -> list[dict[str, Any]]: ...
+
+    def refresh_sampler(self, for_step: int | None = None) -> None: ...
 
 
 @dataclass
@@ -45,7 +60,7 @@ class Round:
     episode_counts: dict[str, int] = field(default_factory=dict)  # multi-turn episodes: turns, tool calls, ...
 
 
-def draw_prompts(s: OnlineSession) -> list[int]:
+def draw_prompts(s: RolloutSession) -> list[int]:
     """This process's share of the next ``prompts_per_step`` prompts of the sampler's order."""
     return distributed.shard(s.sampler.next(s.config.rollout.prompts_per_step))
 
@@ -58,13 +73,13 @@ def tagged(completions: Completions, version: int) -> Completions:
 class SyncRollouts:
     """Every round sampled in this process, by the current policy (or its sampling copy), when asked."""
 
-    def first_round(self, s: OnlineSession) -> Round:
+    def first_round(self, s: RolloutSession) -> Round:
         return self.round(s)
 
-    def extra_round(self, s: OnlineSession) -> Round:
+    def extra_round(self, s: RolloutSession) -> Round:
         return self.round(s)
 
-    def round(self, s: OnlineSession) -> Round:
+    def round(self, s: RolloutSession) -> Round:
         indices = draw_prompts(s)
         start = time.perf_counter()
         completions = s.generator.generate([s.encoded_prompts[i] for i in indices],
@@ -74,7 +89,7 @@ class SyncRollouts:
         counts = s.episodes.stats.counts() if s.episodes is not None else {}
         return Round(indices, tagged(completions, s.step), seconds, seconds, counts)
 
-    def state(self, s: OnlineSession) -> dict[str, Any] | None:
+    def state(self, s: RolloutSession) -> dict[str, Any] | None:
         return None
 
     def load(self, state: dict[str, Any] | None) -> None:
@@ -102,17 +117,17 @@ class AsyncRollouts:
         self.rng_state: torch.Tensor | None = None  # a resumed worker's random generator
         self.trainer_threads: int | None = None  # the trainer's torch threads before it shared them
 
-    def first_round(self, s: OnlineSession) -> Round:
+    def first_round(self, s: RolloutSession) -> Round:
         self.start(s)
         while len(self.ahead) <= self.max_staleness:  # this step's batch and the next K steps'
             self.ahead.append(self.submit(s, for_step=s.step + len(self.ahead)))
         return self.wait(self.ahead.popleft())
 
-    def extra_round(self, s: OnlineSession) -> Round:
+    def extra_round(self, s: RolloutSession) -> Round:
         self.start(s)
         return self.wait(self.submit(s, for_step=s.step))
 
-    def start(self, s: OnlineSession) -> None:
+    def start(self, s: RolloutSession) -> None:
         """Spawn the rollout process with a copy of the sampling model (the trainer's weights keep moving),
         its random generator where this process's is (or where a checkpoint left it).
 
@@ -133,7 +148,7 @@ class AsyncRollouts:
         self.worker = RolloutWorker(generator, model, threads=threads, rng_state=rng)
         self.sent_version = s.step  # the copy is the current policy's
 
-    def submit(self, s: OnlineSession, for_step: int) -> int:
+    def submit(self, s: RolloutSession, for_step: int) -> int:
         """Request the next prompts' completions with the current weights; ``for_step``: the step that will
         train on them (the sampling copy's noise is drawn for it, as a synchronous run draws it)."""
         indices = draw_prompts(s)
@@ -164,7 +179,7 @@ class AsyncRollouts:
 
     # -- checkpoint state: the batches sampled ahead, and the rollout process's random generator -------------
 
-    def state(self, s: OnlineSession) -> dict[str, Any]:
+    def state(self, s: RolloutSession) -> dict[str, Any]:
         """Every process's rounds sampled ahead (each one a whole step's batch, in rank order) and rank 0's
         worker generator state; waits for the rounds in flight. Every process must call it."""
         rounds = [self.wait(request_id) for request_id in self.ahead]
