@@ -421,7 +421,6 @@ def train_step(s: OnlineSession) -> dict[str, float]:
     """One optimizer step (several for PPO's epochs): the whole online algorithm."""
     alg = s.alg
     lr = s.scheduler.get_last_lr()[0]  # this step's (the first of PPO's updates); the scheduler then moves on
-    s.refresh_sampler()  # sampler_noise: this step's perturbed sampling copy
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for generation and every pass before the update
         groups, metrics = collect_groups(s)
         t0 = time.perf_counter()

@@ -74,6 +74,7 @@ class SyncRollouts:
     """Every round sampled in this process, by the current policy (or its sampling copy), when asked."""
 
     def first_round(self, s: RolloutSession) -> Round:
+        s.refresh_sampler()  # a sampling copy (noise, another dtype): this step's, from the current policy
         return self.round(s)
 
     def extra_round(self, s: RolloutSession) -> Round:
@@ -142,6 +143,7 @@ class AsyncRollouts:
         if self.max_staleness:
             self.trainer_threads = total  # given back at close
             torch.set_num_threads(max(1, total - threads))
+        s.refresh_sampler()  # a sampling copy holds the current policy (a resumed run's too) before it is copied
         model = s.sampling_copy if s.sampling_copy is not None else s.policy
         generator, model = copy.deepcopy((s.generator, model))  # one copy: the generator holds the model
         rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
