@@ -170,3 +170,39 @@ def test_chosen_nll_by_hand():
     assert F.chosen_nll(logps, lengths, keep=torch.tensor([False, False])).item() == 0.0
     with pytest.raises(ValueError, match="chosen_lengths must be > 0"):
         F.chosen_nll(logps, torch.tensor([3, 0]))
+
+
+# --- the reward model's Bradley-Terry loss ---------------------------------------------------------
+
+
+def test_bradley_terry_loss_against_hand_computed_values():
+    chosen, rejected = torch.tensor([2.0, 0.0, 1.0]), torch.tensor([1.0, 0.0, 3.0])
+    loss, metrics = F.bradley_terry_loss(chosen, rejected)
+    # -log sigmoid(d) = log(1 + exp(-d)) for d = 1, 0, -2
+    expected = (math.log(1 + math.exp(-1)) + math.log(2) + math.log(1 + math.exp(2))) / 3
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    assert metrics["accuracy"].item() == pytest.approx(1.5 / 3)  # a win, a tie (half), a loss
+    assert metrics["margin"].item() == pytest.approx(-1 / 3)
+    assert (metrics["rewards/chosen"].item(), metrics["rewards/rejected"].item()) == pytest.approx((1.0, 4 / 3))
+
+
+def test_bradley_terry_margin_and_centring_against_hand_computed_values():
+    chosen, rejected = torch.tensor([2.0, 1.0], requires_grad=True), torch.tensor([1.0, -1.0])
+    loss, _ = F.bradley_terry_loss(chosen, rejected, margin=torch.tensor([1.0, 0.5]), center_coefficient=0.1)
+    # differences minus margins: 0 and 1.5; centring: 0.1 * mean((2 + 1)^2, (1 - 1)^2) = 0.45
+    expected = (math.log(2) + math.log(1 + math.exp(-1.5))) / 2 + 0.45
+    assert loss.item() == pytest.approx(expected, rel=1e-6)
+    loss.backward()
+    # d/dr_w: -(1 - sigmoid(d - m)) / B + 0.1 * 2 (r_w + r_l) / B
+    sigmoid = lambda x: 1 / (1 + math.exp(-x))  # noqa: E731
+    expected_grad = [-(1 - sigmoid(0.0)) / 2 + 0.1 * 2 * 3 / 2, -(1 - sigmoid(1.5)) / 2 + 0.0]
+    assert chosen.grad.tolist() == pytest.approx(expected_grad, rel=1e-6)
+
+
+def test_bradley_terry_loss_checks_its_inputs():
+    with pytest.raises(ValueError, match="chosen_scores"):
+        F.bradley_terry_loss(torch.zeros(2, 1), torch.zeros(2, 1))
+    with pytest.raises(ValueError, match="margin"):
+        F.bradley_terry_loss(torch.zeros(2), torch.zeros(2), margin=torch.zeros(3))
+    with pytest.raises(ValueError, match="center_coefficient"):
+        F.bradley_terry_loss(torch.zeros(2), torch.zeros(2), center_coefficient=-1.0)

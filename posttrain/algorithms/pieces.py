@@ -6,6 +6,12 @@ Decisions where the spec is silent:
 1. Best-of-N's "advantages" are a 0/1 selection (1 on the kept best completion of each prompt), and
    its loss is the NLL of the selected completions, so the loop needs no special case to train it.
 2. KL in the token reward uses ``k1``, as the spec defines the shaped reward.
+3. Process rewards (a reward function's step rewards, at the tokens where the steps end): the token-level
+   estimators (PPO's GAE, REINFORCE++ and its baseline variant) add them to the token rewards, as
+   REINFORCE++'s paper says process rewards enter; GRPO and Dr.GRPO use DeepSeekMath's process supervision
+   (Sec. 4.1.3), where the outcome reward counts as the last step (ending at the last token), so a run can
+   mix an outcome check with step rewards and the group normalisation sees both. The other estimators
+   (RLOO, ReMax, best-of-N) define no use of steps and refuse them.
 """
 
 from __future__ import annotations
@@ -30,15 +36,30 @@ Metrics = dict[str, Tensor]
 # -- advantage estimators -------------------------------------------------------------------------
 
 def _group_estimator(name: str):
-    def estimator(rewards: Tensor, preset: OnlineAlgorithm, **_: object) -> Tensor:
-        return F.advantages(name, rewards, eps=preset.eps)
+    def estimator(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor | None = None,
+                  step_rewards: Tensor | None = None, step_ends: Tensor | None = None, **_: object) -> Tensor:
+        if step_rewards is None:
+            return F.advantages(name, rewards, eps=preset.eps)
+        return process_supervision(rewards, preset, mask, step_rewards, step_ends, scale=name == "group")
 
     estimator.__qualname__ = estimator.__name__ = name
     return estimator
 
 
-for _name in ("group", "group_mean", "rloo"):  # GRPO, Dr.GRPO, RLOO: [B, G] -> [B, G] within each group
-    register_advantage(_name, compares_group=True)(_group_estimator(_name))
+def process_supervision(rewards: Tensor, preset: OnlineAlgorithm, mask: Tensor, step_rewards: Tensor,
+                        step_ends: Tensor, scale: bool) -> Tensor:
+    """[N, T] GRPO's (scale) or Dr.GRPO's (centre only) process supervision (decision 3): the outcome reward
+    is the last step, ending at each completion's last token."""
+    valid = mask.bool()
+    is_last = valid & (valid.flip(1).cumsum(1).flip(1) == 1)
+    steps = torch.where(is_last, step_rewards + rewards.reshape(-1, 1), step_rewards)
+    return F.process_advantages(steps, step_ends.bool() | is_last, mask, group_size=rewards.shape[1], scale=scale,
+                                eps=preset.eps)
+
+
+for _name in ("group", "group_mean"):  # GRPO, Dr.GRPO: [B, G] -> [B, G] within each group
+    register_advantage(_name, compares_group=True, takes_step_rewards=True)(_group_estimator(_name))
+register_advantage("rloo", compares_group=True)(_group_estimator("rloo"))  # RLOO: leave-one-out
 
 
 @register_advantage("greedy_baseline", needs_baseline=True)
@@ -54,31 +75,33 @@ def best_of_n(rewards: Tensor, preset: OnlineAlgorithm, **_: object) -> Tensor:
     return torch.nn.functional.one_hot(index, rewards.shape[1]).to(rewards.dtype) * keep[:, None]
 
 
-@register_advantage("gae", level="token", needs_values=True)
+@register_advantage("gae", level="token", needs_values=True, takes_step_rewards=True)
 def gae(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
-        values: Tensor, kl_coef: float, **_: object) -> tuple[Tensor, Tensor]:
-    """PPO: GAE on the KL-shaped token rewards, whitened; the returns (A + V, before whitening) train the
-    value head."""
+        values: Tensor, kl_coef: float, step_rewards: Tensor | None = None, **_: object) -> tuple[Tensor, Tensor]:
+    """PPO: GAE on the KL-shaped token rewards (with a process reward's steps at their tokens), whitened;
+    the returns (A + V, before whitening) train the value head."""
     token_rewards = F.kl_shaped_rewards(rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef,
-                                        estimator="k1")
+                                        estimator="k1", step_rewards=step_rewards)
     advantages, returns = F.gae(token_rewards, values, mask, gamma=preset.gamma, lam=preset.lam)
     return F.whiten(advantages, mask, eps=preset.eps), returns
 
 
-@register_advantage("reinforce_pp", level="token")
+@register_advantage("reinforce_pp", level="token", takes_step_rewards=True)
 def reinforce_pp(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor, ref_logprobs: Tensor,
-                 kl_coef: float, **_: object) -> Tensor:
-    """REINFORCE++: discounted KL-shaped returns, whitened over the batch."""
+                 kl_coef: float, step_rewards: Tensor | None = None, **_: object) -> Tensor:
+    """REINFORCE++: discounted KL-shaped returns (a process reward's steps added at their tokens), whitened
+    over the batch."""
     return F.reinforce_pp_advantages(rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef,
-                                     baseline=False, eps=preset.eps)
+                                     baseline=False, eps=preset.eps, step_rewards=step_rewards)
 
 
-@register_advantage("reinforce_pp_baseline", level="token", compares_group=True)
+@register_advantage("reinforce_pp_baseline", level="token", compares_group=True, takes_step_rewards=True)
 def reinforce_pp_baseline(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor,
-                          ref_logprobs: Tensor, kl_coef: float, **_: object) -> Tensor:
-    """REINFORCE++-baseline: the group's mean reward subtracted first."""
+                          ref_logprobs: Tensor, kl_coef: float, step_rewards: Tensor | None = None,
+                          **_: object) -> Tensor:
+    """REINFORCE++-baseline: the group's mean reward subtracted first (from the outcome; steps as they are)."""
     return F.reinforce_pp_advantages(rewards.flatten(), logprobs, ref_logprobs, mask, kl_coef=kl_coef, baseline=True,
-                                     group_size=rewards.shape[1], eps=preset.eps)
+                                     group_size=rewards.shape[1], eps=preset.eps, step_rewards=step_rewards)
 
 
 # -- policy losses -------------------------------------------------------------------------------

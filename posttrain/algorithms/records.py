@@ -3,7 +3,9 @@
 An online algorithm (`OnlineAlgorithm`) is a choice of advantage estimator,
 ratio level, clip scheme, aggregation, KL estimator and placement, sampling
 filters and reward shaping; an offline one (`PreferenceAlgorithm`) is a
-preference loss and its coefficients. The math lives in `posttrain.functional`:
+preference loss and its coefficients; a supervised one (`SupervisedAlgorithm`:
+SFT, a Bradley-Terry reward model) is an objective on given targets, the first
+two stages of the RLHF pipeline. The math lives in `posttrain.functional`:
 the methods here only hand a preset's fields to it. The named presets are in
 :mod:`posttrain.algorithms.presets`. The estimator and the losses a preset names are looked up in
 the registries of `posttrain.algorithms.registry` (the built-in ones: `posttrain.algorithms.pieces`),
@@ -249,16 +251,19 @@ class OnlineAlgorithm:
     def advantages_and_returns(
         self, rewards: Tensor, *, mask: Tensor | None = None, logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None, values: Tensor | None = None, baseline: Tensor | None = None,
+        step_rewards: Tensor | None = None, step_ends: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """This preset's advantages and, for `gae`, the value targets.
 
         rewards [B, G]: one scalar per completion (G completions of each of B prompts);
         mask, logprobs, ref_logprobs, values [N, T] with N = B * G, row b * G + g;
-        baseline [B]: greedy-decode rewards (`greedy_baseline`).
+        baseline [B]: greedy-decode rewards (`greedy_baseline`);
+        step_rewards [N, T], step_ends [N, T] bool: a process reward's steps (the reward of the step
+        ending at token t), for the estimators registered with ``takes_step_rewards``.
         Returns (advantages, returns). Sequence estimators and best_of_n give [B, G]
-        when mask is None, else [N, T] (broadcast, 0 at padding); token estimators
-        need mask and give [N, T]. returns is F.gae's A + V (before the advantages
-        are whitened) for `gae`, else None.
+        when mask is None, else [N, T] (broadcast, 0 at padding); token estimators,
+        and any estimator given step rewards, need mask and give [N, T]. returns is
+        F.gae's A + V (before the advantages are whitened) for `gae`, else None.
         """
         if rewards.dim() != 2:
             raise ValueError(f"{self.name}: rewards must be [B, G] (B prompts x G completions), "
@@ -269,15 +274,28 @@ class OnlineAlgorithm:
         estimator = ADVANTAGES[self.advantage]
         if estimator.needs_baseline:
             _require(self.name, f"advantage={self.advantage!r}", baseline=baseline)
+        steps = {}
+        if step_rewards is not None:
+            if not estimator.takes_step_rewards:
+                takers = _estimators(takes_step_rewards=True)
+                raise ValueError(f"{self.name}: a reward gave step rewards (a process reward), which "
+                                 f"advantage={self.advantage!r} does not take; estimators that do: {', '.join(takers)}")
+            _require(self.name, "step rewards", mask=mask, step_ends=step_ends)
+            steps = {"step_rewards": step_rewards, "step_ends": step_ends}
         if estimator.level == "token":
-            return self._token_advantages(estimator, rewards, mask, logprobs, ref_logprobs, values, baseline)
+            return self._token_advantages(estimator, rewards, mask, logprobs, ref_logprobs, values, baseline, steps)
         if self.kl_placement == "sequence_reward" and self.beta > 0:  # r_i - beta * sum_t k1[i, t]
             _require(self.name, "KL in the sequence reward", mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs)
             kl = F.kl_estimate(logprobs, ref_logprobs, "k1").masked_fill(~mask.bool(), 0.0)
             rewards = rewards - self.beta * kl.sum(-1).view_as(rewards)
         advantages, returns = _with_returns(estimator.fn(
             rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,
-            kl_coef=0.0))
+            kl_coef=0.0, **steps))
+        if steps:  # process supervision: one advantage per token
+            if advantages.shape != mask.shape:
+                raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} given step rewards returned "
+                                 f"shape {tuple(advantages.shape)}; it must return [N, T] = {tuple(mask.shape)}")
+            return advantages, returns
         if advantages.shape != rewards.shape:
             raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} (level='sequence') returned shape "
                              f"{tuple(advantages.shape)}; it must return [B, G] = {tuple(rewards.shape)}")
@@ -290,7 +308,7 @@ class OnlineAlgorithm:
 
     def _token_advantages(self, estimator: AdvantageEstimator, rewards: Tensor, mask: Tensor | None,
                           logprobs: Tensor | None, ref_logprobs: Tensor | None, values: Tensor | None,
-                          baseline: Tensor | None) -> tuple[Tensor, Tensor | None]:
+                          baseline: Tensor | None, steps: dict[str, Tensor]) -> tuple[Tensor, Tensor | None]:
         kl_coef = self.beta if self.kl_placement == "token_reward" else 0.0
         needed = {"mask": mask, **({"logprobs": logprobs, "ref_logprobs": ref_logprobs} if kl_coef > 0 else {}),
                   **({"values": values} if estimator.needs_values else {})}
@@ -299,7 +317,7 @@ class OnlineAlgorithm:
             logprobs = ref_logprobs = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
         advantages, returns = _with_returns(estimator.fn(
             rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,
-            kl_coef=kl_coef))
+            kl_coef=kl_coef, **steps))
         if advantages.shape != mask.shape:
             raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} (level='token') returned shape "
                              f"{tuple(advantages.shape)}; it must return [N, T] = {tuple(mask.shape)}")
@@ -419,3 +437,38 @@ class PreferenceAlgorithm:
         _require(self.name, "rpo_alpha", **{n: inputs.get(n) for n in names})
         nll = F.chosen_nll(*(inputs[n] for n in names))
         return loss + self.rpo_alpha * nll, {**metrics, "nll": nll.detach()}
+
+
+SupervisedObjective = Literal["sft", "reward_model"]
+
+
+@dataclass(frozen=True)
+class SupervisedAlgorithm:
+    """Training on given targets, with no sampling and no reward: supervised fine-tuning (the NLL of the
+    demonstrations' completion or assistant tokens) or a reward model (a scalar head on the language model
+    trained with the Bradley-Terry loss to score chosen above rejected). None = not used by this objective."""
+
+    name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
+    paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
+    summary: str = _field("One line: what it trains.", _REQUIRED)
+    objective: SupervisedObjective = _field("sft (next-token NLL of the targets) or reward_model (Bradley-Terry "
+                                            "loss on a scalar head).", _REQUIRED)
+    completion_only_loss: bool | None = _field(
+        "SFT: the loss covers only the completion (prompt + completion data) or the assistant turns (messages "
+        "data); False: every token. Plain text data has no prompt: every token.")
+    center_rewards_coefficient: float | None = _field(
+        "Reward model: weight of the mean squared score added to the loss, which keeps scores centred on 0 "
+        "(Eisenstein et al., 2023, arXiv:2312.09244; TRL's center_rewards_coefficient); None = off.")
+    default_learning_rate: float | None = _field(
+        "The learning rate of a run that gives none (--learning-rate wins); None = OptimConfig's.")
+
+    def __post_init__(self) -> None:
+        problems = _choice_problems(self, {"objective": get_args(SupervisedObjective)}, {})
+        owners = {"completion_only_loss": "sft", "center_rewards_coefficient": "reward_model"}
+        problems += [f"{p} is not used by objective={self.objective!r} (it belongs to {owner}): set it to None"
+                     for p, owner in owners.items() if owner != self.objective and getattr(self, p) is not None]
+        if self.objective == "sft" and self.completion_only_loss is None:
+            problems.append("objective='sft' needs completion_only_loss (True or False)")
+        if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
+            problems.append(f"center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0")
+        _raise_if_problems(self, problems)

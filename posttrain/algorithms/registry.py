@@ -12,9 +12,11 @@ One signature per kind of piece (shapes: ``B`` prompts, ``G`` completions each, 
 - **advantage estimator** ``fn(rewards, preset, *, mask, logprobs, ref_logprobs, values, baseline,
   kl_coef)``: ``rewards`` [B, G] (clipped by the preset's ``reward_clip``; a sequence-level
   estimator's already carry the KL when ``kl_placement='sequence_reward'``), the others [N, T] or
-  None, ``baseline`` [B] greedy rewards or None, ``kl_coef`` the token reward's KL coefficient. It
-  returns the advantages, [B, G] at ``level='sequence'`` (the loop broadcasts them over tokens) or
-  [N, T] at ``level='token'``, or ``(advantages, value_targets)`` when it trains a value model.
+  None, ``baseline`` [B] greedy rewards or None, ``kl_coef`` the token reward's KL coefficient; one
+  registered with ``takes_step_rewards`` also gets ``step_rewards`` and ``step_ends`` ([N, T], a process
+  reward's steps, or None). It returns the advantages, [B, G] at ``level='sequence'`` (the loop broadcasts
+  them over tokens; [N, T] when it was given step rewards) or [N, T] at ``level='token'``, or
+  ``(advantages, value_targets)`` when it trains a value model.
 - **policy loss** ``fn(logprobs, old_logprobs, advantages, mask, preset, *, ref_logprobs, normalizer,
   max_tokens) -> (loss, metrics)``: token tensors [N, T], advantages [N] or [N, T]; ``normalizer`` is
   the optimizer step's denominator, so micro-batches add up to the step's loss (see
@@ -50,6 +52,10 @@ class AdvantageEstimator:
     """It needs a value model's per-token values (a value head is trained alongside the policy)."""
     needs_baseline: bool
     """It needs each prompt's greedy completion's reward (one greedy decode per prompt)."""
+    takes_step_rewards: bool = False
+    """It takes a process reward's step rewards (``step_rewards`` [N, T], ``step_ends`` [N, T] bool, None when
+    no reward function gives steps) and returns [N, T] advantages when they are given; an estimator without it
+    is refused for a run whose rewards have steps."""
 
 
 @dataclass(frozen=True)
@@ -103,7 +109,7 @@ def _check_name(name: Any) -> None:
 
 
 def register_advantage(name: str, *, level: Literal["sequence", "token"] = "sequence", compares_group: bool = False,
-                       needs_values: bool = False, needs_baseline: bool = False,
+                       needs_values: bool = False, needs_baseline: bool = False, takes_step_rewards: bool = False,
                        replace: bool = False) -> Callable[[Fn], Fn]:
     """Register the decorated function as the advantage estimator ``name`` (signature: module docstring)."""
     _check_name(name)
@@ -112,7 +118,7 @@ def register_advantage(name: str, *, level: Literal["sequence", "token"] = "sequ
 
     def decorator(fn: Fn) -> Fn:
         _add(ADVANTAGES, "advantage estimator", AdvantageEstimator(name, fn, level, compares_group, needs_values,
-                                                                   needs_baseline), replace)
+                                                                   needs_baseline, takes_step_rewards), replace)
         return fn
 
     return decorator

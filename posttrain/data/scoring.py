@@ -1,8 +1,10 @@
 """Scoring completions with reward functions (TRL's signature), isolated when asked.
 
-A reward function is ``fn(prompts, completions, **columns) -> list[float | None]``.
+A reward function is ``fn(prompts, completions, **columns) -> list[float | StepRewards | None]``.
 ``None`` means "not applicable" to that sample: the weighted sum skips it (as in
-TRL). A reward that raises, times out, returns NaN/inf or the wrong number of
+TRL). A :class:`StepRewards` is a process reward: rewards at steps inside the
+completion (each at a character offset of its text) and an optional final one;
+the trainer places each step's reward on the token where the step ends. A reward that raises, times out, returns NaN/inf or the wrong number of
 values is never turned into a number. What happens is the ``on_error`` policy:
 
 - ``error``: stop with the failing prompt, completion and traceback;
@@ -26,6 +28,7 @@ import torch
 from torch import Tensor
 
 from posttrain.data import isolation
+from posttrain.data.rewards import completion_text
 
 RewardFn = Callable[..., list]
 
@@ -46,16 +49,35 @@ class RewardPolicy:
             raise ValueError(f"reward_timeout: got {self.timeout}; use 0 (in-process) or a number of seconds")
 
 
+@dataclass(frozen=True)
+class StepRewards:
+    """A process reward for one completion: ``steps`` as ``(end, reward)`` pairs, ``end`` the character offset
+    in the completion's text where the step ends (the step's last character is ``text[end - 1]``; steps in
+    order), and ``final`` an outcome reward at the completion's end (None: none from this function).
+
+    The trainer gives each step's reward to the token holding the step's last character. Presets with
+    token-level returns (ppo, reinforce_pp, reinforce_pp_baseline) add it to that token's reward; grpo and
+    dr_grpo use it as DeepSeekMath's process supervision (posttrain.functional.process_advantages)."""
+
+    steps: tuple[tuple[int, float], ...]
+    final: float | None = None
+
+    def total(self) -> float:
+        """Every reward it gives, summed (what the logs show as the function's value)."""
+        return sum(reward for _, reward in self.steps) + (self.final or 0.0)
+
+
 def reward_name(fn: RewardFn) -> str:
     return getattr(fn, "__name__", type(fn).__name__)
 
 
 @dataclass
 class Scores:
-    total: Tensor  # [N] weighted sum over the applicable functions (0 where failed)
+    total: Tensor  # [N] weighted sum over the applicable functions (0 where failed); a StepRewards' final only
     terms: dict[str, Tensor]  # function name -> [N] its own value, nan where not applicable or failed
     failed: Tensor  # [N] bool: some reward function failed on this sample (skip policy only)
     failures: dict[str, int]  # function name -> failed samples
+    steps: list[list[tuple[int, float]]] | None = None  # [N] weighted (end, reward) steps; None: no function gave any
 
 
 def score(
@@ -73,12 +95,19 @@ def score(
     total = torch.zeros(n, dtype=torch.float64)
     applicable = torch.zeros(n, dtype=torch.bool)
     failed = torch.zeros(n, dtype=torch.bool)
+    steps: list[list[tuple[int, float]]] | None = None
     for fn, weight in zip(reward_fns, weights):
         name = reward_name(fn)
-        values, bad = _score_one(fn, name, prompts, completions, columns, policy)
+        values, bad, processes = _score_one(fn, name, prompts, completions, columns, policy)
         terms[name], failures[name] = values, int(bad.sum())
         present = ~values.isnan()
-        total += torch.where(present, weight * values, torch.zeros_like(values))
+        outcome = values.clone()
+        for i, process in processes.items():  # the steps go to the tokens; the final alone is the outcome
+            steps = steps if steps is not None else [[] for _ in range(n)]
+            _check_step_ends(name, i, process, completions[i])
+            steps[i] += [(end, weight * reward) for end, reward in process.steps]
+            outcome[i] = process.final or 0.0
+        total += torch.where(present, weight * outcome, torch.zeros_like(values))
         applicable |= present
         failed |= bad
     missing = ~applicable & ~failed
@@ -88,12 +117,23 @@ def score(
             f"every reward function returned None for sample {i} (prompt {prompts[i]!r}, "
             f"completion {completions[i]!r}); at least one must apply to each completion"
         )
-    return Scores(total.float(), {k: v.float() for k, v in terms.items()}, failed, failures)
+    if steps is not None:
+        steps = [sorted(row) for row in steps]  # several functions' steps, in text order
+    return Scores(total.float(), {k: v.float() for k, v in terms.items()}, failed, failures, steps)
+
+
+def _check_step_ends(name: str, i: int, process: "StepRewards", completion: Any) -> None:
+    """A step must end inside the completion's text (1 <= end <= len(text))."""
+    length = len(completion_text(completion))
+    bad = [end for end, _ in process.steps if not 1 <= end <= length]
+    if bad:
+        raise RewardError(f"reward function {name!r} returned a step ending at character {bad[0]} of sample {i}, "
+                          f"whose completion has {length} characters; a step's end is an offset in 1..{length}")
 
 
 def _score_one(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list],
-               policy: RewardPolicy) -> tuple[Tensor, Tensor]:
-    """([N] values, nan where None or failed; [N] bool failed)."""
+               policy: RewardPolicy) -> tuple[Tensor, Tensor, dict[int, StepRewards]]:
+    """([N] values, nan where None or failed; [N] bool failed; the samples it gave step rewards)."""
     n = len(completions)
     try:
         returned = _call(fn, prompts, completions, columns, policy.timeout)
@@ -107,14 +147,16 @@ def _score_one(fn: RewardFn, name: str, prompts: list, completions: list, column
     for i, problem in problems.items():
         _fail_or_skip(policy, name, i, prompts, completions, problem)
         failed[i] = True
-    return values, failed
+    processes = {i: value for i, value in enumerate(returned) if isinstance(value, StepRewards) and not failed[i]}
+    return values, failed, processes
 
 
 def _score_one_by_one(fn: RewardFn, name: str, prompts: list, completions: list, columns: dict[str, list],
-                      policy: RewardPolicy, batch_failure: str) -> tuple[Tensor, Tensor]:
+                      policy: RewardPolicy, batch_failure: str) -> tuple[Tensor, Tensor, dict[int, StepRewards]]:
     """The call on the whole batch raised or timed out: retry one sample at a time to find which fail."""
     values = torch.full((len(completions),), math.nan, dtype=torch.float64)
     failed = torch.zeros(len(completions), dtype=torch.bool)
+    processes: dict[int, StepRewards] = {}
     for i in range(len(completions)):
         one = {k: v[i:i + 1] for k, v in columns.items()}
         try:
@@ -128,9 +170,11 @@ def _score_one_by_one(fn: RewardFn, name: str, prompts: list, completions: list,
         if problem is not None:
             _fail_or_skip(policy, name, i, prompts, completions, problem)
             failed[i] = True
+        elif isinstance(returned[0], StepRewards):
+            processes[i] = returned[0]
     if policy.on_error == "error":  # every sample passes alone: the batch call itself is wrong
         raise RewardError(f"reward function {name!r} failed on the batch of {len(completions)}: {batch_failure}")
-    return values, failed
+    return values, failed, processes
 
 
 def _fail_or_skip(policy: RewardPolicy, name: str, i: int, prompts: list, completions: list, problem: str) -> None:
@@ -161,6 +205,13 @@ def _checked(values: Sequence[Any]) -> tuple[Tensor, dict[int, str]]:
             value = value.item()
         if value is None:
             continue
+        if isinstance(value, StepRewards):
+            problem = _step_rewards_problem(value)
+            if problem is None:
+                out[i] = value.total()
+            else:
+                problems[i] = problem
+            continue
         if not isinstance(value, numbers.Real):
             problems[i] = f"returned {type(value).__name__} {value!r}; return a number, or None for 'not applicable'"
         elif not math.isfinite(value):
@@ -168,6 +219,22 @@ def _checked(values: Sequence[Any]) -> tuple[Tensor, dict[int, str]]:
         else:
             out[i] = float(value)
     return out, problems
+
+
+def _step_rewards_problem(value: StepRewards) -> str | None:
+    """What is wrong with a StepRewards' fields (None: nothing); where the ends fall is checked with the text."""
+    for k, step in enumerate(value.steps):
+        if not (isinstance(step, (tuple, list)) and len(step) == 2 and isinstance(step[0], numbers.Integral)
+                and isinstance(step[1], numbers.Real) and not isinstance(step[1], bool)):
+            return f"returned StepRewards whose step {k} is {step!r}; a step is (end character offset: int, reward: float)"
+        if not math.isfinite(step[1]):
+            return f"returned StepRewards whose step {k} has reward {step[1]}; rewards must be finite"
+    ends = [end for end, _ in value.steps]
+    if ends != sorted(set(ends)):
+        return f"returned StepRewards with step ends {ends}; they must increase (one reward per step)"
+    if value.final is not None and not (isinstance(value.final, numbers.Real) and math.isfinite(value.final)):
+        return f"returned StepRewards with final {value.final!r}; a final reward is a finite number or None"
+    return None
 
 
 def _call(fn: RewardFn, prompts: list, completions: list, columns: dict[str, list], timeout: float) -> Any:

@@ -14,14 +14,14 @@ Conventions:
 - The math runs in at least float32: float16/bfloat16 inputs are upcast.
 
 Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
-(group estimators, REINFORCE++), `_returns` (token rewards, returns, GAE,
+(group estimators, REINFORCE++, GRPO's process supervision), `_returns` (token rewards, returns, GAE,
 whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
-`_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_shaping` (overlong penalty,
+`_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_reward_model` (the Bradley-Terry loss), `_shaping` (overlong penalty,
 best-of-N), `_mismatch` (importance weights for a sampler that is not the trained policy), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
-from ._advantages import advantages, reinforce_pp_advantages
+from ._advantages import advantages, process_advantages, reinforce_pp_advantages
 from ._aggregate import aggregate
 from ._kl import kl_estimate
 from ._logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
@@ -36,6 +36,7 @@ from ._preference import (
     simpo_loss,
 )
 from ._returns import discounted_returns, gae, kl_shaped_rewards, whiten
+from ._reward_model import bradley_terry_loss
 from ._shaping import best_of_n, overlong_penalty
 from ._value import value_loss
 
@@ -43,6 +44,7 @@ __all__ = [
     "advantages",
     "aggregate",
     "best_of_n",
+    "bradley_terry_loss",
     "discounted_returns",
     "dpo_loss",
     "entropy_from_logits",
@@ -57,6 +59,7 @@ __all__ = [
     "orpo_loss",
     "overlong_penalty",
     "policy_loss",
+    "process_advantages",
     "reinforce_pp_advantages",
     "rollout_correction",
     "selective_log_softmax",

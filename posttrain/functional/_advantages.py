@@ -12,7 +12,13 @@ registry (`ADVANTAGE_ESTIMATORS`), so a preset names one by string:
 
 `reinforce_pp_advantages` is REINFORCE++ (Hu 2025): KL-shaped token rewards,
 gamma = 1 returns, whitened over the batch; with `baseline=True`, the
-REINFORCE++-baseline variant that first subtracts the group mean.
+REINFORCE++-baseline variant that first subtracts the group mean. Step rewards
+(a process reward's, at the tokens where steps end) are added to the token rewards.
+
+`process_advantages` is GRPO's process supervision (Shao et al. 2024, Sec. 4.1.3):
+every step reward of a group's G completions normalised by the mean and std of
+all of them, and a token's advantage the sum of the normalised rewards of the
+steps that end at or after it.
 
 Departures: a group whose rewards are all equal gets an advantage of exactly
 0 (the papers' formulas give 0/eps of rounding noise or NaN); the group std is
@@ -27,7 +33,13 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from ._checks import check_choice, check_ndim, check_nonnegative, compute_dtype
+from ._checks import (
+    check_choice,
+    check_ndim,
+    check_nonnegative,
+    check_same_shape,
+    compute_dtype,
+)
 from ._returns import discounted_returns, kl_shaped_rewards, whiten
 
 
@@ -118,6 +130,7 @@ def reinforce_pp_advantages(
     baseline: bool = False,
     group_size: int | None = None,
     eps: float = 1e-6,
+    step_rewards: Tensor | None = None,
 ) -> Tensor:
     """REINFORCE++ token advantages (Hu 2025), optionally with the group-mean baseline.
 
@@ -130,6 +143,8 @@ def reinforce_pp_advantages(
         baseline: REINFORCE++-baseline: subtract each group's mean reward first.
         group_size: G; required with `baseline=True` (G >= 2), not used otherwise.
         eps: added to the std when whitening, >= 0.
+        step_rewards: [N, T] a process reward's step rewards, each at the token where its step ends
+            (0 elsewhere), added to the token rewards; the baseline does not see them. None = none.
 
     Returns:
         [N, T] whitened token returns, 0 at padding.
@@ -151,6 +166,62 @@ def reinforce_pp_advantages(
         rewards = advantages("group_mean", rewards.reshape(-1, group_size)).reshape(-1)
     elif group_size is not None:
         raise ValueError("group_size is used only with baseline=True; drop it or set baseline=True")
-    token_rewards_NT = kl_shaped_rewards(rewards, logprobs, ref_logprobs, mask, kl_coef=kl_coef)
+    token_rewards_NT = kl_shaped_rewards(rewards, logprobs, ref_logprobs, mask, kl_coef=kl_coef,
+                                         step_rewards=step_rewards)
     returns_NT = discounted_returns(token_rewards_NT, mask, gamma=1.0)  # REINFORCE++: gamma = 1
     return whiten(returns_NT, mask, eps=eps)  # REINFORCE++: global batch normalisation
+
+
+def process_advantages(
+    step_rewards: Tensor,
+    step_ends: Tensor,
+    mask: Tensor,
+    *,
+    group_size: int,
+    scale: bool = True,
+    eps: float = 1e-6,
+) -> Tensor:
+    """GRPO's process supervision (DeepSeekMath, Shao et al. 2024, Sec. 4.1.3): token advantages from
+    step rewards.
+
+    ``r~ = (r - mean(R)) / std(R)`` for every step reward ``r`` of a group, where ``R`` holds the step
+    rewards of all the group's G completions; then ``A[i, t] = sum of r~ over the steps of completion i
+    that end at or after token t`` (the paper's "sum of the normalized rewards from the following steps").
+
+    Args:
+        step_rewards: [N, T] the reward of the step ending at token t (read only where ``step_ends``).
+        step_ends: [N, T] bool, True at each token where a step ends (at most one step per token).
+        mask: [N, T] 1 for completion tokens, 0 for padding; N = B * G, each prompt's G rows contiguous.
+        group_size: G >= 2.
+        scale: divide by the group's std (GRPO, unbiased); False only centres (Dr.GRPO's group mean).
+        eps: added to the std, >= 0.
+
+    Returns:
+        [N, T] advantages, 0 at padding and after a completion's last step. A group whose step rewards are
+        all equal (or that has one step) gets exactly 0.
+    """
+    check_ndim("step_rewards", step_rewards, 2, "[N, T]")
+    check_same_shape(step_rewards=step_rewards, step_ends=step_ends, mask=mask)
+    check_nonnegative("eps", eps)
+    n, t = step_rewards.shape
+    _check_group_size("process supervision", group_size, [n // max(group_size, 1), group_size])
+    if n % group_size:
+        raise ValueError(f"step_rewards has {n} rows, not a multiple of group_size={group_size}; pass each "
+                         "prompt's G completions contiguously")
+    if (step_ends.bool() & ~mask.bool()).any():
+        raise ValueError("step_ends marks a padding position; a step must end at a completion token")
+    dtype = compute_dtype(step_rewards)
+    ends_BK = step_ends.bool().reshape(-1, group_size * t)  # K = G * T positions of a group
+    rewards_BK = step_rewards.to(dtype).reshape(-1, group_size * t).masked_fill(~ends_BK, 0.0)
+    count_B1 = ends_BK.sum(-1, keepdim=True)
+    mean_B1 = rewards_BK.sum(-1, keepdim=True) / count_B1.clamp(min=1)
+    centred_BK = (rewards_BK - mean_B1).masked_fill(~ends_BK, 0.0)
+    normalised_BK = centred_BK
+    if scale:
+        variance_B1 = centred_BK.square().sum(-1, keepdim=True) / (count_B1 - 1).clamp(min=1)  # Bessel
+        std_B1 = variance_B1.clamp(min=torch.finfo(dtype).tiny).sqrt()
+        normalised_BK = centred_BK / (std_B1 + eps)
+    rewards_equal_B1 = (centred_BK == 0).all(-1, keepdim=True)  # no signal: exactly 0, as `advantages`
+    normalised_NT = normalised_BK.masked_fill(rewards_equal_B1, 0.0).reshape(n, t)
+    from_here_NT = normalised_NT.flip(1).cumsum(1).flip(1)  # sum over steps ending at or after t
+    return from_here_NT.masked_fill(~mask.bool(), 0.0)

@@ -47,6 +47,7 @@ def kl_shaped_rewards(
     *,
     kl_coef: float,
     estimator: str = "k1",
+    step_rewards: Tensor | None = None,
 ) -> Tensor:
     """Token rewards with the KL penalty in the reward (PPO, REINFORCE++).
 
@@ -57,11 +58,13 @@ def kl_shaped_rewards(
         mask: [N, T] 1 for completion tokens, 0 for padding.
         kl_coef: beta >= 0.
         estimator: KL estimator, "k1" (default) | "k2" | "k3".
+        step_rewards: [N, T] a process reward's step rewards, each at the token where its step ends;
+            added as they are ("adding them at the reward tokens"). None = outcome rewards only.
 
     Returns:
         [N, T] `-kl_coef * kl[i,t]` at every valid token, plus `rewards[i]` at the
-        last valid token of completion i; 0 at padding. A completion with no
-        valid token gets nothing.
+        last valid token of completion i, plus `step_rewards`; 0 at padding. A
+        completion with no valid token gets nothing.
     """
     check_ndim("logprobs", logprobs, 2, "[N, T]")
     check_same_shape(logprobs=logprobs, ref_logprobs=ref_logprobs, mask=mask)
@@ -80,7 +83,11 @@ def kl_shaped_rewards(
     valid_from_here_NT = valid_NT.flip(1).cumsum(dim=1).flip(1)  # valid tokens at or after t
     is_last_NT = valid_NT & (valid_from_here_NT == 1)
     penalty_NT = (-kl_coef * kl_NT).masked_fill(~valid_NT, 0.0)  # Ouyang et al. 2022 eq. (2)
-    return penalty_NT + torch.where(is_last_NT, rewards.to(dtype)[:, None], 0.0)
+    token_rewards_NT = penalty_NT + torch.where(is_last_NT, rewards.to(dtype)[:, None], 0.0)
+    if step_rewards is not None:
+        check_same_shape(step_rewards=step_rewards, mask=mask)
+        token_rewards_NT = token_rewards_NT + step_rewards.to(dtype).masked_fill(~valid_NT, 0.0)
+    return token_rewards_NT
 
 
 def discounted_returns(token_rewards: Tensor, mask: Tensor, *, gamma: float = 1.0) -> Tensor:

@@ -43,7 +43,7 @@ from posttrain.models.modeling import batched_logprobs, collate, forward
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.episodes import EpisodeStats
-from posttrain.training.groups import Groups, cat_rows
+from posttrain.training.groups import Groups, cat_rows, step_tensors
 from posttrain.training.guards import has_signal, step_has_signal
 from posttrain.training.session import OnlineSession, score_texts
 
@@ -94,6 +94,9 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
         list(indices), [p for p in prompt_ids for _ in range(g)], completions, texts,
         rewards.view(-1, g), scores.terms, correct,
     )
+    if scores.steps is not None:  # a process reward: its steps' rewards on the tokens where they end
+        groups.step_rewards, groups.step_ends = step_tensors(s.tokenizer, completions.completion_ids,
+                                                             completions.mask, scores.steps)
     # generation: the sampling's own time (the rollout process's, when asynchronous); rollout_wait: what the
     # trainer spent waiting for it (all of it, when synchronous)
     times = {"time/generation": sampled.seconds, "time/rollout_wait": sampled.waited,
@@ -346,8 +349,13 @@ def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
     whitening) are the whole batch's, as in one process. Also their mean and std over valid tokens,
     and the share of valid tokens with a nonzero advantage (0: the step has nothing to learn from)."""
     inputs = {"rewards": groups.rewards, "mask": groups.completions.mask, "logprobs": groups.old_logprobs,
-              "ref_logprobs": ref, "values": groups.old_values, "baseline": baseline}
+              "ref_logprobs": ref, "values": groups.old_values, "baseline": baseline,
+              "step_rewards": groups.step_rewards, "step_ends": groups.step_ends}
     parts = distributed.gather(inputs)
+    for name in ("step_rewards", "step_ends"):  # a process whose share had no steps: zeros, if another had some
+        if any(part[name] is not None for part in parts):
+            for part in parts:
+                part[name] = part[name] if part[name] is not None else torch.zeros(part["mask"].shape)
     batch = {name: cat_rows([part[name] for part in parts]) for name in inputs}
     advantages, returns = s.alg.advantages_and_returns(batch.pop("rewards"), **batch)
     valid = batch["mask"].bool()

@@ -27,6 +27,12 @@ def _addition(seed: int) -> Task:
     return addition.make_task(seed)
 
 
+def _addition_process(seed: int) -> Task:
+    from posttrain.data.tasks import addition
+
+    return addition.make_process_task(seed)
+
+
 def _gsm(seed: int) -> Task:
     from posttrain.data.tasks import gsm
 
@@ -45,8 +51,8 @@ def _calculator(seed: int) -> Task:
     return calculator.make_task(seed)
 
 
-TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "gsm": _gsm, "gsm-calculator": _gsm_calculator,
-                                           "calculator": _calculator}
+TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "addition-process": _addition_process, "gsm": _gsm,
+                                           "gsm-calculator": _gsm_calculator, "calculator": _calculator}
 """Task name -> builder taking the split seed."""
 
 def _reasoning_gym(spec: str, seed: int) -> Task:

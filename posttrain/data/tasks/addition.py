@@ -18,14 +18,23 @@ the default, weight 1) and ``format`` (1.0 when the completion fully
 matches :data:`FORMAT_PATTERN`, syntax only, not arithmetic; available for
 shaping, e.g. weight 0.1, but not on by default: the warm-started model
 already writes the format).
+
+``column_steps`` is a process reward: one step per scratchpad column, worth
+``1 / columns`` when the column is written exactly as the reference writes it
+(digits, carry, sum) and 0 otherwise, so a fully right scratchpad earns 1.
+The task ``addition-process`` (:func:`make_process_task`) rewards
+``accuracy`` plus ``column_steps``: the same problems with the outcome and a
+reward at each column.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from typing import Any
 
 from posttrain.data.rewards import completion_text, format_reward
+from posttrain.data.scoring import StepRewards
 from posttrain.data.tasks.task import Task
 
 DELIMITER = "|"
@@ -62,6 +71,24 @@ def accuracy(prompts: list, completions: list, answer: list[str], **columns: Any
     return [float(ok) for ok in correct(prompts, completions, answer)]
 
 
+def column_steps(prompts: list, completions: list, solution: list[str], **columns: Any) -> list[StepRewards]:
+    """A step per written column (the text before ``|``, split at commas), ending at its last character:
+    ``1 / len(reference columns)`` when it equals the reference's column at that place, else 0."""
+    out = []
+    for completion, reference in zip(completions, solution):
+        text = completion_text(completion)
+        work, reference_columns = text.split(DELIMITER, 1)[0], reference.split(DELIMITER, 1)[0].split(",")
+        steps, start = [], 0
+        for k, column in enumerate(work.split(",")):
+            end = start + len(column)
+            if end > start:  # an empty column (",,", or nothing before "|") holds no character to reward
+                right = k < len(reference_columns) and column == reference_columns[k]
+                steps.append((end, (1.0 if right else 0.0) / len(reference_columns)))
+            start = end + 1
+        out.append(StepRewards(tuple(steps)))
+    return out
+
+
 def _operand(rng: random.Random) -> int:
     digits = rng.randint(1, 3)
     return rng.randint(0 if digits == 1 else 10 ** (digits - 1), 10**digits - 1)
@@ -94,6 +121,15 @@ def make_task(seed: int = 0, n_train: int = 20_000, n_test: int = 500) -> Task:
         final_answer=final_answer,
         default_model="tiny-addition",
     )
+
+
+def make_process_task(seed: int = 0) -> Task:
+    """The addition task rewarded at each scratchpad column too (``accuracy`` + ``column_steps``)."""
+    task = make_task(seed)
+    return dataclasses.replace(
+        task, name="addition-process", reward_funcs=(accuracy, column_steps), reward_weights=(1.0, 1.0),
+        description="1-3 digit addition with a column scratchpad; reward 1 for the right sum after '|' and a "
+                    "process reward of 1/columns at each right column")
 
 
 scratchpad_format = format_reward(FORMAT_PATTERN, name="format")
