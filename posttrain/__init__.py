@@ -11,6 +11,7 @@ from posttrain.algorithms.presets import (  # noqa: E402
     ALGORITHMS,
     OnlineAlgorithm,
     PreferenceAlgorithm,
+    SupervisedAlgorithm,
     algorithm,
     register_algorithm,
 )
@@ -20,7 +21,7 @@ from posttrain.algorithms.registry import (  # noqa: E402
     register_preference_loss,
 )
 
-__all__ = ["ALGORITHMS", "OnlineAlgorithm", "PreferenceAlgorithm", "algorithm", "register_advantage",
+__all__ = ["ALGORITHMS", "OnlineAlgorithm", "PreferenceAlgorithm", "SupervisedAlgorithm", "algorithm", "register_advantage",
            "register_algorithm", "register_policy_loss", "register_preference_loss", "train", "__version__"]
 
 

@@ -95,18 +95,19 @@ def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
     from posttrain.algorithms.presets import (
         OnlineAlgorithm,
         PreferenceAlgorithm,
+        SupervisedAlgorithm,
         field_help,
     )
 
     group = parser.add_argument_group("algorithm options (override the preset's defaults; "
                                       "posttrain algorithms NAME lists a preset's settings)")
     config_fields = {f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
-    online, preference = field_help(OnlineAlgorithm), field_help(PreferenceAlgorithm)
-    for name in dict.fromkeys([*online, *preference]):
+    kinds = {"online": field_help(OnlineAlgorithm), "preference": field_help(PreferenceAlgorithm),
+             "supervised": field_help(SupervisedAlgorithm)}
+    for name in dict.fromkeys(name for texts in kinds.values() for name in texts):
         if name in config_fields:
             continue
-        meanings = [f"{kind} presets: {texts[name]}" for kind, texts in (("online", online),
-                                                                         ("preference", preference)) if name in texts]
+        meanings = [f"{kind} presets: {texts[name]}" for kind, texts in kinds.items() if name in texts]
         group.add_argument("--" + name.replace("_", "-"), type=_parse_value, default=argparse.SUPPRESS,
                            metavar="VALUE", help=" | ".join(meanings) + " " + _preset_defaults(name))
 
@@ -244,9 +245,9 @@ def _hyphenated(argv: Sequence[str]) -> list[str]:
 
 def _unrecognized(tokens: Sequence[str]) -> str:
     """argparse's complaint about ``tokens``, with posttrain's name for each flag that is TRL's."""
-    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm
+    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm, SupervisedAlgorithm
 
-    valid = [f.name for klass in (*SECTIONS.values(), OnlineAlgorithm, PreferenceAlgorithm)
+    valid = [f.name for klass in (*SECTIONS.values(), OnlineAlgorithm, PreferenceAlgorithm, SupervisedAlgorithm)
              for f in dataclasses.fields(klass)]
     hints = []
     for token in tokens:

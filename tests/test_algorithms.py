@@ -17,6 +17,7 @@ from posttrain.algorithms.presets import (
     DESCRIPTIVE_FIELDS,
     OnlineAlgorithm,
     PreferenceAlgorithm,
+    SupervisedAlgorithm,
     algorithm,
     field_help,
     setting_names,
@@ -62,7 +63,11 @@ PREFERENCE_TABLE = {
     "orpo": ("orpo", None, None, None, None, 0.1, None, None),
     "kto": ("kto", 0.1, None, None, None, None, 1.0, 1.0),
 }
-ARXIV = {"ppo": "1707.06347", "remax": "2310.10505", "rloo": "2402.14740", "grpo": "2402.03300",
+SUPERVISED_TABLE = {  # objective, completion_only_loss, center_rewards_coefficient
+    "sft": ("sft", True, None),
+    "reward_model": ("reward_model", None, None),
+}
+ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347", "remax": "2310.10505", "rloo": "2402.14740", "grpo": "2402.03300",
          "reinforce_pp": "2501.03262", "reinforce_pp_baseline": "2501.03262", "dapo": "2503.14476",
          "dr_grpo": "2503.20783", "cispo": "2506.13585", "gspo": "2507.18071", "gspo_token": "2507.18071",
          "best_of_n": "2304.06767", "dpo": "2305.18290", "odpo": "2402.10571", "simpo": "2405.14734",
@@ -73,7 +78,7 @@ ARXIV = {"ppo": "1707.06347", "remax": "2310.10505", "rloo": "2402.14740", "grpo
 
 
 def test_registry_holds_exactly_the_presets_of_the_table():
-    assert list(ALGORITHMS) == [*ONLINE_TABLE, *PREFERENCE_TABLE]
+    assert list(ALGORITHMS) == [*ONLINE_TABLE, *PREFERENCE_TABLE, *SUPERVISED_TABLE]
     assert all(name == preset.name for name, preset in ALGORITHMS.items())
     assert posttrain.algorithm is algorithm and posttrain.ALGORITHMS is ALGORITHMS
 
@@ -103,6 +108,24 @@ def test_preference_preset_fields_equal_the_table(name):
     preset = ALGORITHMS[name]
     assert isinstance(preset, PreferenceAlgorithm)
     assert tuple(getattr(preset, column) for column in PREFERENCE_COLUMNS) == PREFERENCE_TABLE[name]
+
+
+@pytest.mark.parametrize("name", SUPERVISED_TABLE)
+def test_supervised_preset_fields_equal_the_table(name):
+    preset = ALGORITHMS[name]
+    assert isinstance(preset, SupervisedAlgorithm)
+    columns = ("objective", "completion_only_loss", "center_rewards_coefficient")
+    assert tuple(getattr(preset, column) for column in columns) == SUPERVISED_TABLE[name]
+
+
+def test_a_supervised_preset_refuses_the_other_objectives_settings():
+    with pytest.raises(ValueError, match="center_rewards_coefficient is not used by objective='sft'"):
+        algorithm("sft", center_rewards_coefficient=0.01)
+    with pytest.raises(ValueError, match="completion_only_loss is not used by objective='reward_model'"):
+        algorithm("reward_model", completion_only_loss=True)
+    with pytest.raises(ValueError, match="center_rewards_coefficient=-1 must be >= 0"):
+        algorithm("reward_model", center_rewards_coefficient=-1)
+    assert algorithm("reward_model", center_rewards_coefficient=0.01).center_rewards_coefficient == 0.01
 
 
 @pytest.mark.parametrize("name", ARXIV)
@@ -496,7 +519,8 @@ def test_side_by_side_shows_what_dr_grpo_removed():
 
 
 def test_side_by_side_errors():
-    with pytest.raises(ValueError, match=r"cannot compare online presets \(grpo\) with preference presets \(dpo\)"):
+    with pytest.raises(ValueError, match=r"cannot compare presets of different kinds .*OnlineAlgorithm: grpo.*"
+                                         r"PreferenceAlgorithm: dpo"):
         format_side_by_side(["grpo", "dpo"])
     with pytest.raises(ValueError, match="unknown algorithm 'gpro'. Did you mean .*'grpo'"):
         format_side_by_side(["gpro"])

@@ -16,12 +16,15 @@ from posttrain.algorithms.records import (
     DESCRIPTIVE_FIELDS,
     OnlineAlgorithm,
     PreferenceAlgorithm,
+    SupervisedAlgorithm,
     field_help,
     setting_names,
 )
 
-__all__ = ["ALGORITHMS", "DESCRIPTIVE_FIELDS", "OnlineAlgorithm", "PreferenceAlgorithm", "algorithm", "field_help",
-           "register_algorithm", "setting_names"]
+__all__ = ["ALGORITHMS", "DESCRIPTIVE_FIELDS", "OnlineAlgorithm", "Preset", "PreferenceAlgorithm",
+           "SupervisedAlgorithm", "algorithm", "field_help", "register_algorithm", "setting_names"]
+
+Preset = OnlineAlgorithm | PreferenceAlgorithm | SupervisedAlgorithm
 
 # Presets (docs/algorithms.md, "Presets"). Unset fields take the defaults above: PPO's
 # token-level clipped surrogate with eps 0.2 / 0.2, no KL, one epoch.
@@ -144,7 +147,18 @@ _PREFERENCE = [
         "DPO for unpaired data: desirable/undesirable examples against a KL reference point.",
         loss="kto", beta=0.1, desirable_weight=1.0, undesirable_weight=1.0),
 ]
-ALGORITHMS: dict[str, OnlineAlgorithm | PreferenceAlgorithm] = {a.name: a for a in [*_ONLINE, *_PREFERENCE]}
+_INSTRUCT_GPT = ("Training language models to follow instructions with human feedback (Ouyang et al., 2022) "
+                 "https://arxiv.org/abs/2203.02155")
+_SUPERVISED = [
+    SupervisedAlgorithm(
+        "sft", _INSTRUCT_GPT, "Supervised fine-tuning: the NLL of demonstrations' completion (assistant) tokens, the "
+        "first stage of RLHF.", objective="sft", completion_only_loss=True),
+    SupervisedAlgorithm(
+        "reward_model", _INSTRUCT_GPT, "A scalar head on the language model trained on preference pairs with the "
+        "Bradley-Terry loss -log sigmoid(r_chosen - r_rejected - margin), the second stage of RLHF.",
+        objective="reward_model"),
+]
+ALGORITHMS: dict[str, Preset] = {a.name: a for a in [*_ONLINE, *_PREFERENCE, *_SUPERVISED]}
 
 
 def _unknown(message: str, name: str, valid: Sequence[str]) -> ValueError:
@@ -153,13 +167,13 @@ def _unknown(message: str, name: str, valid: Sequence[str]) -> ValueError:
     return ValueError(f"{message}.{hint} Valid: {', '.join(valid)}")
 
 
-def _preset(name: str) -> OnlineAlgorithm | PreferenceAlgorithm:
+def _preset(name: str) -> Preset:
     if name not in ALGORITHMS:
         raise _unknown(f"unknown algorithm {name!r}", name, list(ALGORITHMS))
     return ALGORITHMS[name]
 
 
-def algorithm(name: str, **overrides: Any) -> OnlineAlgorithm | PreferenceAlgorithm:
+def algorithm(name: str, **overrides: Any) -> Preset:
     """The preset `name` with `overrides` applied (a new frozen object; the registry is unchanged)."""
     preset = _preset(name)
     valid = setting_names(preset)
@@ -169,11 +183,12 @@ def algorithm(name: str, **overrides: Any) -> OnlineAlgorithm | PreferenceAlgori
     return dataclasses.replace(preset, **overrides)
 
 
-def register_algorithm(preset: OnlineAlgorithm | PreferenceAlgorithm, *, replace: bool = False) -> None:
+def register_algorithm(preset: Preset, *, replace: bool = False) -> None:
     """Add ``preset`` to :data:`ALGORITHMS` under its name, so that ``algorithm(name)``, configs and the CLI's
     ``--algorithm`` find it. A name already taken is an error unless ``replace``."""
-    if not isinstance(preset, (OnlineAlgorithm, PreferenceAlgorithm)):
-        raise TypeError(f"register_algorithm takes an OnlineAlgorithm or a PreferenceAlgorithm, got {type(preset).__name__}")
+    if not isinstance(preset, (OnlineAlgorithm, PreferenceAlgorithm, SupervisedAlgorithm)):
+        raise TypeError("register_algorithm takes an OnlineAlgorithm, a PreferenceAlgorithm or a SupervisedAlgorithm, "
+                        f"got {type(preset).__name__}")
     if preset.name in ALGORITHMS and not replace and ALGORITHMS[preset.name] != preset:
         raise ValueError(f"algorithm {preset.name!r} is already registered; choose another name, or pass replace=True")
     ALGORITHMS[preset.name] = preset

@@ -12,6 +12,7 @@ from posttrain.algorithms.presets import (
     DESCRIPTIVE_FIELDS,
     OnlineAlgorithm,
     PreferenceAlgorithm,
+    SupervisedAlgorithm,
     algorithm,
 )
 from posttrain.algorithms.registry import PREFERENCE_LOSSES
@@ -51,7 +52,7 @@ def _updates(a: OnlineAlgorithm) -> str:
 
 
 def format_presets_table() -> str:
-    """Every preset, one row each with its key settings and paper, online then preference."""
+    """Every preset, one row each with its key settings and paper: online, preference, then supervised."""
     online = [["preset", "advantage", "ratio/clip", "eps_low, eps_high", "aggregation", "KL", "updates", "extras",
                "paper"]]
     for a in (p for p in ALGORITHMS.values() if isinstance(p, OnlineAlgorithm)):
@@ -63,7 +64,13 @@ def format_presets_table() -> str:
     for p in (p for p in ALGORITHMS.values() if isinstance(p, PreferenceAlgorithm)):
         coefficients = ", ".join(f"{name} {_fmt(getattr(p, name))}" for name in PREFERENCE_LOSSES[p.loss].coefficients)
         preference.append([p.name, p.loss, coefficients, "yes" if p.needs_reference else "no", _url(p.paper)])
-    return f"Online (RL) presets\n\n{_text_table(online)}\n\nPreference presets\n\n{_text_table(preference)}"
+    supervised = [["preset", "objective", "settings", "paper"]]
+    for p in (p for p in ALGORITHMS.values() if isinstance(p, SupervisedAlgorithm)):
+        settings = ", ".join(f"{f.name} {_fmt(getattr(p, f.name))}" for f in dataclasses.fields(p)
+                             if f.name not in (*DESCRIPTIVE_FIELDS, "objective") and getattr(p, f.name) is not None)
+        supervised.append([p.name, p.objective, settings or "-", _url(p.paper)])
+    return (f"Online (RL) presets\n\n{_text_table(online)}\n\nPreference presets\n\n{_text_table(preference)}"
+            f"\n\nSupervised presets (the RLHF pipeline's first stages)\n\n{_text_table(supervised)}")
 
 
 def _update_line(preset: OnlineAlgorithm | PreferenceAlgorithm) -> str:
@@ -79,10 +86,10 @@ def format_side_by_side(names: Sequence[str]) -> str:
     presets = [algorithm(name) for name in names]
     kinds = {type(p) for p in presets}
     if len(kinds) > 1:
-        online = [p.name for p in presets if isinstance(p, OnlineAlgorithm)]
-        offline = [p.name for p in presets if isinstance(p, PreferenceAlgorithm)]
-        raise ValueError(f"cannot compare online presets ({', '.join(online)}) with preference presets "
-                         f"({', '.join(offline)}): their fields differ; compare each kind on its own")
+        by_kind = {kind: [p.name for p in presets if isinstance(p, kind)] for kind in kinds}
+        listed = "; ".join(f"{kind.__name__}: {', '.join(names)}" for kind, names in by_kind.items())
+        raise ValueError(f"cannot compare presets of different kinds ({listed}): their fields differ; compare "
+                         "each kind on its own")
     kind = kinds.pop()
     rows = [["", "field", *(p.name for p in presets)]]
     shown = [f.name for f in dataclasses.fields(kind) if f.name not in DESCRIPTIVE_FIELDS]

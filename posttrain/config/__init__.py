@@ -91,7 +91,8 @@ class Config:
             model=dataclasses.replace(self.model, model=absolute_path(self.model.model)),
             data=dataclasses.replace(
                 self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
-                reward=tuple(_absolute_spec(spec) for spec in self.data.reward)),
+                reward=tuple(_absolute_spec(spec) for spec in self.data.reward),
+                reward_model=absolute_path(self.data.reward_model)),
             episodes=dataclasses.replace(self.episodes, tools=tuple(_absolute_spec(spec) for spec in self.episodes.tools),
                                          environment=_absolute_spec(self.episodes.environment)
                                          if self.episodes.environment else None),

@@ -93,6 +93,15 @@ class DataConfig:
         "Reward function(s) as FILE.py:FUNCTION (repeatable). Default: the task's rewards.", (),
     )
     reward_weights: tuple[float, ...] = _help("One weight per reward function (default 1.0 each).", ())
+    reward_model: str | None = _help(
+        "A learned reward: a sequence-classification model directory (num_labels 1; posttrain train --algorithm "
+        "reward_model makes one) that scores each prompt + completion, batched on the training device. With "
+        "--reward it is added to the functions; without, it replaces the task's rewards (the task's answer check "
+        "still gives accuracy, so reward hacking shows).")
+    reward_model_weight: float = _help("Weight of the reward model's score in the total reward.", 1.0)
+    reward_model_normalize: str = _help(
+        "none, or batch: standardise the reward model's scores over each scoring call's batch (mean 0, std 1), "
+        "so their scale does not depend on how the reward model was trained.", "none")
     reward_timeout: float = _help(
         "Seconds per reward-function call; > 0 runs each call in a forked worker killed at the limit.", 0.0,
     )
@@ -127,6 +136,12 @@ class DataConfig:
             path = getattr(self, name)
             if path is not None and not path.startswith("hf:") and not Path(path).exists():
                 raise ConfigError(f"{name}: file {path!r} does not exist")
+        _require(self.reward_model_normalize in ("none", "batch"), "reward_model_normalize",
+                 f"got {self.reward_model_normalize!r}; use none or batch")
+        if self.reward_model is not None:
+            _require(Path(self.reward_model, "config.json").is_file(), "reward_model",
+                     f"{self.reward_model!r} is not a model directory (no config.json); give the final_model/ of a "
+                     "posttrain train --algorithm reward_model run, or any sequence-classification model directory")
         for spec in self.reward:
             path = spec.rsplit(":", 1)[0]
             _require(":" in spec, "reward", f"{spec!r} is not FILE.py:FUNCTION")
@@ -300,7 +315,10 @@ class OptimConfig:
 
 @dataclass(frozen=True)
 class PreferenceConfig:
-    pairs_per_step: int = _help("Preference pairs (KTO: labelled examples) per optimizer step.", 64)
+    """The offline trainers' data: preference presets, SFT and the reward model."""
+
+    pairs_per_step: int = _help("Examples per optimizer step: preference pairs (KTO: labelled examples; sft: "
+                                "demonstrations; reward_model: pairs).", 64)
     max_length: int = _help("Token budget of prompt + completion; longer completions keep their start.", 1024)
     max_prompt_length: int = _help("Token budget of the prompt; longer prompts keep their end.", 512)
     precompute_reference: bool = _help(
@@ -316,12 +334,18 @@ class PreferenceConfig:
         "With pairs_from policy: sample a new round of pairs from the current policy every N steps (iterative, "
         "or with 1 online, preference optimization); a round samples prompts_per_step x N prompts.", 10,
     )
+    packing: bool = _help(
+        "SFT: place each step's demonstrations into rows of up to max_length tokens (positions restart per "
+        "example, attention never crosses one) instead of padding each to the longest: the same loss, less "
+        "padding (benchmarks/sft_packing.py).", True,
+    )
 
     def __post_init__(self) -> None:
         _require(self.pairs_per_step >= 1, "pairs_per_step", f"got {self.pairs_per_step}; use 1 or more")
         _require(self.pairs_from in ("dataset", "policy"), "pairs_from",
                  f"got {self.pairs_from!r}; use dataset or policy")
         _require(self.resample_every >= 1, "resample_every", f"got {self.resample_every}; use 1 or more")
+        _require(isinstance(self.packing, bool), "packing", f"got {self.packing!r}; use true or false")
         _require(not (self.pairs_from == "policy" and self.precompute_reference), "precompute_reference",
                  "pairs sampled from the policy change every resample_every steps, so the reference scores them "
                  "as they come; drop precompute_reference or use pairs_from dataset")

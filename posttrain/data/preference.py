@@ -121,6 +121,23 @@ def _check_scores(row: dict[str, Any], where: str) -> None:
                         f"{row['score_rejected']}; swap chosen and rejected, or drop the row")
 
 
+MARGIN_COLUMN = "margin"
+"""A reward model's optional per-pair column (TRL's name): how much higher the chosen must score (Llama 2)."""
+
+
+def pair_margins(rows: list[dict[str, Any]], source: str) -> list[float] | None:
+    """Each pair's ``margin``, or None when no row has one. Once any row has the column every row needs a
+    finite number there: a DataError names the first row that does not."""
+    if not any(MARGIN_COLUMN in row for row in rows):
+        return None
+    for number, row in enumerate(rows, start=1):
+        value = row.get(MARGIN_COLUMN)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+            raise DataError(f"{source}: row {number}: {MARGIN_COLUMN!r} must be a finite number (how much higher "
+                            f"the chosen must score), got {value!r}; other rows have one, so every row needs one")
+    return [float(row[MARGIN_COLUMN]) for row in rows]
+
+
 def pairs_from_samples(rows: list[dict[str, Any]], texts: list[str], correct: list[bool],
                        group_size: int) -> list[dict[str, Any]]:
     """Preference pairs from ``group_size`` sampled completions of each row's prompt (row ``i``'s are

@@ -175,18 +175,30 @@ def length_penalty(max_chars: int, scale: float = 1.0) -> RewardFn:
     return length_penalty
 
 
+def reward_model_text(tokenizer: Any, prompt: Any, completion: Any) -> str:
+    """The one text a reward model scores for ``(prompt, completion)``: a string prompt followed by the
+    completion's text, or the chat template over the prompt's messages and the assistant reply. The
+    reward-model trainer trains on this rendering, so a score is read on text of the kind it learnt from."""
+    if isinstance(prompt, str):
+        return prompt + completion_text(completion)
+    reply = completion if not isinstance(completion, str) else [{"role": "assistant", "content": completion}]
+    return tokenizer.apply_chat_template(list(prompt) + list(reply), tokenize=False)
+
+
 class RewardModel:
     """The scalar score of a sequence-classification reward model (``num_labels=1``).
 
     Scores ``prompt + completion`` as one text; when prompts are chat messages
     and the tokenizer has a chat template, the conversation ``prompt +
     [assistant completion]`` is rendered with it. Runs under ``torch.no_grad``
-    in batches of ``batch_size`` on the model's device.
+    in batches of ``batch_size`` on ``device`` (default: where the model is).
+    ``normalize="batch"`` standardises each call's scores (mean 0, std 1).
     """
 
     __name__ = "reward_model"
 
-    def __init__(self, path_or_model: str | Path | torch.nn.Module, tokenizer: Any = None, batch_size: int = 16):
+    def __init__(self, path_or_model: str | Path | torch.nn.Module, tokenizer: Any = None, batch_size: int = 16,
+                 *, normalize: str = "none", device: str | torch.device | None = None):
         from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
         if isinstance(path_or_model, (str, Path)):
@@ -202,25 +214,25 @@ class RewardModel:
             tokenizer.pad_token = tokenizer.eos_token
         if model.config.pad_token_id is None:  # the model finds each row's last token through it
             model.config.pad_token_id = tokenizer.pad_token_id
-        self.model = model.eval()
+        if normalize not in ("none", "batch"):
+            raise ValueError(f"normalize: got {normalize!r}; use none or batch")
+        self.model = model.eval() if device is None else model.to(device).eval()
         self.tokenizer = tokenizer
         self.batch_size = batch_size
-
-    def _text(self, prompt: Any, completion: Any) -> str:
-        if isinstance(prompt, str):
-            return prompt + completion_text(completion)
-        reply = completion if not isinstance(completion, str) else [{"role": "assistant", "content": completion}]
-        return self.tokenizer.apply_chat_template(list(prompt) + list(reply), tokenize=False)
+        self.normalize = normalize
 
     @torch.no_grad()
     def __call__(self, prompts: list, completions: list, **columns: Any) -> list[float | None]:
-        texts = [self._text(p, c) for p, c in zip(prompts, completions)]
+        texts = [reward_model_text(self.tokenizer, p, c) for p, c in zip(prompts, completions)]
         scores: list[float | None] = []
         for start in range(0, len(texts), self.batch_size):
             batch = self.tokenizer(texts[start:start + self.batch_size], return_tensors="pt", padding=True)
             batch = {k: v.to(self.model.device) for k, v in batch.items()}
             logits_B1 = self.model(**batch).logits
             scores.extend(logits_B1[:, 0].float().tolist())
+        if self.normalize == "batch" and len(scores) > 1:  # mean 0, std 1 over this call's completions
+            values = torch.tensor(scores, dtype=torch.float64)
+            scores = ((values - values.mean()) / (values.std() + 1e-6)).tolist()
         return scores
 
 

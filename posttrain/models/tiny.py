@@ -8,6 +8,9 @@ reaches the recipe's target. RL needs a policy that is sometimes right:
 below about 10% almost no sampled group has reward variance and GRPO
 stalls; supervised training crosses the whole 10-50% band in about 10
 seconds, hence stopping on accuracy rather than on time.
+``tiny-addition-base`` is the same network and tokenizer left at its
+random initialisation (``warm_start=False``): the base model that the
+whole RLHF pipeline (``posttrain train --algorithm sft`` first) starts from.
 
 The build is deterministic given the recipe's seed on one machine (same
 torch version and thread count): weights, batch order and the stopping
@@ -24,7 +27,7 @@ import shutil
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
@@ -136,10 +139,15 @@ class TinyRecipe:
     """The first this-many held-out prompts form the fixed stopping subset."""
     max_steps: int = 2000
     """Give up (error) if the target is not reached by then."""
+    warm_start: bool = True
+    """False: the randomly initialised model as it is, a base for the whole RLHF pipeline (SFT first);
+    the warm-start fields are then unused."""
 
 
 BUILTIN_MODELS: dict[str, TinyRecipe] = {
     "tiny-addition": TinyRecipe(task="addition", chars="0123456789+=,|"),
+    # the same network and tokenizer, not trained: `posttrain train --algorithm sft` starts the pipeline from it
+    "tiny-addition-base": TinyRecipe(task="addition", chars="0123456789+=,|", warm_start=False),
     # warm-started on answers without a tool (most) and with one: see posttrain/data/tasks/calculator.py
     "tiny-calculator": TinyRecipe(task="calculator", chars="0123456789+-*=;[] acl", target_accuracy=0.10),
 }
@@ -232,13 +240,17 @@ def build_from_recipe(recipe: TinyRecipe) -> tuple[LlamaForCausalLM, PreTrainedT
     model = build_tiny_model(tokenizer, recipe.seed, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
                              num_heads=recipe.num_heads, intermediate_size=recipe.intermediate_size)
     n_params = sum(p.numel() for p in model.parameters())
-    _log(f"warm-starting a {n_params / 1e6:.2f}M-parameter model on {recipe.task} "
-         f"until held-out greedy accuracy >= {recipe.target_accuracy:.0%}")
-    result = warm_start(model, tokenizer, task, recipe)
-    heldout = greedy_accuracy(model, tokenizer, task, task.test)
-    _log(f"reached {result['subset_accuracy']:.0%} on {recipe.eval_prompts} held-out prompts after "
-         f"{result['steps']} steps ({result['seconds']:.0f}s); {heldout:.1%} on all {len(task.test)} "
-         f"({time.perf_counter() - start:.0f}s in all)")
+    if recipe.warm_start:
+        _log(f"warm-starting a {n_params / 1e6:.2f}M-parameter model on {recipe.task} "
+             f"until held-out greedy accuracy >= {recipe.target_accuracy:.0%}")
+        result = warm_start(model, tokenizer, task, recipe)
+        heldout = greedy_accuracy(model, tokenizer, task, task.test)
+        _log(f"reached {result['subset_accuracy']:.0%} on {recipe.eval_prompts} held-out prompts after "
+             f"{result['steps']} steps ({result['seconds']:.0f}s); {heldout:.1%} on all {len(task.test)} "
+             f"({time.perf_counter() - start:.0f}s in all)")
+    else:  # nothing to measure: a random network answers nothing
+        result, heldout = {"steps": 0, "subset_accuracy": None, "loss": None, "seconds": 0.0}, None
+        _log(f"a {n_params / 1e6:.2f}M-parameter model left at its random initialisation (no warm start)")
     record = {
         "recipe": asdict(recipe),
         "parameters": n_params,
@@ -263,8 +275,13 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
 
 
 def _recorded_recipe(path: Path) -> dict[str, Any] | None:
+    """The recipe an entry was built from; a field it predates has its default (a field is added with the
+    default that keeps what was built before), so adding one leaves the existing entries valid."""
     record = path / "posttrain_recipe.json"
-    return json.loads(record.read_text())["recipe"] if record.is_file() else None
+    if not record.is_file():
+        return None
+    defaults = {f.name: f.default for f in fields(TinyRecipe) if f.default is not MISSING}
+    return {**defaults, **json.loads(record.read_text())["recipe"]}
 
 
 def ensure_tiny_model(name: str = "tiny-addition", cache_dir: str | Path | None = None) -> Path:

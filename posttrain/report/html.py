@@ -54,6 +54,7 @@ from posttrain.algorithms.presets import (
     ALGORITHMS,
     OnlineAlgorithm,
     PreferenceAlgorithm,
+    SupervisedAlgorithm,
     algorithm,
 )
 from posttrain.report.runs import (
@@ -160,7 +161,7 @@ def settings_html(runs: Sequence[Run]) -> str:
     """The fields every run shares (a chosen few) and every field that differs beyond algorithm and seed."""
     kinds = {type(ALGORITHMS.get(run.algorithm)) for run in runs}
     per_kind = {OnlineAlgorithm: ("prompts_per_step", "group_size", "max_new_tokens", "temperature"),
-                PreferenceAlgorithm: ("pairs_per_step",)}
+                PreferenceAlgorithm: ("pairs_per_step",), SupervisedAlgorithm: ("pairs_per_step",)}
     shown = ("model", "task", "dataset", "eval_dataset", "reward", "max_steps",
              *(name for kind, names in per_kind.items() if kind in kinds for name in names),
              "learning_rate", "eval_size", "eval_every", "device")

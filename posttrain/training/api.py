@@ -28,7 +28,7 @@ from typing import Any
 
 from torch import nn
 
-from posttrain.algorithms.presets import PreferenceAlgorithm
+from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.config import Config, ConfigError, load_yaml
 from posttrain.parallel.allocator import keep_freed_memory
 from posttrain.training.setup import Inputs
@@ -135,9 +135,18 @@ def _record_episodes(flat: dict[str, Any], inputs: Inputs, tools: list[Callable 
 
 
 def run(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
-    """Route a config to the online or the preference trainer and run it."""
+    """Route a config to its trainer (online, preference, SFT or reward model) and run it."""
     keep_freed_memory()  # about a third less CPU time per step on CPU (posttrain/parallel/allocator.py)
-    if isinstance(config.preset(), PreferenceAlgorithm):
+    preset = config.preset()
+    if isinstance(preset, SupervisedAlgorithm) and preset.objective == "sft":
+        from posttrain.training.sft import train_sft
+
+        return train_sft(config, inputs)
+    if isinstance(preset, SupervisedAlgorithm):
+        from posttrain.training.reward_model import train_reward_model
+
+        return train_reward_model(config, inputs)
+    if isinstance(preset, PreferenceAlgorithm):
         from posttrain.training.preference import train_preference
 
         return train_preference(config, inputs)

@@ -78,7 +78,7 @@ from posttrain.data.preference import (
     unpair,
 )
 from posttrain.data.prompts import PromptSampler, encode_prompt
-from posttrain.models.modeling import collate, forward
+from posttrain.models.modeling import collate, forward, right_pad
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
@@ -255,17 +255,6 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | No
 # ---------------------------------------------------------------------------------------
 # Sequence log-probs
 # ---------------------------------------------------------------------------------------
-
-
-def right_pad(sequences: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Right-pad 1-D token tensors: ([M, T] ids, [M, T] float mask)."""
-    width = max(len(s) for s in sequences)
-    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(sequences), width))
-    for row, seq in enumerate(sequences):
-        ids[row, :len(seq)] = seq
-        mask[row, :len(seq)] = 1.0
-    return ids, mask
 
 
 def sequence_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:

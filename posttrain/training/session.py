@@ -28,11 +28,11 @@ from posttrain.data.prompts import (
     encode_prompt,
     read_rows,
 )
-from posttrain.data.rewards import load_reward_function
+from posttrain.data.rewards import RewardModel, load_reward_function
 from posttrain.data.scoring import RewardPolicy, Scores, score
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import REASONING_GYM_PREFIX
-from posttrain.models.modeling import ValueHead
+from posttrain.models.modeling import ValueHead, resolve_device
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import (
@@ -84,19 +84,23 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         test_rows = read_rows(data.eval_dataset) if data.eval_dataset else []
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
-        if not data.reward and not inputs.reward_funcs:
+        if not data.reward and not inputs.reward_funcs and data.reward_model is None:
             raise ConfigError("reward: a --dataset needs at least one --reward FILE.py:FUNCTION (from Python: "
-                              "reward_funcs=[...])")
+                              "reward_funcs=[...]) or a --reward-model DIR")
         task = None
     else:
         task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
         train_rows, test_rows = list(task.train), list(task.test)
         distributed.say(f"task {data.task}: {task.description} ({len(train_rows)} training prompts, "
                         f"{len(test_rows)} held out)")
-    if data.reward or inputs.reward_funcs:
+    if data.reward or inputs.reward_funcs or data.reward_model is not None:
         fns = [*inputs.reward_funcs, *(load_reward_function(spec) for spec in data.reward)]
         weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
                    *(data.reward_weights or [1.0] * len(data.reward))]
+        if data.reward_model is not None:  # alongside the functions, or instead of the task's rewards
+            fns.append(RewardModel(data.reward_model, batch_size=config.optim.micro_batch_size,
+                                   normalize=data.reward_model_normalize, device=resolve_device(config.model.device)))
+            weights.append(data.reward_model_weight)
     else:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
     environment = inputs.environment or (

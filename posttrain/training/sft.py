@@ -1,0 +1,328 @@
+"""Supervised fine-tuning (SFT): the next-token NLL of demonstrations, the first stage of RLHF.
+
+One optimizer step (``train_step``), top to bottom:
+
+1. take the next ``pairs_per_step`` demonstrations of a shuffled, resumable order; the step's
+   normaliser is their trained-token count (``posttrain.data.sft``: completion or assistant tokens
+   with ``completion_only_loss``, else every token but the first);
+2. place them into rows: packed, several to a row of at most ``max_length`` positions with position ids
+   restarting per example (attention stays within each), or one per row, right-padded
+   (``packing``; ``posttrain.data.sft.arrange``);
+3. per micro-batch of ``micro_batch_size`` rows: one forward pass, the log-prob of each trained
+   token (the LM head folded into the log-softmax for the architectures ``modeling.split_head``
+   knows, so no ``[R, W, V]`` logits exist), the summed NLL divided by the step's normaliser
+   (``F.nll_loss``), backward: the micro-batches' gradients add up to the whole step's token mean,
+   however the step is cut into rows and micro-batches;
+4. one guarded optimizer step (``posttrain.training.optim``: a non-finite gradient is skipped);
+5. log ``loss`` (= ``nll``, the step's mean NLL per trained token), ``tokens``, ``grad_norm``, ``lr``.
+
+``evaluate``: ``eval/nll`` (per trained token) and ``eval/perplexity`` on the held-out demonstrations
+(``--eval-dataset``, or a built-in task's held-out prompts with their solutions) and, for a built-in
+task, greedy generation accuracy on its held-out prompts with its Wilson interval.
+
+Departures and decisions:
+
+1. The loss is a mean over the step's trained tokens (TRL's default), not over examples: a long
+   demonstration weighs more than a short one.
+2. The policy runs in eval mode (no dropout), as in the preference trainer.
+3. ``micro_batch_size`` counts rows: examples without packing, packed rows with it.
+4. Packing is per optimizer step (TRL packs the whole dataset once): a step trains on exactly its
+   ``pairs_per_step`` examples whether packed or not, so packing changes no step's loss or gradient
+   (to float32 rounding, tested) and resuming needs only the data order. It needs a model class whose
+   attention masks follow restarting position ids (``architecture.SUPPORTED``: Llama, Mistral, Qwen2).
+5. An example with no trained token left (a prompt longer than ``max_length``) is dropped, and said so.
+6. With ``W`` processes each trains on a contiguous ``pairs_per_step / W`` of the step's examples;
+   every process divides by the whole step's token count and the gradients are summed: the update
+   of one process.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+import posttrain.functional as F
+from posttrain.algorithms.presets import SupervisedAlgorithm
+from posttrain.config import Config, ConfigError
+from posttrain.data.prompts import PromptSampler, encode_prompt
+from posttrain.data.sft import (
+    SFTExamples,
+    TokenRows,
+    arrange,
+    encode,
+    layout,
+    load_rows,
+)
+from posttrain.data.tasks.task import Task
+from posttrain.models.architecture import SUPPORTED, is_supported_class
+from posttrain.models.modeling import split_head, unwrapped
+from posttrain.parallel import distributed, fsdp
+from posttrain.parallel.distributed import say as _say
+from posttrain.rollout.completions import Generator, SamplingParams
+from posttrain.rollout.generators import generate_texts, make_generator
+from posttrain.tracking.stats import wilson_interval
+from posttrain.training.guards import UpdateCheck
+from posttrain.training.optim import apply_gradients
+from posttrain.training.runner import run_training
+from posttrain.training.session import eos_token_ids
+from posttrain.training.setup import (
+    Inputs,
+    build_optimization,
+    fingerprint,
+    load_policy,
+    model_name,
+    start_processes,
+)
+
+
+@dataclass
+class SFTSession:
+    config: Config
+    preset: SupervisedAlgorithm
+    policy: Any
+    tokenizer: Any
+    optimizer: torch.optim.Optimizer
+    scheduler: Any
+    train: SFTExamples
+    test: SFTExamples | None  # held-out demonstrations: eval/nll
+    task: Task | None  # built-in task: held-out generation accuracy
+    generator: Generator | None
+    sampler: PromptSampler
+    step: int = 0
+    bad_steps: int = 0
+    fingerprint: dict[str, Any] = field(default_factory=dict)
+    last_nll: list[tuple[int, float, int]] = field(default_factory=list)  # last step: (example, summed NLL, tokens)
+    update_check: UpdateCheck = field(init=False)  # an optimizer step that moves no weight is an error
+
+    def __post_init__(self) -> None:
+        self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
+
+    @classmethod
+    def create(cls, config: Config, inputs: Inputs = Inputs()) -> "SFTSession":
+        preset = config.preset()
+        reject_unused(config, preset, inputs)
+        data, pc = config.data, config.preference
+        train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task,
+                                                completion_only_loss=preset.completion_only_loss)
+        test_rows = test_rows[:data.eval_size]
+        if task is not None:
+            _say(f"task {data.task}: {task.description} ({len(train_rows)} demonstrations, {len(test_rows)} held out)")
+        start_processes(config, needs_reference=False, name=preset.name)
+        name = model_name(config, task.default_model if task else None, inputs)
+        policy, tokenizer, _ = load_policy(config, name, inputs, needs_reference=False,
+                                           train_mode=False)  # no dropout (decision 2)
+        if pc.packing and not is_supported_class(unwrapped(policy)):
+            raise ConfigError(f"packing: {type(unwrapped(policy)).__name__} is not one of {', '.join(SUPPORTED)}, "
+                              "whose attention transformers keeps within each packed example; set --no-packing")
+        encoded = dict(completion_only_loss=preset.completion_only_loss, max_length=pc.max_length)
+        train = usable(encode(train_rows, tokenizer, source=data.dataset or f"task {data.task}", **encoded), "training")
+        test = usable(encode(test_rows, tokenizer, source=data.eval_dataset or f"task {data.task} (held-out)",
+                             **encoded), "held-out") if test_rows else None
+        validate(config, len(train))
+        _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated (max_length {pc.max_length}); "
+             f"{int(train.loss_tokens.sum())} trained tokens")
+        policy, optimizer, scheduler = build_optimization(config, policy, [], optimizer_steps=config.run.max_steps)
+        generator = None
+        if task is not None:
+            r = config.rollout
+            sampling = SamplingParams(r.max_new_tokens or task.max_new_tokens, r.temperature, r.top_p, r.top_k)
+            generator = make_generator("hf", policy, tokenizer, sampling, eos_token_ids(policy, tokenizer))
+        return cls(config, preset, policy, tokenizer, optimizer, scheduler, train, test, task, generator,
+                   PromptSampler(len(train), config.run.seed), fingerprint=fingerprint(name, preset.name, policy))
+
+    # -- the runner's protocol -----------------------------------------------------------------
+
+    def checkpoint_modules(self) -> dict[str, nn.Module]:
+        """None: no reference, no value head."""
+        return {}
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.bad_steps = state["bad_steps"]
+
+    def close(self) -> None:
+        pass  # nothing runs beside the trainer
+
+    def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
+        """The last step's first examples with their NLL per trained token, for samples.jsonl."""
+        return [{**self.train.rows[i], "nll": total / max(tokens, 1), "tokens": tokens}
+                for i, total, tokens in self.last_nll[:limit]]
+
+
+def reject_unused(config: Config, preset: Any, inputs: Inputs) -> None:
+    """Settings SFT would silently ignore are errors that say what to change."""
+    if not (isinstance(preset, SupervisedAlgorithm) and preset.objective == "sft"):
+        raise ConfigError(f"algorithm: {preset.name} is not an SFT preset; the SFT trainer runs sft")
+    if inputs.tools or config.episodes.tools or config.episodes.environment:
+        raise ConfigError("tools: SFT trains on given demonstrations; multi-turn episodes are sampled by online "
+                          "presets (grpo, rloo, ...)")
+    if inputs.reward_funcs or config.data.reward:
+        raise ConfigError("reward: SFT learns from demonstrations, not rewards; an online preset (grpo, rloo, ...) "
+                          "takes reward functions")
+    if config.data.eval_tasks:
+        raise ConfigError("eval_tasks: only the online trainer scores other tasks during a run; score the SFT run's "
+                          "final_model/ with posttrain eval --task ...")
+    if config.preference.pairs_from != "dataset" or config.preference.precompute_reference:
+        raise ConfigError("pairs_from: SFT trains on --dataset's demonstrations (or a task's); pairs_from policy and "
+                          "precompute_reference belong to the preference presets")
+    if config.optim.ref_refresh_every:
+        raise ConfigError("ref_refresh_every: SFT has no reference model; set it to 0")
+
+
+def validate(config: Config, num_examples: int) -> None:
+    """Reject a step size the data or the processes cannot give; say what to change."""
+    per_step, world = config.preference.pairs_per_step, distributed.world_size()
+    if per_step > num_examples:
+        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training demonstrations")
+    if per_step % world:
+        raise ConfigError(f"pairs_per_step: {per_step} examples do not split evenly over {world} processes; "
+                          f"use a multiple of {world}")
+
+
+def usable(data: SFTExamples, which: str) -> SFTExamples:
+    """``data`` without the examples that have no trained token left after truncation (decision 5)."""
+    keep = [i for i, n in enumerate(data.loss_tokens.tolist()) if n > 0]
+    if not keep:
+        raise ConfigError(f"max_length: none of the {len(data)} {which} examples keeps a trained token within "
+                          "max_length tokens; raise max_length")
+    if len(keep) < len(data):
+        _say(f"{len(data) - len(keep)} of {len(data)} {which} examples have no trained token within max_length "
+             "and are left out")
+    return data.subset(keep)
+
+
+# ---------------------------------------------------------------------------------------
+# Log-probs of packed rows
+# ---------------------------------------------------------------------------------------
+
+
+def token_logprobs(model: nn.Module, batch: TokenRows) -> Tensor:
+    """[R, W] log p(target | the position's example up to it), 0 where the target is not trained on.
+
+    No attention mask is passed: transformers builds the causal mask of each packed example (and of the
+    padding) from the restarting position ids."""
+    mask_RW = batch.loss_mask
+    parts = split_head(model)
+    if parts is not None:
+        body, head = parts
+        hidden_RWD = body(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
+        logp_M, _ = F.linear_log_softmax(hidden_RWD[mask_RW].to(head.weight.dtype), head.weight,
+                                         batch.targets[mask_RW], bias=head.bias)
+        return logp_M.new_zeros(mask_RW.shape).masked_scatter(mask_RW, logp_M)
+    logits_RWV = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
+    return F.selective_log_softmax(logits_RWV, batch.targets).masked_fill(~mask_RW, 0.0)
+
+
+def per_example(batch: TokenRows, values_RW: Tensor) -> Tensor:
+    """[n] the sum of ``values_RW`` over each of the batch's examples' positions (n = len(batch.examples))."""
+    mine = batch.example >= 0
+    return values_RW.new_zeros(len(batch.examples)).index_add_(0, batch.example[mine], values_RW[mine])
+
+
+def micro_batches(s: SFTSession, data: SFTExamples, idx: list[int]) -> list[list[list[int]]]:
+    """The rows of examples ``idx`` (packed or one each), ``micro_batch_size`` rows per micro-batch."""
+    rows = arrange(data, idx, packing=s.config.preference.packing, max_length=s.config.preference.max_length)
+    m = s.config.optim.micro_batch_size
+    return [rows[start:start + m] for start in range(0, len(rows), m)]
+
+
+@torch.no_grad()
+def example_logps(s: SFTSession, data: SFTExamples, idx: list[int]) -> tuple[Tensor, Tensor]:
+    """Summed log-probs of the trained tokens of examples ``idx`` and their counts, on the CPU: ([n], [n])."""
+    totals, order = [], []
+    for rows in micro_batches(s, data, idx):
+        batch = layout(data, rows, s.tokenizer.pad_token_id).to(s.policy.device)
+        totals.append(per_example(batch, token_logprobs(s.policy, batch)).cpu())
+        order += batch.examples
+    position = {i: k for k, i in enumerate(order)}
+    summed = torch.cat(totals)[[position[i] for i in idx]]
+    return summed, data.loss_tokens[idx]
+
+
+# ---------------------------------------------------------------------------------------
+# The step
+# ---------------------------------------------------------------------------------------
+
+
+def train_micro_batch(s: SFTSession, rows: list[list[int]], normalizer: int) -> tuple[Tensor, TokenRows, Tensor]:
+    """One forward pass over ``rows``, the loss (divided by the step's trained tokens), backward. Returns the
+    detached loss, the batch, and its examples' summed NLL [n]."""
+    batch = layout(s.train, rows, s.tokenizer.pad_token_id).to(s.policy.device)
+    logp_RW = token_logprobs(s.policy, batch)
+    loss, _ = F.nll_loss(logp_RW, batch.loss_mask, aggregation="token_mean", normalizer=normalizer)
+    loss.backward()  # sum_i,t -logp / (the step's tokens): the micro-batches add up to the step's mean
+    return loss.detach(), batch, -per_example(batch, logp_RW.detach())
+
+
+def train_step(s: SFTSession) -> dict[str, float]:
+    """One optimizer step of the NLL of ``pairs_per_step`` demonstrations."""
+    idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
+    tokens = int(s.train.loss_tokens[idx].sum())  # the step's normaliser, on every process
+    lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
+    parts = micro_batches(s, s.train, distributed.shard(idx))
+    loss = torch.zeros((), device=s.policy.device)
+    s.last_nll = []
+    with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
+        for k, rows in enumerate(parts):
+            fsdp.sync_gradients(s.policy, k == len(parts) - 1)  # FSDP reduces at the last backward
+            part_loss, batch, nll_n = train_micro_batch(s, rows, tokens)
+            loss += part_loss
+            s.last_nll += [(i, float(v), int(s.train.loss_tokens[i])) for i, v in zip(batch.examples, nll_n)]
+    before = s.update_check.before_step()
+    grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
+    s.update_check.after_step(before, grad_norm, lr)
+    nll = float(distributed.all_sum(loss))  # every process's share of the step's mean
+    return {
+        "loss": nll,
+        "nll": nll,
+        "tokens": float(tokens),
+        "grad_norm": grad_norm,
+        "skipped_steps": float(not math.isfinite(grad_norm)),
+        "lr": lr,
+        "data/truncated": float(s.train.truncated[idx].sum()),
+    }
+
+
+# ---------------------------------------------------------------------------------------
+# Evaluation
+# ---------------------------------------------------------------------------------------
+
+
+@torch.no_grad()
+def evaluate(s: SFTSession, limit: int | None = None) -> dict[str, float]:
+    """Held-out NLL per trained token and perplexity; generation accuracy on the first ``limit`` (None: all)
+    of the task's ``eval_size`` held-out prompts."""
+    out: dict[str, float] = {}
+    if s.test is not None:
+        summed, counts = example_logps(s, s.test, list(range(len(s.test))))
+        nll = -float(summed.sum()) / int(counts.sum())
+        out["eval/nll"], out["eval/perplexity"] = nll, math.exp(nll)
+    if s.task is not None and s.config.data.eval_size:
+        rows = s.task.test[:s.config.data.eval_size][:limit]
+        right = generation_accuracy(s, rows)
+        out["eval/accuracy"] = right / len(rows)
+        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(right, len(rows))
+    return out
+
+
+def generation_accuracy(s: SFTSession, rows: list[dict[str, Any]]) -> int:
+    """How many of ``rows`` have a greedy completion that the task's ``correct`` accepts."""
+    texts, _ = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
+                              greedy=True)
+    columns = {key: [r[key] for r in rows] for key in rows[0] if key != "prompt"}
+    return sum(s.task.correct([r["prompt"] for r in rows], texts, **columns))
+
+
+def train_sft(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
+    """Fine-tune on demonstrations as configured; returns the run directory and held-out metrics before/after."""
+    return run_training(SFTSession.create(config, inputs), config, train_step, evaluate)
