@@ -245,7 +245,11 @@ def _hyphenated(argv: Sequence[str]) -> list[str]:
 
 def _unrecognized(tokens: Sequence[str]) -> str:
     """argparse's complaint about ``tokens``, with posttrain's name for each flag that is TRL's."""
-    from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm, SupervisedAlgorithm
+    from posttrain.algorithms.presets import (
+        OnlineAlgorithm,
+        PreferenceAlgorithm,
+        SupervisedAlgorithm,
+    )
 
     valid = [f.name for klass in (*SECTIONS.values(), OnlineAlgorithm, PreferenceAlgorithm, SupervisedAlgorithm)
              for f in dataclasses.fields(klass)]

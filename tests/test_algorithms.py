@@ -4,8 +4,8 @@ advantages, delegation of the losses to posttrain.functional, and the lineage vi
 from __future__ import annotations
 
 import dataclasses
-import re
 import math
+import re
 
 import pytest
 import torch

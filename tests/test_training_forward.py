@@ -10,13 +10,14 @@ import torch
 from architectures import build
 
 
+@pytest.mark.parametrize("bucketed", [False, True], ids=["one-pass", "by-length"])
 @pytest.mark.parametrize("shared", [False, True], ids=["distinct-prompts", "shared-prompts"])
 @pytest.mark.parametrize("lora", [False, True])
 @pytest.mark.parametrize("kind", ["llama", "llama-biases-untied-rope-scaled", "qwen2"])
-def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora, shared, monkeypatch):
-    """modeling.forward through linear_log_softmax (and, with shared prompts, each prompt run once)
-    against the model's own forward over whole rows and the unfused log-softmax: log-probs,
-    entropies, values and every gradient."""
+def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora, shared, bucketed, monkeypatch):
+    """modeling.forward through linear_log_softmax (with shared prompts, each prompt run once; by
+    length, each group of rows trimmed to its longest completion) against the model's own forward over
+    whole rows and the unfused log-softmax: log-probs, entropies, values and every gradient."""
     from posttrain.models import modeling
     from posttrain.models.modeling import ValueHead, collate
 
@@ -36,6 +37,7 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19], [25, 0, 0, 0], [26, 27, 28, 0]])
     mask = (completions != 0).long()
     monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)  # these prompts are too short to pay
+    monkeypatch.setattr(modeling, "BUCKET_COST", 0 if bucketed else 10**6)  # lengths 3, 2, 4, 1, 3
     batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
     assert (batch.owner_n is not None) is shared
     upstream = torch.randn(5, 4)
@@ -53,13 +55,16 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     body_forward = body.forward
     monkeypatch.setattr(body, "forward", lambda **kw: rows_per_call.append(len(kw["input_ids"])) or body_forward(**kw))
     folded, folded_grads = run()
-    assert rows_per_call == ([3, 5] if shared else [5])  # the distinct prompts once, then every completion
+    # the distinct prompts once, then every completion; by length: rows [3], [1], [0, 4], [2], the first
+    # (one token) predicted by its prompt's last position alone
+    expected_calls = {(False, False): [5], (True, False): [3, 5], (False, True): [1, 1, 2, 1], (True, True): [3, 1, 2, 1]}
+    assert rows_per_call == expected_calls[shared, bucketed]
     monkeypatch.setattr(modeling, "split_head", lambda model: None)
     direct, direct_grads = run()
     real = batch.mask.bool()
     torch.testing.assert_close(folded.logprobs[real], direct.logprobs[real], rtol=1e-5, atol=1e-5)
     torch.testing.assert_close(folded.entropy[real], direct.entropy[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(folded.values, direct.values, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(folded.values[real], direct.values[real], rtol=1e-5, atol=1e-5)
     assert (folded.logprobs[~real] == 0).all()
     for mine, theirs in zip(folded_grads, direct_grads):  # float32 rounding, relative to each tensor's scale
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
@@ -117,6 +122,17 @@ def test_collate_finds_the_rows_that_share_a_prompt(monkeypatch):
     assert batch.prompt_width == 2
     distinct = collate([a, b], completions[:2], torch.ones(2, 2, dtype=torch.long), 0, torch.device("cpu"))
     assert distinct.first_U is None and distinct.owner_n is None
+
+
+def test_length_buckets_pad_each_group_to_its_own_longest_row():
+    from posttrain.models.modeling import length_buckets
+
+    assert length_buckets([5, 2, 9, 3], cost=0) == [[1], [3], [0], [2]]  # no cost: every length its own
+    assert length_buckets([5, 2, 9, 3], cost=100) == [[0, 1, 2, 3]]  # nothing saves 100 positions: one pass
+    # 8 rows: four of ~10 tokens and four of ~120; one pass pads 8 x 124 = 992, two cost 4 x 12 + 4 x 124 + 2c
+    lengths = [120, 10, 124, 12, 118, 9, 11, 122]
+    assert length_buckets(lengths, cost=32) == [[5, 1, 6, 3], [4, 0, 7, 2]]
+    assert length_buckets([7], cost=0) == [[0]]
 
 
 def test_sharing_prompts_is_chosen_where_it_measured_faster():

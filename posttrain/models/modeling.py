@@ -50,6 +50,17 @@ def left_pad(sequences: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
     return ids, attention
 
 
+def right_pad(sequences: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
+    """Right-pad 1-D token tensors: ([n, L] ids, [n, L] attention mask of 1 for real tokens), L the longest."""
+    width = max(len(s) for s in sequences)
+    ids = torch.full((len(sequences), width), pad_id, dtype=torch.long)
+    attention = torch.zeros((len(sequences), width), dtype=torch.long)
+    for row, seq in enumerate(sequences):
+        ids[row, :len(seq)] = seq
+        attention[row, :len(seq)] = 1
+    return ids, attention
+
+
 def checkpoint_layers(model: nn.Module) -> int:
     """Gradient checkpointing: every decoder layer of ``model`` keeps only its inputs when it runs with
     gradient and recomputes its forward in the backward (non-reentrant ``torch.utils.checkpoint``, RNG
@@ -251,29 +262,89 @@ def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: 
     return saved >= max(128, 0.1 * rows * (prompt_width + completion_width))
 
 
+BUCKET_COST = 32
+"""What one more pass through the layers costs, in token positions, when :func:`length_buckets` weighs
+splitting a micro-batch by completion length: a pass's fixed cost (kernel launches for every layer,
+forward and backward) is a few positions' worth on a 135M model, and smaller GEMMs run slower, so a
+split must save more than this. Measurements: benchmarks/RESULTS.md, "the step's padding"."""
+
+
+def length_buckets(lengths: list[int], cost: int = BUCKET_COST) -> list[list[int]]:
+    """Rows grouped by length so that each group pads only to its own longest row.
+
+    Minimises ``sum over groups of (rows x longest) + cost x groups`` over contiguous runs of the rows
+    sorted by length (dynamic programming, O(n^2)). Returns the row indices of each group, shortest
+    rows first; one group holding every row (in order) when splitting saves nothing.
+    """
+    order = sorted(range(len(lengths)), key=lambda r: lengths[r])
+    sorted_lengths = [lengths[r] for r in order]
+    n = len(order)
+    best = [0] + [None] * n  # best[j]: the cheapest split of the j shortest rows
+    cut = [0] * (n + 1)
+    for j in range(1, n + 1):
+        for i in range(j):  # the last group is rows i..j-1, padded to sorted_lengths[j - 1]
+            total = best[i] + (j - i) * sorted_lengths[j - 1] + cost
+            if best[j] is None or total < best[j]:
+                best[j], cut[j] = total, i
+    groups, j = [], n
+    while j > 0:
+        groups.append(order[cut[j]:j])
+        j = cut[j]
+    if len(groups) == 1:
+        return [list(range(n))]
+    return groups[::-1]
+
+
 def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
-    """[n, T, D] the final hidden states that predict each completion token (position P + t - 1 for token t).
+    """[n, T, D] the final hidden states that predict each completion token (position P + t - 1 for token t);
+    zero past a row's last completion token.
 
     The last column (position P + T - 1) predicts nothing, so it never enters the layers: under causal
-    attention no other position depends on it.
+    attention no other position depends on it. Rows are grouped by completion length
+    (:func:`length_buckets`) and each group runs trimmed to its own longest row: a completion's
+    positions attend only to earlier ones, so trimming another row's padding changes no real position,
+    and the padding a sampled batch carries (completions end anywhere below ``max_new_tokens``) is not
+    computed.
 
     When rows share a prompt, the distinct prompts run once (keeping their keys and values, with
     gradient) and each row's completion runs on its prompt's cache: the prompt's share of the work
     is done once per prompt instead of once per row. The result is the same computation (equal to
     float32 rounding, tested); for a GRPO group of G samples the prompt tokens cost 1/G.
     """
-    width = batch.completion_ids.shape[1]
+    n, width = batch.completion_ids.shape
+    p = batch.prompt_width
+    present = batch.attention_mask[:, p:]
+    lengths = (present * torch.arange(1, width + 1, device=present.device)).amax(-1).clamp(min=1)  # last present + 1
+    groups = length_buckets(lengths.tolist(), BUCKET_COST)
     recomputed = torch.is_grad_enabled() and is_checkpointed(body)  # a prompt pass would write its cache twice
-    if (batch.first_U is None or batch.owner_n is None or recomputed
-            or cache_unsupported_reason(body.config) is not None):  # a cache of full-attention layers is what it needs
-        hidden = body(input_ids=batch.input_ids[:, :-1], attention_mask=batch.attention_mask[:, :-1],
-                      position_ids=batch.position_ids[:, :-1], use_cache=False).last_hidden_state
-        return hidden[:, -width:]
+    shared = not (batch.first_U is None or batch.owner_n is None or recomputed
+                  or cache_unsupported_reason(body.config) is not None)  # a cache of full-attention layers is needed
+    if shared:
+        prompt = body(input_ids=batch.input_ids[batch.first_U, :p], attention_mask=batch.attention_mask[batch.first_U, :p],
+                      position_ids=batch.position_ids[batch.first_U, :p], use_cache=True)
+    parts = []
+    for group in groups:
+        rows = torch.tensor(group, device=batch.input_ids.device)
+        w = int(lengths[rows].max())
+        if shared:
+            parts.append(_completion_on_prompt_cache(body, batch, prompt, rows, w))
+        else:
+            hidden = body(input_ids=batch.input_ids[rows, :p + w - 1], attention_mask=batch.attention_mask[rows, :p + w - 1],
+                          position_ids=batch.position_ids[rows, :p + w - 1], use_cache=False).last_hidden_state
+            parts.append(hidden[:, -w:])
+    if len(parts) == 1:
+        return torch.nn.functional.pad(parts[0], (0, 0, 0, width - parts[0].shape[1]))
+    order = torch.tensor([r for group in groups for r in group], device=batch.input_ids.device)
+    padded = torch.cat([torch.nn.functional.pad(part, (0, 0, 0, width - part.shape[1])) for part in parts])
+    return padded.index_select(0, torch.argsort(order))
+
+
+def _completion_on_prompt_cache(body: nn.Module, batch: TokenBatch, prompt, rows: Tensor, width: int) -> Tensor:
+    """[len(rows), width, D]: the hidden states predicting the first ``width`` completion tokens of ``rows``,
+    each row's completion run on its prompt's keys and values (``prompt``: the distinct prompts' pass)."""
     from transformers.cache_utils import DynamicCache
 
-    p, first, owner = batch.prompt_width, batch.first_U, batch.owner_n
-    prompt = body(input_ids=batch.input_ids[first, :p], attention_mask=batch.attention_mask[first, :p],
-                  position_ids=batch.position_ids[first, :p], use_cache=True)
+    owner = batch.owner_n.index_select(0, rows)
     cache = DynamicCache()
     for i, layer in enumerate(prompt.cache.layers):
         # index_select, not indexing: its backward is index_add_, far cheaper than indexing's
@@ -282,8 +353,9 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     first_token = prompt.last_hidden_state[:, -1:].index_select(0, owner)  # predicts completion token 0
     if width == 1:
         return first_token
-    completion = body(input_ids=batch.input_ids[:, p:-1], attention_mask=batch.attention_mask[:, :-1],
-                      position_ids=batch.position_ids[:, p:-1], cache=cache, use_cache=True).last_hidden_state
+    p = batch.prompt_width
+    completion = body(input_ids=batch.input_ids[rows, p:p + width - 1], attention_mask=batch.attention_mask[rows, :p + width - 1],
+                      position_ids=batch.position_ids[rows, p:p + width - 1], cache=cache, use_cache=True).last_hidden_state
     return torch.cat([first_token, completion], 1)
 
 
