@@ -32,7 +32,7 @@ def _require(ok: bool, field_name: str, message: str) -> None:
 class ModelConfig:
     model: str | None = _help(
         "Policy model: a local Hugging Face directory, a .gguf file, or a built-in name "
-        "(tiny-addition, smollm2-135m). Default: the task's own starting model."
+        "(tiny-addition, tiny-addition-base: untrained, for SFT; smollm2-135m). Default: the task's own starting model."
     )
     dtype: str = _help("Parameter and compute dtype: float32 or bfloat16.", "float32")
     mixed_precision: str = _help(
@@ -336,8 +336,9 @@ class PreferenceConfig:
     )
     packing: bool = _help(
         "SFT: place each step's demonstrations into rows of up to max_length tokens (positions restart per "
-        "example, attention never crosses one) instead of padding each to the longest: the same loss, less "
-        "padding (benchmarks/sft_packing.py).", True,
+        "example, attention never crosses one) instead of padding each to the longest: the same loss, faster "
+        "on examples of varied length; a small model on short examples runs faster padded "
+        "(benchmarks/sft_packing.py).", True,
     )
 
     def __post_init__(self) -> None:
