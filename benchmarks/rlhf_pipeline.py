@@ -15,7 +15,7 @@ The stages are the commands the README lists (printed as they run), one at a tim
 3. ``ppo`` and ``grpo``: from the SFT model, rewarded by the reward model alone (``--reward-model``); the
    task's answer check still scores held-out accuracy.
 
-The report prints each stage's held-out figures and, for the RL runs, held-out accuracy (the truth) and
+Flags the script does not know go to the RL stages. The report prints each stage's held-out figures and, for the RL runs, held-out accuracy (the truth) and
 the reward model's mean score of the greedy held-out completions (``eval/reward``, what the policy is
 optimised for) at every evaluation; ``--figure`` draws both against steps.
 """
@@ -119,8 +119,8 @@ def main() -> None:
     args, extra = parser.parse_known_args()
     if not args.report_only:
         for name, flags in stages(args.output, args.rl_steps).items():
-            if name in args.only.split(","):
-                run(args.output, name, flags, extra)
+            if name in args.only.split(","):  # other flags are the RL stages' (the SFT and reward model take theirs)
+                run(args.output, name, flags, extra if name in ("ppo", "grpo") else [])
     report(args.output, args.figure)
 
 

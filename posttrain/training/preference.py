@@ -82,8 +82,7 @@ from posttrain.models.modeling import collate, forward, right_pad
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
-from posttrain.rollout.generators import generate_texts, make_generator
-from posttrain.tracking.stats import wilson_interval
+from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import NoLearningSignal, UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.training.runner import run_training
@@ -92,6 +91,7 @@ from posttrain.training.setup import (
     Inputs,
     build_optimization,
     fingerprint,
+    greedy_accuracy,
     load_policy,
     model_name,
     start_processes,
@@ -497,18 +497,8 @@ def evaluate(s: PreferenceSession, limit: int | None = None) -> dict[str, float]
         })
     if s.task is not None and s.config.data.eval_size:
         rows = s.task.source.test[:s.config.data.eval_size][:limit]
-        right = generation_accuracy(s, rows)
-        out["eval/accuracy"] = right / len(rows)
-        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(right, len(rows))
+        out.update(greedy_accuracy(s.generator, s.tokenizer, s.task.source.correct, rows))
     return out
-
-
-def generation_accuracy(s: PreferenceSession, rows: list[dict[str, Any]]) -> int:
-    """How many of ``rows`` have a greedy completion that the task's ``correct`` accepts."""
-    texts, _ = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
-                              greedy=True)
-    columns = {key: [r[key] for r in rows] for key in rows[0] if key != "prompt"}
-    return sum(s.task.source.correct([r["prompt"] for r in rows], texts, **columns))
 
 
 def train_preference(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:

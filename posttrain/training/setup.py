@@ -25,6 +25,7 @@ import torch
 from torch import nn
 
 from posttrain.config import Config, ConfigError, absolute_path
+from posttrain.data.prompts import encode_prompt
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.models.modeling import (
@@ -33,6 +34,8 @@ from posttrain.models.modeling import (
     use_mixed_precision,
 )
 from posttrain.parallel import distributed, fsdp, offload
+from posttrain.rollout.generators import generate_texts
+from posttrain.tracking.stats import wilson_interval
 from posttrain.training.optim import build_optimizer
 
 
@@ -151,3 +154,14 @@ def fingerprint(name: str, algorithm: str, policy: nn.Module) -> dict[str, Any]:
     """What a checkpoint must match to be resumed: the model, the algorithm, the parameter count."""
     return {"model": absolute_path(name), "algorithm": algorithm,
             "parameters": sum(p.numel() for p in policy.parameters())}
+
+
+def greedy_accuracy(generator: Any, tokenizer: Any, correct: Callable[..., list[bool]],
+                    rows: list[dict[str, Any]]) -> dict[str, float]:
+    """``eval/accuracy`` (with its 95% Wilson interval, ``_low``/``_high``): the share of ``rows`` whose greedy
+    completion the task's ``correct(prompts, completions, **columns)`` accepts, for the offline trainers."""
+    texts, _ = generate_texts(generator, tokenizer, [encode_prompt(tokenizer, r["prompt"]) for r in rows], greedy=True)
+    columns = {key: [r[key] for r in rows] for key in rows[0] if key != "prompt"}
+    right = sum(correct([r["prompt"] for r in rows], texts, **columns))
+    low, high = wilson_interval(right, len(rows))
+    return {"eval/accuracy": right / len(rows), "eval/accuracy_low": low, "eval/accuracy_high": high}

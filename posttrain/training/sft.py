@@ -48,7 +48,7 @@ from torch import Tensor, nn
 import posttrain.functional as F
 from posttrain.algorithms.presets import SupervisedAlgorithm
 from posttrain.config import Config, ConfigError
-from posttrain.data.prompts import PromptSampler, encode_prompt
+from posttrain.data.prompts import PromptSampler
 from posttrain.data.sft import (
     SFTExamples,
     TokenRows,
@@ -63,8 +63,7 @@ from posttrain.models.modeling import split_head, unwrapped
 from posttrain.parallel import distributed, fsdp
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
-from posttrain.rollout.generators import generate_texts, make_generator
-from posttrain.tracking.stats import wilson_interval
+from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.training.runner import run_training
@@ -73,6 +72,7 @@ from posttrain.training.setup import (
     Inputs,
     build_optimization,
     fingerprint,
+    greedy_accuracy,
     load_policy,
     model_name,
     start_processes,
@@ -309,18 +309,8 @@ def evaluate(s: SFTSession, limit: int | None = None) -> dict[str, float]:
         out["eval/nll"], out["eval/perplexity"] = nll, math.exp(nll)
     if s.task is not None and s.config.data.eval_size:
         rows = s.task.test[:s.config.data.eval_size][:limit]
-        right = generation_accuracy(s, rows)
-        out["eval/accuracy"] = right / len(rows)
-        out["eval/accuracy_low"], out["eval/accuracy_high"] = wilson_interval(right, len(rows))
+        out.update(greedy_accuracy(s.generator, s.tokenizer, s.task.correct, rows))
     return out
-
-
-def generation_accuracy(s: SFTSession, rows: list[dict[str, Any]]) -> int:
-    """How many of ``rows`` have a greedy completion that the task's ``correct`` accepts."""
-    texts, _ = generate_texts(s.generator, s.tokenizer, [encode_prompt(s.tokenizer, r["prompt"]) for r in rows],
-                              greedy=True)
-    columns = {key: [r[key] for r in rows] for key in rows[0] if key != "prompt"}
-    return sum(s.task.correct([r["prompt"] for r in rows], texts, **columns))
 
 
 def train_sft(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
