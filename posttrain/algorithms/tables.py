@@ -86,7 +86,9 @@ def format_side_by_side(names: Sequence[str]) -> str:
     presets = [algorithm(name) for name in names]
     kinds = {type(p) for p in presets}
     if len(kinds) > 1:
-        by_kind = {kind: [p.name for p in presets if isinstance(p, kind)] for kind in kinds}
+        by_kind: dict[type, list[str]] = {}  # in the order the names were given
+        for p in presets:
+            by_kind.setdefault(type(p), []).append(p.name)
         listed = "; ".join(f"{kind.__name__}: {', '.join(names)}" for kind, names in by_kind.items())
         raise ValueError(f"cannot compare presets of different kinds ({listed}): their fields differ; compare "
                          "each kind on its own")
