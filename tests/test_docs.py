@@ -64,6 +64,8 @@ NOT_RUN_MARK = re.compile(r"<!-- not run: (.+?) -->")
 NOT_RUN: set[tuple[str, str]] = {
     ("README.md", "sample completions of the model before and after training, not code"),
     ("README.md", "it trains a model; tests/test_api.py runs the same calls on a tiny one"),
+    ("README.md", "each command trains on the one before's final_model/; tests/test_rlhf_pipeline.py runs the "
+                  "sequence on a small budget"),
 }
 """Blocks shown but not run: (file, the reason their `<!-- not run: ... -->` mark gives); by reason, not by
 line, so that editing a doc above a block does not move its entry."""
