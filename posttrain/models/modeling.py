@@ -266,7 +266,7 @@ BUCKET_COST = 32
 """What one more pass through the layers costs, in token positions, when :func:`length_buckets` weighs
 splitting a micro-batch by completion length: a pass's fixed cost (kernel launches for every layer,
 forward and backward) is a few positions' worth on a 135M model, and smaller GEMMs run slower, so a
-split must save more than this. Measurements: benchmarks/RESULTS.md, "the step's padding"."""
+split must save more than this. Measurements: benchmarks/RESULTS.md, "The step's padding"."""
 
 
 def length_buckets(lengths: list[int], cost: int = BUCKET_COST) -> list[list[int]]:
