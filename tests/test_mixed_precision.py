@@ -189,3 +189,55 @@ def test_lora_under_autocast_skips_peft_s_input_cast_and_computes_the_same():
         m.cast_input_dtype_enabled = True
     with_cast = logprobs_and_adapter_grads()
     assert torch.equal(without_cast[0], with_cast[0]) and torch.equal(without_cast[1], with_cast[1])
+
+
+@needs_bf16
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+def test_lora_keeps_the_frozen_weights_cast_and_computes_what_autocast_computes():
+    """Under mixed precision each frozen base weight is cast to bfloat16 once, not in every forward: the
+    same log-probs and adapter gradients, bit for bit, as autocast's own per-forward cast; the kept cast
+    is remade when the weight changes in place (a checkpoint load) and bypassed when the weight trains."""
+    from posttrain.config import ModelConfig
+    from posttrain.models.lora import apply_lora
+
+    model = build("llama").train()
+    use_mixed_precision(model)
+    lora = apply_lora(model, ModelConfig(lora_r=2, lora_alpha=4.0))
+    for m in lora.modules():
+        if hasattr(m, "lora_B"):
+            torch.nn.init.normal_(m.lora_B["default"].weight, std=0.3)
+    bases = [m.base_layer for m in lora.modules() if hasattr(m, "lora_A")]
+    assert bases and all("forward" in vars(b) for b in bases)
+    batch = a_batch()
+
+    def logprobs_and_adapter_grads():
+        lora.zero_grad()
+        out = forward(lora, batch, temperature=0.7)
+        (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)).sum().backward()
+        return out.logprobs.detach(), torch.cat([p.grad.flatten() for p in lora.parameters() if p.requires_grad])
+
+    kept = logprobs_and_adapter_grads()
+    casts = [b._posttrain_kept_cast[1] for b in bases]
+    assert all(c.dtype == torch.bfloat16 for c in casts)
+    again = logprobs_and_adapter_grads()
+    assert all(b._posttrain_kept_cast[1] is c for b, c in zip(bases, casts))  # not cast again
+    for b in bases:  # autocast's own cast in every forward
+        del b.forward
+    plain = logprobs_and_adapter_grads()
+    assert torch.equal(kept[0], plain[0]) and torch.equal(kept[1], plain[1]) and torch.equal(again[0], plain[0])
+
+    from posttrain.models.lora import cast_frozen_weights_once
+
+    cast_frozen_weights_once(lora)
+    logprobs_and_adapter_grads()
+    with torch.no_grad():  # as load_state_dict writes a weight: in place
+        bases[0].weight.mul_(1.5)
+    changed = logprobs_and_adapter_grads()
+    for b in bases:
+        del b.forward
+    assert torch.equal(changed[0], logprobs_and_adapter_grads()[0]) and not torch.equal(changed[0], kept[0])
+    cast_frozen_weights_once(lora)
+    bases[0].weight.requires_grad_(True)  # a trained weight is never served from a kept cast
+    bases[0].__dict__.pop("_posttrain_kept_cast")
+    logprobs_and_adapter_grads()
+    assert "_posttrain_kept_cast" not in vars(bases[0])

@@ -18,12 +18,14 @@
 from __future__ import annotations
 
 import copy
+import functools
 import importlib.util
 import sys
 from collections.abc import Iterator
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from posttrain.config import ConfigError, ModelConfig
@@ -55,6 +57,7 @@ def apply_lora(model: nn.Module, model_config: ModelConfig) -> nn.Module:
     wrapped = get_peft_model(model, config)
     if autocast_dtype(model) is not None:
         keep_autocast_inputs(wrapped)
+        cast_frozen_weights_once(wrapped)
     return wrapped
 
 
@@ -66,6 +69,43 @@ def keep_autocast_inputs(model: nn.Module) -> None:
     for module in decoder_body(model).modules():
         if hasattr(module, "cast_input_dtype_enabled"):
             module.cast_input_dtype_enabled = False
+
+
+def cast_frozen_weights_once(model: nn.Module) -> None:
+    """Under mixed precision, let each LoRA layer's frozen base linear keep its weight's autocast cast
+    between forward passes instead of casting it again in every one.
+
+    Autocast caches the casts of trainable leaf weights only within one autocast region, and frozen
+    weights not at all: every forward of a LoRA model (each micro-batch, the prompt and completion
+    passes, the reference) used to copy the whole base model to bfloat16. The base weights never change
+    during LoRA training, so the cast is made once and reused; it is remade when the weight changes in
+    place (its version counter moves, as on ``load_state_dict``) or is replaced. The products are those
+    of autocast's own cast, bit for bit; the cost is one bfloat16 copy of the base weights in memory.
+    """
+    for module in decoder_body(model).modules():
+        base = getattr(module, "base_layer", None)
+        if type(base) is nn.Linear and "forward" not in vars(base):
+            base.forward = functools.partial(_linear_with_kept_cast, base)
+
+
+def _linear_with_kept_cast(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+    """``nn.Linear.forward`` with the weight's autocast cast kept on the module (see
+    :func:`cast_frozen_weights_once`); trainable or sharded weights and autocast-free calls go the plain way."""
+    device_type = x.device.type
+    weight = self.weight
+    if (weight.requires_grad or not torch.is_autocast_enabled(device_type)
+            or type(weight) is not nn.Parameter and type(weight) is not torch.Tensor):
+        return F.linear(x, weight, self.bias)
+    dtype = torch.get_autocast_dtype(device_type)
+    if weight.dtype == dtype:
+        return F.linear(x, weight, self.bias)
+    key = (weight.data_ptr(), weight._version, dtype)
+    kept = self.__dict__.get("_posttrain_kept_cast")
+    if kept is None or kept[0] != key:
+        with torch.inference_mode(False):  # made during generation, it must still serve a training forward
+            kept = (key, weight.detach().to(dtype))
+        self.__dict__["_posttrain_kept_cast"] = kept
+    return F.linear(x, kept[1], self.bias)
 
 
 def is_lora(model: Any) -> bool:

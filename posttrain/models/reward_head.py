@@ -32,6 +32,7 @@ from posttrain.models.loading import (
 )
 from posttrain.models.lora import (
     LORA_INSTALL,
+    cast_frozen_weights_once,
     default_target_modules,
     keep_autocast_inputs,
 )
@@ -103,6 +104,7 @@ def apply_reward_lora(model: nn.Module, model_config: ModelConfig) -> nn.Module:
     wrapped = get_peft_model(model, config)
     if autocast_dtype(model) is not None:
         keep_autocast_inputs(wrapped)
+        cast_frozen_weights_once(wrapped)
     return wrapped
 
 
