@@ -195,10 +195,12 @@ def test_lora_under_autocast_skips_peft_s_input_cast_and_computes_the_same():
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
 def test_lora_keeps_the_frozen_weights_cast_and_computes_what_autocast_computes():
     """Under mixed precision each frozen base weight is cast to bfloat16 once, not in every forward: the
-    same log-probs and adapter gradients, bit for bit, as autocast's own per-forward cast; the kept cast
-    is remade when the weight changes in place (a checkpoint load) and bypassed when the weight trains."""
+    same log-probs and adapter gradients, bit for bit, as autocast's own per-forward cast. The kept cast
+    is remade when the weight changes in place (a checkpoint load), not used while PEFT's adapters are
+    merged into the weight (its merge writes through ``.data``, which the version counter does not
+    see), and bypassed when the weight trains."""
     from posttrain.config import ModelConfig
-    from posttrain.models.lora import apply_lora
+    from posttrain.models.lora import apply_lora, cast_frozen_weights_once, forget_kept_casts
 
     model = build("llama").train()
     use_mixed_precision(model)
@@ -226,8 +228,6 @@ def test_lora_keeps_the_frozen_weights_cast_and_computes_what_autocast_computes(
     plain = logprobs_and_adapter_grads()
     assert torch.equal(kept[0], plain[0]) and torch.equal(kept[1], plain[1]) and torch.equal(again[0], plain[0])
 
-    from posttrain.models.lora import cast_frozen_weights_once
-
     cast_frozen_weights_once(lora)
     logprobs_and_adapter_grads()
     with torch.no_grad():  # as load_state_dict writes a weight: in place
@@ -237,7 +237,23 @@ def test_lora_keeps_the_frozen_weights_cast_and_computes_what_autocast_computes(
         del b.forward
     assert torch.equal(changed[0], logprobs_and_adapter_grads()[0]) and not torch.equal(changed[0], kept[0])
     cast_frozen_weights_once(lora)
+    logprobs_and_adapter_grads()  # casts kept, then the merge changes the weights behind the version counter
+    lora.merge_adapter()
+
+    def merged_logprobs():
+        with torch.no_grad():
+            return forward(lora, batch, temperature=0.7).logprobs
+
+    while_merged = merged_logprobs()
+    assert not any("_posttrain_kept_cast" in vars(b) for b in bases)  # cast as autocast does, kept casts dropped
+    for b in bases:
+        del b.forward
+    assert torch.equal(while_merged, merged_logprobs())
+    lora.unmerge_adapter()
+    cast_frozen_weights_once(lora)
+    logprobs_and_adapter_grads()
+    forget_kept_casts(lora)
+    assert not any("_posttrain_kept_cast" in vars(b) for b in bases)
     bases[0].weight.requires_grad_(True)  # a trained weight is never served from a kept cast
-    bases[0].__dict__.pop("_posttrain_kept_cast")
     logprobs_and_adapter_grads()
     assert "_posttrain_kept_cast" not in vars(bases[0])

@@ -78,23 +78,35 @@ def cast_frozen_weights_once(model: nn.Module) -> None:
     Autocast caches the casts of trainable leaf weights only within one autocast region, and frozen
     weights not at all: every forward of a LoRA model (each micro-batch, the prompt and completion
     passes, the reference) used to copy the whole base model to bfloat16. The base weights never change
-    during LoRA training, so the cast is made once and reused; it is remade when the weight changes in
-    place (its version counter moves, as on ``load_state_dict``) or is replaced. The products are those
-    of autocast's own cast, bit for bit; the cost is one bfloat16 copy of the base weights in memory.
+    during LoRA training, so the cast is made once and reused. It is remade when the weight is replaced
+    or changes in place through autograd's view of it (its version counter moves, as on
+    ``load_state_dict``). PEFT's merge writes through ``weight.data``, which the counter does not see, so
+    while the adapters are merged the layer casts as autocast does and forgets its kept cast, and code
+    that merges and unmerges calls :func:`forget_kept_casts`. The products are autocast's own, bit for
+    bit; the cost is one bfloat16 copy of the base weights in memory.
     """
     for module in decoder_body(model).modules():
         base = getattr(module, "base_layer", None)
         if type(base) is nn.Linear and "forward" not in vars(base):
-            base.forward = functools.partial(_linear_with_kept_cast, base)
+            base.forward = functools.partial(_linear_with_kept_cast, base, module)
 
 
-def _linear_with_kept_cast(self: nn.Linear, x: torch.Tensor) -> torch.Tensor:
+def forget_kept_casts(model: nn.Module) -> None:
+    """Drop the casts :func:`cast_frozen_weights_once` kept (the next forward makes them again): after
+    code that changed base weights behind the version counter, such as PEFT's merge and unmerge."""
+    for module in model.modules():
+        module.__dict__.pop("_posttrain_kept_cast", None)
+
+
+def _linear_with_kept_cast(self: nn.Linear, lora_layer: nn.Module, x: torch.Tensor) -> torch.Tensor:
     """``nn.Linear.forward`` with the weight's autocast cast kept on the module (see
-    :func:`cast_frozen_weights_once`); trainable or sharded weights and autocast-free calls go the plain way."""
+    :func:`cast_frozen_weights_once`); trainable or sharded weights, merged adapters and calls outside
+    autocast go the plain way."""
     device_type = x.device.type
     weight = self.weight
-    if (weight.requires_grad or not torch.is_autocast_enabled(device_type)
+    if (weight.requires_grad or getattr(lora_layer, "merged", False) or not torch.is_autocast_enabled(device_type)
             or type(weight) is not nn.Parameter and type(weight) is not torch.Tensor):
+        self.__dict__.pop("_posttrain_kept_cast", None)
         return F.linear(x, weight, self.bias)
     dtype = torch.get_autocast_dtype(device_type)
     if weight.dtype == dtype:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.models.lora import forget_kept_casts
 from posttrain.rollout.completions import Completions, SamplingParams, completion_mask
 
 VLLM_INSTALL = "pip install 'posttrain[vllm]'  (vLLM needs a CUDA GPU)"
@@ -90,6 +91,7 @@ class VLLMGenerator:
         finally:
             if merged:
                 self.model.unmerge_adapter()
+                forget_kept_casts(self.model)  # unmerging is not exact: W + d - d
         self.llm.reset_prefix_cache()
 
     @torch.no_grad()
