@@ -160,20 +160,16 @@ def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, rew
         assert metrics["value_loss"] > 0 and s.value_head.linear.weight.dtype == torch.float32
 
 
-@needs_bf16
-@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
-def test_lora_under_autocast_skips_peft_s_input_cast_and_computes_the_same():
-    """Under mixed precision the LoRA layers take their bfloat16 inputs as they are (autocast casts the
-    product's operands anyway): the same log-probs and gradients, bit for bit, as with PEFT's cast."""
+def lora_under_autocast():
+    """A tiny Llama under bfloat16 autocast with LoRA adapters whose B is random (so the adapters take
+    part), and a function giving its log-probs on :func:`a_batch` and the adapters' gradients."""
     from posttrain.config import ModelConfig
     from posttrain.models.lora import apply_lora
 
     model = build("llama").train()
     use_mixed_precision(model)
     lora = apply_lora(model, ModelConfig(lora_r=2, lora_alpha=4.0))
-    layers = [m for m in lora.modules() if hasattr(m, "cast_input_dtype_enabled")]
-    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
-    for m in lora.modules():  # random B, so the adapters take part
+    for m in lora.modules():
         if hasattr(m, "lora_B"):
             torch.nn.init.normal_(m.lora_B["default"].weight, std=0.3)
     batch = a_batch()
@@ -184,6 +180,17 @@ def test_lora_under_autocast_skips_peft_s_input_cast_and_computes_the_same():
         (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)).sum().backward()
         return out.logprobs.detach(), torch.cat([p.grad.flatten() for p in lora.parameters() if p.requires_grad])
 
+    return lora, logprobs_and_adapter_grads
+
+
+@needs_bf16
+@pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
+def test_lora_under_autocast_skips_peft_s_input_cast_and_computes_the_same():
+    """Under mixed precision the LoRA layers take their bfloat16 inputs as they are (autocast casts the
+    product's operands anyway): the same log-probs and gradients, bit for bit, as with PEFT's cast."""
+    lora, logprobs_and_adapter_grads = lora_under_autocast()
+    layers = [m for m in lora.modules() if hasattr(m, "cast_input_dtype_enabled")]
+    assert layers and not any(m.cast_input_dtype_enabled for m in layers)
     without_cast = logprobs_and_adapter_grads()
     for m in layers:
         m.cast_input_dtype_enabled = True
@@ -199,25 +206,12 @@ def test_lora_keeps_the_frozen_weights_cast_and_computes_what_autocast_computes(
     is remade when the weight changes in place (a checkpoint load), not used while PEFT's adapters are
     merged into the weight (its merge writes through ``.data``, which the version counter does not
     see), and bypassed when the weight trains."""
-    from posttrain.config import ModelConfig
-    from posttrain.models.lora import apply_lora, cast_frozen_weights_once, forget_kept_casts
+    from posttrain.models.lora import cast_frozen_weights_once, forget_kept_casts
 
-    model = build("llama").train()
-    use_mixed_precision(model)
-    lora = apply_lora(model, ModelConfig(lora_r=2, lora_alpha=4.0))
-    for m in lora.modules():
-        if hasattr(m, "lora_B"):
-            torch.nn.init.normal_(m.lora_B["default"].weight, std=0.3)
+    lora, logprobs_and_adapter_grads = lora_under_autocast()
+    batch = a_batch()
     bases = [m.base_layer for m in lora.modules() if hasattr(m, "lora_A")]
     assert bases and all("forward" in vars(b) for b in bases)
-    batch = a_batch()
-
-    def logprobs_and_adapter_grads():
-        lora.zero_grad()
-        out = forward(lora, batch, temperature=0.7)
-        (out.logprobs * torch.linspace(-1, 1, out.logprobs.numel()).view_as(out.logprobs)).sum().backward()
-        return out.logprobs.detach(), torch.cat([p.grad.flatten() for p in lora.parameters() if p.requires_grad])
-
     kept = logprobs_and_adapter_grads()
     casts = [b._posttrain_kept_cast[1] for b in bases]
     assert all(c.dtype == torch.bfloat16 for c in casts)
