@@ -76,8 +76,8 @@ def cast_frozen_weights_once(model: nn.Module) -> None:
     between forward passes instead of casting it again in every one.
 
     Autocast caches the casts of trainable leaf weights only within one autocast region, and frozen
-    weights not at all: every forward of a LoRA model (each micro-batch, the prompt and completion
-    passes, the reference) used to copy the whole base model to bfloat16. The base weights never change
+    weights not at all, so otherwise every forward of a LoRA model (each micro-batch, the prompt and
+    completion passes, the reference) copies the whole base model to bfloat16. The base weights never change
     during LoRA training, so the cast is made once and reused. It is remade when the weight is replaced
     or changes in place through autograd's view of it (its version counter moves, as on
     ``load_state_dict``). PEFT's merge writes through ``weight.data``, which the counter does not see, so
