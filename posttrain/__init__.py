@@ -2,7 +2,8 @@
 
 From Python: ``posttrain.train(...)`` runs a training (:mod:`posttrain.training.api`); ``posttrain.algorithm``
 returns a preset; the ``register_*`` functions add presets and the pieces they name
-(:mod:`posttrain.algorithms.registry`); ``posttrain.functional`` holds the math as pure functions.
+(:mod:`posttrain.algorithms.registry`), and ``register_reward`` a reward that ``--reward NAME`` names
+(:mod:`posttrain.data.rewards`); ``posttrain.functional`` holds the math as pure functions.
 """
 
 __version__ = "0.1.0"
@@ -20,9 +21,11 @@ from posttrain.algorithms.registry import (  # noqa: E402
     register_policy_loss,
     register_preference_loss,
 )
+from posttrain.data.rewards import REWARDS, register_reward  # noqa: E402
 
-__all__ = ["ALGORITHMS", "OnlineAlgorithm", "PreferenceAlgorithm", "SupervisedAlgorithm", "algorithm", "register_advantage",
-           "register_algorithm", "register_policy_loss", "register_preference_loss", "train", "__version__"]
+__all__ = ["ALGORITHMS", "REWARDS", "OnlineAlgorithm", "PreferenceAlgorithm", "SupervisedAlgorithm", "algorithm",
+           "register_advantage", "register_algorithm", "register_policy_loss", "register_preference_loss",
+           "register_reward", "train", "__version__"]
 
 
 def __getattr__(name: str):

@@ -55,6 +55,19 @@ def test_a_reward_defined_in_a_file_is_recorded_so_the_run_resumes(tmp_path, tin
     assert saved["reward"] == [f"{reward_file.resolve()}:sevens"] and saved["reward_weights"] == [2.0]
 
 
+def test_rewards_by_name_are_recorded_as_named(tmp_path, tiny_model_dir):
+    result = posttrain.train(model=str(tiny_model_dir), train_dataset=PROMPTS,
+                             reward_funcs=["numeric_match", "length_penalty(max_chars=4)"], reward_weights=[1.0, 0.5],
+                             output=str(tmp_path / "run"), **QUICK)
+    saved = load_yaml(result["run_dir"] / "config.yaml")
+    assert (saved["reward"], saved["reward_weights"]) == (["numeric_match", "length_penalty(max_chars=4)"], [1.0, 0.5])
+    logged = [row for row in read_metrics(result["run_dir"]) if "loss" in row]
+    assert all(-1.0 <= row["reward/length_penalty"] <= 0.0 for row in logged) and len(logged) == 2
+    with pytest.raises(ConfigError, match="unknown reward 'numeric' \\(did you mean numeric_match\\?\\)"):
+        posttrain.train(model=str(tiny_model_dir), train_dataset=PROMPTS, reward_funcs="numeric",
+                        output=str(tmp_path / "bad"), **QUICK)
+
+
 def test_a_config_file_with_overrides(tmp_path, tiny_model_dir, reward_file):
     config = tmp_path / "run.yaml"
     config.write_text(f"algorithm: dr_grpo\nmodel: {tiny_model_dir}\nreward: ['{reward_file}:sevens']\n"

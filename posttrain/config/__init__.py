@@ -42,11 +42,12 @@ from posttrain.config.sections import (
     RolloutConfig,
     RunConfig,
     _require,
+    is_reward_name,
 )
 
 __all__ = ["CORRECTIONS", "LR_SCHEDULES", "SECTIONS", "TRL_NAMES", "Config", "ConfigError", "DataConfig",
            "EpisodeConfig", "ModelConfig", "OffPolicyConfig", "OptimConfig", "PreferenceConfig", "RolloutConfig",
-           "RunConfig", "absolute_path", "import_plugins", "load_yaml", "save_yaml", "unknown_field_hint",
+           "RunConfig", "absolute_path", "import_plugins", "is_reward_name", "load_yaml", "save_yaml", "unknown_field_hint",
            "upgrade_saved_config"]
 
 
@@ -91,7 +92,7 @@ class Config:
             model=dataclasses.replace(self.model, model=absolute_path(self.model.model)),
             data=dataclasses.replace(
                 self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
-                reward=tuple(_absolute_spec(spec) for spec in self.data.reward),
+                reward=tuple(spec if is_reward_name(spec) else _absolute_spec(spec) for spec in self.data.reward),
                 reward_model=absolute_path(self.data.reward_model)),
             episodes=dataclasses.replace(self.episodes, tools=tuple(_absolute_spec(spec) for spec in self.episodes.tools),
                                          environment=_absolute_spec(self.episodes.environment)

@@ -8,6 +8,7 @@ field and says what to change. :mod:`posttrain.config` puts the sections togethe
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,13 @@ class ConfigError(ValueError):
 def _require(ok: bool, field_name: str, message: str) -> None:
     if not ok:
         raise ConfigError(f"{field_name}: {message}")
+
+
+def is_reward_name(spec: str) -> bool:
+    """Whether a ``reward`` spec names a registered reward, ``NAME`` or ``NAME(SETTING=VALUE,...)``, rather than
+    a function in a file, ``FILE.py:FUNCTION``; the name is looked up where the rewards are loaded
+    (posttrain.data.rewards.load_reward)."""
+    return re.fullmatch(r"\s*[A-Za-z_]\w*\s*(\(.*\))?\s*", spec, re.DOTALL) is not None
 
 
 @dataclass(frozen=True)
@@ -90,7 +98,9 @@ class DataConfig:
     )
     eval_dataset: str | None = _help("Held-out prompts for --dataset runs (same format); none by default.")
     reward: tuple[str, ...] = _help(
-        "Reward function(s) as FILE.py:FUNCTION (repeatable). Default: the task's rewards.", (),
+        "Reward function(s), repeatable: a built-in or registered name (exact_match, numeric_match, math_answer, "
+        "format_reward, length_penalty), its settings in parentheses if any ('length_penalty(max_chars=400)'), or "
+        "FILE.py:FUNCTION. Default: the task's rewards.", (),
     )
     reward_weights: tuple[float, ...] = _help("One weight per reward function (default 1.0 each).", ())
     reward_model: str | None = _help(
@@ -143,6 +153,8 @@ class DataConfig:
                      f"{self.reward_model!r} is not a model directory (no config.json); give the final_model/ of a "
                      "posttrain train --algorithm reward_model run, or any sequence-classification model directory")
         for spec in self.reward:
+            if is_reward_name(spec):
+                continue
             path = spec.rsplit(":", 1)[0]
             _require(":" in spec, "reward", f"{spec!r} is not FILE.py:FUNCTION")
             _require(Path(path).exists(), "reward", f"file {path!r} of {spec!r} does not exist")

@@ -16,25 +16,76 @@ Built-ins (factories return a callable whose ``__name__`` is used in logs):
 
 - :func:`exact_match` - extracted answer equals the ``answer`` column as strings;
 - :func:`numeric_match` - extracted answer equals ``answer`` as a number, within tolerance;
+- :func:`math_answer` - the final answer equals ``answer`` mathematically (``math_verify`` when installed);
 - :func:`format_reward` - 1.0 when the completion fully matches a regex;
 - :func:`length_penalty` - 0.0 up to a length, then down to ``-scale``;
 - :class:`RewardModel` - the scalar score of a sequence-classification model;
 - :func:`load_reward_function` - a user's function from ``path/to/file.py:name``.
+
+Rewards by name: the factories above (the reward model aside) are registered in :data:`REWARDS`, so a
+``reward`` spec (``--reward``, YAML, ``posttrain.train(reward_funcs=[...])``) can name one, with its
+settings as keyword arguments: ``numeric_match``, ``'numeric_match(rel_tol=1e-3)'``,
+``'length_penalty(max_chars=400, scale=0.5)'`` (settings parsed as :mod:`posttrain.data.settings`
+does). :func:`register_reward` adds a user's factory under a name of its own (the CLI finds it once
+``--plugin FILE.py`` has imported the file that registers it). :func:`load_reward` resolves a spec:
+a name through the registry, anything else as ``FILE.py:FUNCTION``.
 """
 
 from __future__ import annotations
 
+import difflib
 import importlib.util
+import inspect
 import math
 import re
 import sys
+import types
+import typing
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import torch
 
+from posttrain.config import ConfigError, is_reward_name
+from posttrain.data.settings import parse_settings
+
 RewardFn = Callable[..., list[float | None]]
+Factory = TypeVar("Factory", bound=Callable[..., RewardFn])
+
+REWARDS: dict[str, Callable[..., RewardFn]] = {}
+"""Reward name -> the factory that builds its reward function from a spec's settings (keyword arguments)."""
+
+
+def register_reward(name: str, *, replace: bool = False) -> Callable[[Factory], Factory]:
+    """Register the decorated factory as the reward ``name``.
+
+    A factory takes the reward's settings as keyword arguments and returns a reward function with TRL's
+    signature: ``--reward NAME`` calls it with none (a setting without a default must then be given),
+    ``--reward 'NAME(SETTING=VALUE,...)'`` with those. A reward without settings is a factory of none::
+
+        @posttrain.register_reward("brevity")
+        def brevity(max_words: int = 50):
+            def brevity(prompts, completions, **columns):
+                return [float(len(c.split()) <= max_words) for c in completions]
+            return brevity
+
+    Registering a name twice is an error unless it is the same function again (a module imported twice)
+    or ``replace=True``.
+    """
+    if not isinstance(name, str) or not name.isidentifier():
+        raise ValueError(f"a reward's name must be an identifier such as 'my_reward', got {name!r}")
+
+    def decorator(factory: Factory) -> Factory:
+        old = REWARDS.get(name)
+        same = old is not None and (old.__module__, old.__qualname__) == (factory.__module__, factory.__qualname__)
+        if old is not None and not (same or replace):
+            raise ValueError(f"reward {name!r} is already registered (by {old.__module__}.{old.__qualname__}); "
+                             "choose another name, or pass replace=True to replace it")
+        REWARDS[name] = factory
+        return factory
+
+    return decorator
 
 _NUMBER = r"-?\d+(?:,\d{3})*(?:\.\d+)?|-?\.\d+"
 _ANSWER_IS = re.compile(r"answer is:?\s*(.+?)\s*(?:\.(?:\s|$)|\n|$)", re.IGNORECASE)
@@ -107,6 +158,7 @@ def _answers(name: str, answer: Sequence[Any] | None, n: int) -> Sequence[Any]:
     return answer
 
 
+@register_reward("exact_match")
 def exact_match(delimiter: str | None = None) -> RewardFn:
     """1.0 when :func:`extract_answer` of the completion equals ``str(answer).strip()``, else 0.0.
 
@@ -124,6 +176,7 @@ def exact_match(delimiter: str | None = None) -> RewardFn:
     return exact_match
 
 
+@register_reward("numeric_match")
 def numeric_match(delimiter: str | None = None, rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
     """1.0 when the extracted answer and ``answer`` are numbers within tolerance, else 0.0.
 
@@ -148,8 +201,15 @@ def numeric_match(delimiter: str | None = None, rel_tol: float = 1e-6, abs_tol: 
     return numeric_match
 
 
-def format_reward(pattern: str, name: str = "format") -> RewardFn:
-    """1.0 when the whole completion matches the regex ``pattern`` (``re.fullmatch``), else 0.0."""
+THINK_ANSWER_FORMAT = r"(?s)<think>.*?</think>\s*<answer>.*?</answer>"
+"""DeepSeek-R1's output format: reasoning inside ``<think>...</think>``, then the answer inside
+``<answer>...</answer>`` (``(?s)``: the parts may span lines)."""
+
+
+@register_reward("format_reward")
+def format_reward(pattern: str = THINK_ANSWER_FORMAT, name: str = "format") -> RewardFn:
+    """1.0 when the whole completion matches the regex ``pattern`` (``re.fullmatch``), else 0.0; by default
+    :data:`THINK_ANSWER_FORMAT`."""
     regex = re.compile(pattern)
 
     def format_fn(prompts: list, completions: list, **columns: Any) -> list[float | None]:
@@ -159,6 +219,7 @@ def format_reward(pattern: str, name: str = "format") -> RewardFn:
     return format_fn
 
 
+@register_reward("length_penalty")
 def length_penalty(max_chars: int, scale: float = 1.0) -> RewardFn:
     """0.0 for completions of at most ``max_chars`` characters, then linearly down to ``-scale``.
 
@@ -265,6 +326,65 @@ def load_reward_function(spec: str, what: str = "reward") -> RewardFn:
     return fn
 
 
+
+def load_reward(spec: str) -> RewardFn:
+    """The reward function of a ``reward`` spec: a registered name, ``NAME`` or ``NAME(SETTING=VALUE,...)``
+    (:data:`REWARDS`), built by its factory with those settings; anything else is ``FILE.py:FUNCTION``
+    (:func:`load_reward_function`). A ConfigError names an unknown reward, setting or value."""
+    if not is_reward_name(spec):
+        return load_reward_function(spec)
+    name, settings = parse_reward_name(spec)
+    factory = REWARDS[name]
+    parameters = inspect.signature(factory).parameters
+    hints = typing.get_type_hints(factory)
+    for setting, value in settings.items():
+        if setting not in parameters:
+            raise ConfigError(f"reward: {name} has no setting {setting!r}; its settings: {', '.join(parameters)}")
+        _check_setting_type(name, setting, value, hints.get(setting))
+    missing = [p.name for p in parameters.values() if p.default is p.empty and p.name not in settings]
+    if missing:
+        example = ", ".join(f"{m}=VALUE" for m in missing)
+        raise ConfigError(f"reward: {name} needs {', '.join(missing)} (no default): give --reward '{name}({example})'")
+    try:
+        return factory(**settings)
+    except ValueError as error:  # a value of the right type outside its range, as the factory checks it
+        raise ConfigError(f"reward: {spec.strip()}: {error}") from None
+
+
+def parse_reward_name(spec: str) -> tuple[str, dict[str, Any]]:
+    """``NAME(SETTING=VALUE,...)`` -> (name, settings); a ConfigError naming the close matches and every
+    registered reward unless ``NAME`` is one.
+
+    >>> parse_reward_name("length_penalty(max_chars=400, scale=0.5)")
+    ('length_penalty', {'max_chars': 400, 'scale': 0.5})
+    """
+    name, _, rest = spec.strip().partition("(")
+    name = name.strip()
+    if name not in REWARDS:
+        close = difflib.get_close_matches(name, REWARDS, n=1)
+        hint = f" (did you mean {' or '.join(close)}?)" if close else ""
+        raise ConfigError(f"reward: unknown reward {name!r}{hint}; the rewards by name are "
+                          f"{', '.join(sorted(REWARDS))} (posttrain.register_reward adds one); a function of "
+                          "your own is given as FILE.py:FUNCTION")
+    settings_text = rest.removesuffix(")").strip()
+    return name, parse_settings(settings_text, f"reward {name!r}", "reward") if settings_text else {}
+
+
+def _check_setting_type(reward: str, setting: str, value: Any, hint: Any) -> None:
+    """A ConfigError unless ``value`` is of a type the factory's annotation ``hint`` names (an int is a float
+    setting's value too, a bool no int's). Annotations other than plain classes and their unions are not
+    checked: the factory sees the value as it is."""
+    if typing.get_origin(hint) not in (None, typing.Union, types.UnionType):
+        return
+    allowed = [kind for kind in (typing.get_args(hint) or (hint,)) if isinstance(kind, type)]
+    if not allowed:
+        return
+    if float in allowed:
+        allowed.append(int)
+    if not isinstance(value, tuple(allowed)) or (isinstance(value, bool) and bool not in allowed):
+        names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in dict.fromkeys(allowed))
+        raise ConfigError(f"reward: setting {setting}={value!r} of {reward} must be of type {names}")
+
 def _math_equal(predicted: str, gold: str, rel_tol: float, abs_tol: float) -> bool:
     """Whether two final answers agree: by ``math_verify`` when installed (``\\frac{1}{2}`` equals
     ``0.5``, ``7 apples`` equals ``7``), else as the last number each one writes, within tolerance."""
@@ -284,6 +404,7 @@ def _math_equal(predicted: str, gold: str, rel_tol: float, abs_tol: float) -> bo
     return None not in numbers and math.isclose(numbers[0], numbers[1], rel_tol=rel_tol, abs_tol=abs_tol)
 
 
+@register_reward("math_answer")
 def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
     """1.0 when the final answer written in free text equals ``answer`` mathematically, else 0.0.
 

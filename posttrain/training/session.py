@@ -28,7 +28,7 @@ from posttrain.data.prompts import (
     encode_prompt,
     read_rows,
 )
-from posttrain.data.rewards import RewardModel, load_reward_function
+from posttrain.data.rewards import RewardModel, load_reward, load_reward_function
 from posttrain.data.scoring import RewardPolicy, Scores, score
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import REASONING_GYM_PREFIX
@@ -85,8 +85,8 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
         if not data.reward and not inputs.reward_funcs and data.reward_model is None:
-            raise ConfigError("reward: a --dataset needs at least one --reward FILE.py:FUNCTION (from Python: "
-                              "reward_funcs=[...]) or a --reward-model DIR")
+            raise ConfigError("reward: a --dataset needs at least one --reward NAME or FILE.py:FUNCTION (from "
+                              "Python: reward_funcs=[...]) or a --reward-model DIR")
         task = None
     else:
         task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
@@ -94,7 +94,7 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         distributed.say(f"task {data.task}: {task.description} ({len(train_rows)} training prompts, "
                         f"{len(test_rows)} held out)")
     if data.reward or inputs.reward_funcs or data.reward_model is not None:
-        fns = [*inputs.reward_funcs, *(load_reward_function(spec) for spec in data.reward)]
+        fns = [*inputs.reward_funcs, *(load_reward(spec) for spec in data.reward)]
         weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
                    *(data.reward_weights or [1.0] * len(data.reward))]
         if data.reward_model is not None:  # alongside the functions, or instead of the task's rewards

@@ -55,7 +55,6 @@ positive score (``countdown``: 0.01), and a missing answer earns nothing here, w
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import math
@@ -76,6 +75,8 @@ from posttrain.data.rewards import (
     extract_answer,
     parse_number,
 )
+from posttrain.data.settings import parse_settings as parse_setting_text
+from posttrain.data.settings import split_top_level
 from posttrain.data.tasks import gsm
 from posttrain.data.tasks.task import REASONING_GYM_PREFIX, Task
 
@@ -143,41 +144,6 @@ for _name, (_dataset, _config) in POSTTRAIN_FAMILIES.items():
 
 
 # --- parsing the spec ---------------------------------------------------------------------
-
-
-def split_top_level(text: str) -> list[str]:
-    """``text`` split at the commas outside parentheses, brackets and quotes, each part stripped.
-
-    >>> split_top_level("a(x=1,y=(2,3))=2, b")
-    ['a(x=1,y=(2,3))=2', 'b']
-    """
-    parts, depth, quote, start = [], 0, None, 0
-    for i, char in enumerate(text):
-        if quote is not None:
-            quote = None if char == quote else quote
-        elif char in "'\"":
-            quote = char
-        elif char in "([":
-            depth += 1
-        elif char in ")]":
-            depth -= 1
-        elif char == "," and depth == 0:
-            parts.append(text[start:i].strip())
-            start = i + 1
-    parts.append(text[start:].strip())
-    return parts
-
-
-def parse_value(text: str) -> Any:
-    """A setting's value: a Python literal, or else the bare word as a string.
-
-    >>> parse_value("4"), parse_value("('+', '-')"), parse_value("natural")
-    (4, ('+', '-'), 'natural')
-    """
-    try:
-        return ast.literal_eval(text)
-    except (ValueError, SyntaxError):
-        return text
 
 
 def parse_weight(family: str, text: str | None) -> float:
@@ -259,16 +225,9 @@ def parse_settings(family: str, text: str | None) -> dict[str, Any]:
     """``NAME=VALUE,...`` -> {name: value}, each checked by :func:`check_setting`."""
     if text is None:
         return {}
-    settings: dict[str, Any] = {}
-    for item in split_top_level(text):
-        name, equals, value_text = item.partition("=")
-        name = name.strip()
-        if not equals or not name or not value_text.strip():
-            raise ConfigError(f"task: setting {item!r} of reasoning-gym family {family!r} is not NAME=VALUE")
-        if name in settings:
-            raise ConfigError(f"task: setting {name!r} of reasoning-gym family {family!r} is given twice")
-        settings[name] = parse_value(value_text.strip())
-        check_setting(family, name, settings[name])
+    settings = parse_setting_text(text, f"reasoning-gym family {family!r}", "task")
+    for name, value in settings.items():
+        check_setting(family, name, value)
     return settings
 
 
