@@ -1,10 +1,13 @@
 """posttrain: post-training language models with reinforcement learning and preference optimization.
 
-From Python: ``posttrain.train(...)`` runs a training (:mod:`posttrain.training.api`); ``posttrain.algorithm``
-returns a preset; the ``register_*`` functions add presets and the pieces they name
+From Python: ``posttrain.train(...)`` runs a training, watched by ``posttrain.Callback`` objects, and
+``posttrain.evaluate(...)`` scores a model as ``posttrain eval`` does (:mod:`posttrain.training.api`);
+``posttrain.algorithm`` returns a preset; the ``register_*`` functions add presets and the pieces they name
 (:mod:`posttrain.algorithms.registry`), and ``register_reward`` a reward that ``--reward NAME`` names
 (:mod:`posttrain.data.rewards`); ``posttrain.functional`` holds the math as pure functions.
 """
+
+import importlib
 
 __version__ = "0.1.0"
 
@@ -23,14 +26,17 @@ from posttrain.algorithms.registry import (  # noqa: E402
 )
 from posttrain.data.rewards import REWARDS, register_reward  # noqa: E402
 
-__all__ = ["ALGORITHMS", "REWARDS", "OnlineAlgorithm", "PreferenceAlgorithm", "SupervisedAlgorithm", "algorithm",
-           "register_advantage", "register_algorithm", "register_policy_loss", "register_preference_loss",
-           "register_reward", "train", "__version__"]
+__all__ = ["ALGORITHMS", "REWARDS", "Callback", "OnlineAlgorithm", "PreferenceAlgorithm", "SupervisedAlgorithm",
+           "algorithm", "register_advantage", "register_algorithm", "register_policy_loss", "register_preference_loss",
+           "register_reward", "evaluate", "train", "__version__"]
+
+
+_LAZY = {"train": "posttrain.training.api", "evaluate": "posttrain.training.api",
+         "Callback": "posttrain.training.runner"}
+"""Names imported on first use: they import the trainers (transformers), which ``import posttrain`` need not."""
 
 
 def __getattr__(name: str):
-    if name == "train":  # on first use: it imports the trainers (transformers), which `import posttrain` need not
-        from posttrain.training.api import train
-
-        return train
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
     raise AttributeError(f"module 'posttrain' has no attribute {name!r}")

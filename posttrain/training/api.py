@@ -1,10 +1,12 @@
 """``posttrain.train(...)``: training from Python, with what TRL users pass.
 
-The CLI builds a :class:`~posttrain.config.Config` from flags and calls :func:`train` with it; from
-Python the same function also takes a model object (or a path or built-in name), a dataset (rows, a
+The CLI builds a :class:`~posttrain.config.Config` from flags and calls :func:`run` with it; from
+Python, :func:`train` also takes a model object (or a path or built-in name), a dataset (rows, a
 Hugging Face ``Dataset``, a pandas ``DataFrame``, or a file), reward callables with TRL's signature
-``fn(prompts, completions, **columns) -> list[float]``, a preset name and any config field or preset
-setting as keyword arguments. It returns the run directory and the held-out metrics before and after.
+``fn(prompts, completions, **columns) -> list[float]`` or rewards by name, a preset name, callbacks
+that watch the run and may stop it (:class:`~posttrain.training.runner.Callback`), and any config field
+or preset setting as keyword arguments. It returns the run directory and the held-out metrics before
+and after.
 
 Decisions:
 
@@ -22,7 +24,7 @@ import dataclasses
 import inspect
 import json
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -31,6 +33,7 @@ from torch import nn
 from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.config import Config, ConfigError, load_yaml
 from posttrain.parallel.allocator import keep_freed_memory
+from posttrain.training.runner import Callback, run_training
 from posttrain.training.setup import Inputs
 
 
@@ -38,7 +41,7 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
           tokenizer: Any = None, algorithm: str | None = None, train_dataset: Any = None, eval_dataset: Any = None,
           reward_funcs: Callable | str | Iterable[Callable | str] | None = None,
           tools: Callable | str | Iterable[Callable | str] | None = None, environment: type | str | None = None,
-          **fields: Any) -> dict[str, Any]:
+          callbacks: Iterable[Callback] = (), **fields: Any) -> dict[str, Any]:
     """Train a model; returns ``{"run_dir": Path, "before": {...}, "after": {...}}`` (held-out metrics).
 
     Args:
@@ -50,21 +53,27 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
         train_dataset, eval_dataset: a file (JSONL, JSON, Parquet, CSV, ``hf:NAME``) or rows: a list of
             dicts, a Hugging Face ``Dataset`` or a pandas ``DataFrame``. Online presets read ``prompt`` and
             whatever columns the rewards take; preference presets ``prompt``, ``chosen``, ``rejected``.
-        reward_funcs: callables with TRL's signature, or ``FILE.py:FUNCTION`` specs, one or several.
+        reward_funcs: callables with TRL's signature, rewards by name (``"numeric_match"``,
+            ``"length_penalty(max_chars=400)"``: :data:`posttrain.REWARDS`) or ``FILE.py:FUNCTION`` specs, one
+            or several.
         tools: functions the policy may call (type hints and a docstring describe them to a chat template),
             or ``FILE.py:FUNCTION`` specs: each completion becomes a multi-turn episode (``max_turns``,
             ``tool_format``, ``tool_timeout``, ``tool_errors``).
         environment: an environment class (``reset(row)``, ``step(turn) -> Step``:
             :mod:`posttrain.data.environments`) or a ``FILE.py:CLASS`` spec: each completion is an episode
             the environment answers turn by turn, up to ``max_turns``; its reward is added to the rewards.
+        callbacks: :class:`posttrain.Callback` objects: each sees every step's metrics
+            (``on_step(step, metrics)``; returning True stops the run after that step, which then ends as at
+            ``max_steps``), every evaluation's (``on_evaluate``) and the result (``on_train_end``).
         **fields: any config field or preset setting, e.g. ``max_steps=50``, ``learning_rate=1e-5``,
             ``beta=0.04``, ``lora_r=16`` (``posttrain train --help`` lists them).
     """
+    callbacks = _checked_callbacks(callbacks)
     if isinstance(config, Config):
         if not (fields or model is not None or tokenizer is not None or algorithm is not None
                 or train_dataset is not None or eval_dataset is not None or reward_funcs is not None
                 or tools is not None or environment is not None):
-            return run(config)
+            return run(config, callbacks=callbacks)
         flat = config.to_flat()
     elif isinstance(config, (str, Path)):
         flat = load_yaml(config)
@@ -87,7 +96,20 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
                 flat[key] = dataset_path(dataset, output / "inputs" / f"{name}.jsonl", f"{name}_dataset")
     inputs = _record_rewards(flat, inputs, _as_list(reward_funcs))
     inputs = _record_episodes(flat, inputs, _as_list(tools), environment)
-    return run(Config.from_flat(flat), inputs)
+    return run(Config.from_flat(flat), inputs, callbacks)
+
+
+def _checked_callbacks(callbacks: Iterable[Callback]) -> tuple[Callback, ...]:
+    """The callbacks as a tuple; a ConfigError naming one that lacks a method of :class:`Callback`."""
+    if isinstance(callbacks, Callback):
+        raise ConfigError("callbacks: give a list of callbacks, e.g. callbacks=[my_callback]")
+    checked = tuple(callbacks)
+    for number, callback in enumerate(checked, start=1):
+        if not isinstance(callback, Callback):
+            missing = [name for name in ("on_step", "on_evaluate", "on_train_end") if not callable(getattr(callback, name, None))]
+            raise ConfigError(f"callbacks: callback {number} ({type(callback).__name__}) has no {', '.join(missing)}; "
+                              "subclass posttrain.Callback, whose methods do nothing until overridden")
+    return checked
 
 
 def _record_rewards(flat: dict[str, Any], inputs: Inputs, funcs: list[Callable | str]) -> Inputs:
@@ -134,27 +156,32 @@ def _record_episodes(flat: dict[str, Any], inputs: Inputs, tools: list[Callable 
     return inputs
 
 
-def run(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
-    """Route a config to its trainer (online, preference, SFT or reward model) and run it."""
+def run(config: Config, inputs: Inputs = Inputs(), callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
+    """Route a config to its trainer (online, preference, SFT or reward model) and run it, watched by
+    ``callbacks``."""
     keep_freed_memory()  # about a third less CPU time per step on CPU (posttrain/parallel/allocator.py)
     preset = config.preset()
     if isinstance(preset, SupervisedAlgorithm) and preset.objective == "sft":
-        from posttrain.training.sft import train_sft
+        from posttrain.training import sft
 
-        return train_sft(config, inputs)
-    if isinstance(preset, SupervisedAlgorithm):
-        from posttrain.training.reward_model import train_reward_model
+        session, train_step, evaluate_held_out = sft.SFTSession.create(config, inputs), sft.train_step, sft.evaluate
+    elif isinstance(preset, SupervisedAlgorithm):
+        from posttrain.training import reward_model
 
-        return train_reward_model(config, inputs)
-    if isinstance(preset, PreferenceAlgorithm):
-        from posttrain.training.preference import train_preference
+        session, train_step, evaluate_held_out = (reward_model.RewardModelSession.create(config, inputs),
+                                                  reward_model.train_step, reward_model.evaluate)
+    elif isinstance(preset, PreferenceAlgorithm):
+        from posttrain.training import preference
 
-        return train_preference(config, inputs)
-    from posttrain.training.online import train_step
-    from posttrain.training.runner import run_training
-    from posttrain.training.session import OnlineSession, evaluate
+        session, train_step, evaluate_held_out = (preference.PreferenceSession.create(config, inputs),
+                                                  preference.train_step, preference.evaluate)
+    else:
+        from posttrain.training import online
+        from posttrain.training.session import OnlineSession
+        from posttrain.training.session import evaluate as evaluate_online
 
-    return run_training(OnlineSession.create(config, inputs), config, train_step, evaluate)
+        session, train_step, evaluate_held_out = OnlineSession.create(config, inputs), online.train_step, evaluate_online
+    return run_training(session, config, train_step, evaluate_held_out, callbacks)
 
 
 def dataset_path(dataset: Any, path: Path, field: str) -> str:

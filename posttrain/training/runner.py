@@ -12,15 +12,21 @@ only rank 0 writes the run directory and evaluates, the others wait for it and
 log nothing. A checkpoint holds the model once, every process's surplus groups
 and rank 0's random generators, so a run resumes with any process count (the
 other processes' generators are re-seeded from the seed, the step and their rank).
+
+A Python caller watches the run, and may stop it, with :class:`Callback` objects
+(``posttrain.train(..., callbacks=[...])``): they see every step's logged metrics and every
+evaluation's. A run a callback stops ends as one that reached ``max_steps`` does: evaluated on every
+held-out prompt, checkpointed, its final model saved; ``--resume`` continues it.
 """
 
 from __future__ import annotations
 
 import sys
 import time
+from collections.abc import Sequence
 from functools import partial
 from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 from posttrain.config import Config, save_yaml
 from posttrain.models.lora import merged_for_saving
@@ -40,6 +46,33 @@ from posttrain.training.checkpoint import (
 from posttrain.training.setup import Trainer
 
 T = TypeVar("T", bound=Trainer)
+
+
+@runtime_checkable
+class Callback(Protocol):
+    """Watches a run from Python, and may stop it (TRL's ``TrainerCallback``, reduced to what is needed).
+
+    Subclass it for no-op defaults and override what you need, or write any object with these three
+    methods. The metrics are those ``metrics.jsonl`` logs at that step (names such as ``loss``,
+    ``reward/mean``, ``eval/accuracy``), as floats; a callback gets a copy, so changing it changes no log.
+    In a run of several processes every process calls its own callbacks, and a stop asked on any process
+    stops them all.
+    """
+
+    def on_step(self, step: int, metrics: dict[str, float]) -> bool | None:
+        """After optimizer step ``step`` (1, 2, ...) is logged, checkpointed when due, with what it logged
+        (an evaluation's metrics too at an evaluation step). Return True to stop the run after this step:
+        it ends as at ``max_steps``, with an evaluation on every held-out prompt, a checkpoint and the
+        final model."""
+        return None
+
+    def on_evaluate(self, step: int, metrics: dict[str, float]) -> None:
+        """After each held-out evaluation: at step 0 (before training; not on a resume), every
+        ``eval_every`` steps, and the last one. A run without a held-out set has none."""
+
+    def on_train_end(self, result: dict[str, Any]) -> None:
+        """After the final model is saved, with what :func:`posttrain.train` returns: ``run_dir``,
+        ``before`` and ``after`` (the held-out metrics)."""
 
 
 def open_run_dir(config: Config) -> Path:
@@ -100,6 +133,22 @@ def evaluate_on_main(evaluate: Callable[[T, int | None], dict[str, float]], sess
         return distributed.on_main(evaluate, session, limit)
 
 
+def _evaluate_and_tell(evaluate: Callable[[T, int | None], dict[str, float]], callbacks: Sequence[Callback],
+                       session: T, limit: int | None = None) -> dict[str, float]:
+    """:func:`evaluate_on_main`, its metrics (when there is a held-out set) handed to every callback."""
+    metrics = evaluate_on_main(evaluate, session, limit)
+    for callback in callbacks if metrics else ():
+        callback.on_evaluate(session.step, dict(metrics))
+    return metrics
+
+
+def _asks_to_stop(callbacks: Sequence[Callback], step: int, metrics: dict[str, float]) -> bool:
+    """Every callback's ``on_step`` (each one sees the step, whatever the others answer); whether any
+    callback on any process asked to stop."""
+    answers = [callback.on_step(step, dict(metrics)) for callback in callbacks]
+    return distributed.any_true(any(answer is True for answer in answers))
+
+
 def restore(session: Trainer, run_dir: Path) -> int:
     """Load the latest intact checkpoint of ``run_dir`` into the session; return its step. A checkpoint whose
     files fail their sha256 (a disk error, a copy cut short) is skipped with a warning for the one before it."""
@@ -119,17 +168,22 @@ def restore(session: Trainer, run_dir: Path) -> int:
 
 
 def run_training(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
-                 evaluate: Callable[[T, int | None], dict[str, float]]) -> dict[str, Any]:
+                 evaluate: Callable[[T, int | None], dict[str, float]],
+                 callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Drive ``train_step(session)`` to ``max_steps`` with ``evaluate(session, limit)`` every ``eval_every``
-    steps (the first ``limit`` held-out prompts; None: all), logging and checkpoints."""
+    steps (the first ``limit`` held-out prompts; None: all), logging and checkpoints; ``callbacks`` watch
+    it and may stop it (:class:`Callback`)."""
     try:
-        return _run(session, config, train_step, evaluate)
+        result = _run(session, config, train_step, evaluate, callbacks)
     finally:
         session.close()
+    for callback in callbacks:
+        callback.on_train_end(dict(result))
+    return result
 
 
 def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
-         evaluate: Callable[[T, int | None], dict[str, float]]) -> dict[str, Any]:
+         evaluate: Callable[[T, int | None], dict[str, float]], callbacks: Sequence[Callback]) -> dict[str, Any]:
     run = config.run
     run_dir = distributed.on_main(open_run_dir, config)
     start = restore(session, run_dir) if run.resume else 0
@@ -137,7 +191,7 @@ def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]]
     if distributed.is_main():
         logger = MetricsLogger.open(run_dir, report_to=run.report_to, project=run.project,
                                     config=config.to_flat(), resume_step=start if run.resume else None)
-    evaluate = partial(evaluate_on_main, evaluate)
+    evaluate = partial(_evaluate_and_tell, evaluate, callbacks)
     first = {}
     if not run.resume:
         first = evaluate(session)
@@ -169,9 +223,12 @@ def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]]
                 saved_at = step
             progress.update(1)
             progress.set_postfix(_postfix(metrics), refresh=False)
+            if _asks_to_stop(callbacks, step, metrics) and step < run.max_steps:
+                _say(f"stopping at step {step}: a callback asked to")
+                break
         progress.close()
-        if evaluated_at != session.step:  # stopped by max_minutes (its last evaluation, if any, scored the
-            # subset): the run's result is every held-out prompt, logged like any other
+        if evaluated_at != session.step:  # stopped by max_minutes or a callback (its last evaluation, if any,
+            # scored the subset): the run's result is every held-out prompt, logged like any other
             last_eval = evaluate(session)
             if last_eval:
                 logger.log(session.step, last_eval)
