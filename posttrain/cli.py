@@ -5,9 +5,12 @@
     posttrain algorithms [NAME ...]
 
 Every config field and every preset field is a flag (``--learning-rate``,
-``--eps-high``; ``--learning_rate`` as in TRL works too); precedence is defaults <
-``--config`` YAML < flags. With
-``--resume RUN_DIR`` the run's saved config is the base.
+``--eps-high``; ``--learning_rate`` as in TRL works too), and so is every TRL name
+posttrain translates (:mod:`posttrain.config.trl`); precedence is defaults <
+``--config`` YAML < flags. With ``--resume RUN_DIR`` the run's saved config is the base.
+``train -h`` shows the flags most runs need, ``train --help-all`` every one. Every problem
+of a command line (its fields, values, dataset and tasks) is reported at once, before any
+model loads.
 """
 
 from __future__ import annotations
@@ -20,11 +23,15 @@ import typing
 from pathlib import Path
 from typing import Any, Sequence
 
+import yaml
+
 from posttrain.config import (
     SECTIONS,
     Config,
     ConfigError,
     load_yaml,
+    resolve,
+    trl,
     unknown_field_hint,
     upgrade_saved_config,
 )
@@ -39,20 +46,14 @@ from posttrain.report.compare import (
 
 
 def _parse_value(text: str) -> Any:
-    """Flag text to a Python value for preset fields (types vary per preset)."""
-    lowered = text.lower()
-    if lowered in ("none", "null"):
+    """Flag text to a Python value as YAML reads it (``0.2``, ``true``, ``none``, ``[sigmoid]``), for TRL's
+    names, whose types posttrain's fields do not give."""
+    if text.lower() in ("none", "null"):
         return None
-    if lowered in ("true", "false"):
-        return lowered == "true"
-    if "," in text:
-        return tuple(_parse_value(part) for part in text.split(","))
-    for kind in (int, float):
-        try:
-            return kind(text)
-        except ValueError:
-            pass
-    return text
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError:
+        return text
 
 
 def _flag_type(annotation: Any):
@@ -65,7 +66,6 @@ def _flag_type(annotation: Any):
 
 
 def _add_config_flags(parser: argparse.ArgumentParser) -> None:
-    hints = {}
     for title, klass in SECTIONS.items():
         group = parser.add_argument_group(f"{title.replace('_', '-')} options", klass.__doc__ if klass.__doc__
                                           and not klass.__doc__.startswith(klass.__name__ + "(") else None)
@@ -91,25 +91,100 @@ def _strip_none(annotation: Any) -> Any:
     return annotation
 
 
-def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
+def _preset_kinds() -> dict[str, type]:
     from posttrain.algorithms.presets import (
         OnlineAlgorithm,
         PreferenceAlgorithm,
         SupervisedAlgorithm,
-        field_help,
     )
+
+    return {"online": OnlineAlgorithm, "preference": PreferenceAlgorithm, "supervised": SupervisedAlgorithm}
+
+
+@dataclasses.dataclass(frozen=True)
+class PresetFlag:
+    """How a preset field reads from the command line: its type's name, its choices, None allowed."""
+
+    kind: type  # bool, int, float, str or tuple (of floats)
+    choices: tuple[str, ...] = ()
+    optional: bool = False
+
+    @property
+    def metavar(self) -> str:
+        shown = "{" + ",".join(self.choices) + "}" if self.choices else {
+            int: "INT", float: "FLOAT", str: "NAME", tuple: "LOW,HIGH"}[self.kind]
+        return shown + ("|none" if self.optional else "")
+
+    def parse(self, text: str) -> Any:
+        """``text`` as this field's value; an argparse error that names the type and the choices."""
+        if self.optional and text.lower() in ("none", "null"):
+            return None
+        try:
+            if self.kind is tuple:
+                return tuple(float(part) for part in text.split(","))
+            value = self.kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"got {text!r}; use {self.metavar}") from None
+        if self.choices and value not in self.choices:
+            raise argparse.ArgumentTypeError(f"got {text!r}; use one of {', '.join(self.choices)}"
+                                             + (" or none" if self.optional else ""))
+        return value
+
+
+def preset_flag(annotations: Sequence[Any]) -> PresetFlag:
+    """The flag of a preset field from its annotations in the preset kinds that have it (``float | None``,
+    ``Literal['token', 'sequence']``, ``tuple[float, float] | None``, ``bool``)."""
+    optional, kinds, choices = False, [], []
+    for annotation in annotations:
+        is_union = typing.get_origin(annotation) in (typing.Union, types.UnionType)
+        args = typing.get_args(annotation) if is_union else (annotation,)
+        optional |= type(None) in args
+        for arg in (a for a in args if a is not type(None)):
+            if typing.get_origin(arg) is typing.Literal:
+                kinds.append(str)
+                choices.extend(typing.get_args(arg))
+            else:
+                kinds.append(typing.get_origin(arg) or arg)
+    kind = float if set(kinds) == {int, float} else kinds[0]
+    return PresetFlag(kind, tuple(dict.fromkeys(choices)), optional)
+
+
+def _add_preset_flags(parser: argparse.ArgumentParser) -> None:
+    from posttrain.algorithms.presets import field_help
 
     group = parser.add_argument_group("algorithm options (override the preset's defaults; "
                                       "posttrain algorithms NAME lists a preset's settings)")
     config_fields = {f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)}
-    kinds = {"online": field_help(OnlineAlgorithm), "preference": field_help(PreferenceAlgorithm),
-             "supervised": field_help(SupervisedAlgorithm)}
-    for name in dict.fromkeys(name for texts in kinds.values() for name in texts):
+    kinds = {kind: (field_help(record), typing.get_type_hints(record)) for kind, record in _preset_kinds().items()}
+    for name in dict.fromkeys(name for texts, _ in kinds.values() for name in texts):
         if name in config_fields:
             continue
-        meanings = [f"{kind} presets: {texts[name]}" for kind, texts in kinds.items() if name in texts]
-        group.add_argument("--" + name.replace("_", "-"), type=_parse_value, default=argparse.SUPPRESS,
-                           metavar="VALUE", help=" | ".join(meanings) + " " + _preset_defaults(name))
+        meanings = [f"{kind} presets: {texts[name]}" for kind, (texts, _) in kinds.items() if name in texts]
+        flag = preset_flag([hints[name] for texts, hints in kinds.values() if name in texts])
+        help_text = " | ".join(meanings) + " " + _preset_defaults(name)
+        if flag.kind is bool:
+            group.add_argument("--" + name.replace("_", "-"), action=argparse.BooleanOptionalAction,
+                               default=argparse.SUPPRESS, help=help_text)
+        else:
+            group.add_argument("--" + name.replace("_", "-"), type=flag.parse, default=argparse.SUPPRESS,
+                               metavar=flag.metavar, help=help_text)
+
+
+def _boolean_flags() -> frozenset[str]:
+    """The ``--x/--no-x`` flags of config and preset fields (for the older ``--x true`` spelling)."""
+    names = {f.name for klass in SECTIONS.values() for f in dataclasses.fields(klass)
+             if typing.get_type_hints(klass)[f.name] is bool}
+    names |= {name for record in _preset_kinds().values() for name, hint in typing.get_type_hints(record).items()
+              if hint is bool}
+    return frozenset("--" + name.replace("_", "-") for name in names)
+
+
+def _add_trl_flags(parser: argparse.ArgumentParser) -> None:
+    """TRL's names (``--per_device_train_batch_size 4``), hidden from the help: resolve_config translates them,
+    with a note, or reports the ones without an equivalent (posttrain.config.trl). ``--bf16`` alone is true."""
+    for name in sorted({*trl.RENAMED, *trl.TRANSLATED, *trl.BATCH_NAMES, *trl.NO_EQUIVALENT}):
+        parser.add_argument("--" + name.replace("_", "-"), dest=name, type=_parse_value, nargs="?", const=True,
+                            default=argparse.SUPPRESS, help=argparse.SUPPRESS)
 
 
 def _preset_defaults(setting: str) -> str:
@@ -123,6 +198,50 @@ def _preset_defaults(setting: str) -> str:
             by_value.setdefault(repr(getattr(preset, setting)), []).append(preset.name)
     common, *others = sorted(by_value, key=lambda value: -len(by_value[value]))
     return "[default: " + "; ".join([common, *(f"{', '.join(by_value[v])}: {v}" for v in others)]) + "]"
+
+
+COMMON_FLAGS = ("--algorithm", "--config", "--model", "--task", "--dataset", "--eval-dataset", "--reward",
+                "--max-new-tokens", "--max-steps", "--learning-rate", "--prompts-per-step", "--group-size",
+                "--pairs-per-step", "--lora-r", "--mixed-precision", "--device", "--eval-every", "--output",
+                "--resume", "--seed")
+"""The flags ``train -h`` shows: those the README's runs use."""
+
+TRAIN_EXAMPLES = """examples:
+  posttrain train --algorithm dapo --max-steps 200 --output runs/dapo
+  posttrain train --algorithm grpo --model path/to/hf-model --dataset prompts.jsonl \\
+      --reward my_rewards.py:correct --max-new-tokens 256 --lora-r 16
+  posttrain train --algorithm dpo --config dpo.yaml --beta 0.2    # a YAML config (TRL's names work), flags win
+
+posttrain train --help-all shows every field and preset setting; posttrain algorithms lists the presets."""
+
+
+class _ShortHelp(argparse.Action):
+    """``-h``: the flags most runs need and three examples (``--help-all``: every flag)."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        actions = {option: action for action in parser._actions for option in action.option_strings}
+        formatter = parser._get_formatter()
+        formatter.add_usage("%(prog)s [--FIELD VALUE ...]" % {"prog": parser.prog}, [], [])
+        formatter.add_text(parser.description)
+        formatter.start_section("common options")
+        formatter.add_arguments([actions[flag] for flag in COMMON_FLAGS if flag in actions])
+        formatter.end_section()
+        print(formatter.format_help() + "\n" + TRAIN_EXAMPLES)  # the examples as written, not re-wrapped
+        parser.exit()
+
+
+class _FullHelp(argparse.Action):
+    """``--help-all``: every config field, preset setting and option."""
+
+    def __init__(self, option_strings: Sequence[str], dest: str = argparse.SUPPRESS, **kwargs: Any) -> None:
+        super().__init__(option_strings, dest=dest, default=argparse.SUPPRESS, nargs=0, **kwargs)
+
+    def __call__(self, parser: argparse.ArgumentParser, *args: Any, **kwargs: Any) -> None:
+        parser.print_help()
+        parser.exit()
 
 
 def _add_compare_parsers(commands: Any) -> None:
@@ -155,11 +274,17 @@ def build_parser() -> argparse.ArgumentParser:
                                      "preference optimization.")
     commands = parser.add_subparsers(dest="command", required=True)
 
-    train = commands.add_parser("train", help="train a model (no arguments: the embedded default)")
-    train.add_argument("--algorithm", default=argparse.SUPPRESS, help="preset name (posttrain algorithms lists them)")
-    train.add_argument("--config", help="YAML file of field: value pairs")
+    train = commands.add_parser("train", help="train a model (no arguments: the embedded default)", add_help=False,
+                                description="Train a model: an online RL, preference or supervised preset on a "
+                                "built-in task or your dataset.")
+    train.add_argument("-h", "--help", action=_ShortHelp, help="the flags most runs need, and examples")
+    train.add_argument("--help-all", action=_FullHelp, help="every flag")
+    train.add_argument("--algorithm", default=argparse.SUPPRESS, help="preset name: grpo (default), dapo, ppo, "
+                       "dpo, sft, ...; posttrain algorithms lists them")
+    train.add_argument("--config", help="YAML file of field: value pairs (posttrain's names or TRL's)")
     _add_config_flags(train)
     _add_preset_flags(train)
+    _add_trl_flags(train)
 
     evaluate = commands.add_parser("eval", help="accuracy of a model on tasks or a dataset, with 95%% intervals; "
                                    "pass@1, pass@K and maj@K with --samples K")
@@ -198,7 +323,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
-    """Defaults < the resumed run's config < --config YAML < flags."""
+    """Defaults < the resumed run's config < --config YAML < flags; every problem at once in a ConfigError."""
+    return _resolve(args)[0]
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Config, list[str]]:
+    """The config and what each TRL name in it became; a ConfigError holding every problem of the fields,
+    their values, the dataset and the tasks, one per line (all that can be known before a model loads)."""
     flat: dict[str, Any] = {}
     options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     if "resume" in options:
@@ -206,7 +337,54 @@ def resolve_config(args: argparse.Namespace) -> Config:
     if args.config:
         flat.update(load_yaml(args.config))
     flat.update(options)
-    return Config.from_flat(flat)
+    resolved = resolve(flat)
+    problems = resolved.problems + _data_problems(resolved.flat)
+    if problems:
+        raise ConfigError(*problems)
+    return resolved.config, resolved.notes
+
+
+def _data_problems(flat: dict[str, Any]) -> list[str]:
+    """What a run's data would refuse before its model loads: unknown tasks, a dataset that cannot be read,
+    fewer prompts than one step samples. ``flat``: the config in posttrain's names (values may be invalid:
+    their own problems are reported beside these)."""
+    from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm
+    from posttrain.config import DataConfig, RolloutConfig
+    from posttrain.data.prompts import DataError, read_rows
+
+    online = isinstance(ALGORITHMS.get(flat.get("algorithm", "grpo")), OnlineAlgorithm)
+    dataset = flat.get("dataset")
+    eval_tasks = flat.get("eval_tasks") or ()
+    problems = _task_problems("eval_tasks", [eval_tasks] if isinstance(eval_tasks, str) else eval_tasks)
+    if online and dataset is None:
+        problems += _task_problems("task", [flat.get("task", DataConfig.task)])
+    if not isinstance(dataset, str):
+        return problems
+    try:
+        rows = read_rows(dataset, flat.get("dataset_config"), flat.get("dataset_split", DataConfig.dataset_split))
+    except (DataError, ConfigError) as error:
+        return [*problems, f"dataset: {error}"]
+    per_step = flat.get("prompts_per_step", RolloutConfig.prompts_per_step)
+    if online and isinstance(per_step, int) and per_step > len(rows):
+        problems.append(f"prompts_per_step: {per_step} is more than the {len(rows)} prompts of {dataset}; "
+                        f"use {len(rows)} or fewer")
+    return problems
+
+
+def _task_problems(field_name: str, names: Sequence[str]) -> list[str]:
+    """``field: unknown task ...`` for each name that is no task (without building the ones that are)."""
+    from posttrain.data.tasks import TASKS, get_task
+    from posttrain.data.tasks.task import GEM_PREFIX, REASONING_GYM_PREFIX
+
+    problems = []
+    for name in names:
+        if not isinstance(name, str) or name in TASKS or name.startswith((REASONING_GYM_PREFIX, GEM_PREFIX)):
+            continue
+        try:
+            get_task(name)  # raises at once for a name that is no task
+        except ValueError as error:
+            problems.append(f"{field_name}: {error}")
+    return problems
 
 
 def _run_config(run_dir: str) -> Path:
@@ -232,7 +410,8 @@ def _user_errors() -> tuple[type[BaseException], ...]:
 
 def _hyphenated(argv: Sequence[str]) -> list[str]:
     """Flags spelled with underscores (``--max_steps``) as posttrain's (``--max-steps``): transformers'
-    argument parser, which TRL's command line uses, takes both spellings."""
+    argument parser, which TRL's command line uses, takes both spellings. A boolean flag given a value in
+    the older style (``--dynamic-sampling false``) becomes ``--no-dynamic-sampling``."""
     tokens = list(argv)
     for i, token in enumerate(tokens):
         if token == "--":
@@ -240,7 +419,25 @@ def _hyphenated(argv: Sequence[str]) -> list[str]:
         if token.startswith("--"):
             name, equals, value = token.partition("=")
             tokens[i] = name.replace("_", "-") + equals + value
-    return tokens
+    return _boolean_values_as_flags(tokens)
+
+
+def _boolean_values_as_flags(tokens: list[str]) -> list[str]:
+    """``--x true`` -> ``--x``, ``--x false`` (or ``--x=false``) -> ``--no-x``, for the ``--x/--no-x`` flags."""
+    booleans, out, i = _boolean_flags(), [], 0
+    while i < len(tokens):
+        token = tokens[i]
+        if token == "--":
+            return out + tokens[i:]
+        name, equals, value = token.partition("=")
+        if name in booleans:
+            if not equals and i + 1 < len(tokens) and tokens[i + 1].lower() in ("true", "false"):
+                value, i = tokens[i + 1], i + 1
+            if value.lower() in ("true", "false"):
+                token = name if value.lower() == "true" else "--no-" + name[2:]
+        out.append(token)
+        i += 1
+    return out
 
 
 def _unrecognized(tokens: Sequence[str]) -> str:
@@ -272,6 +469,9 @@ def eval_command(args: argparse.Namespace) -> int:
     )
 
     tasks = args.task or ([] if args.dataset else ["addition"])
+    problems = _task_problems("task", tasks)
+    if problems:  # before the model loads, as train's are
+        raise ConfigError(*problems)
     spec = EvalSpec(tasks=tasks, dataset=args.dataset, reward=args.reward, reward_weights=args.reward_weights,
                     eval_size=args.eval_size, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
                     max_new_tokens=args.max_new_tokens, success_threshold=args.success_threshold, seed=args.seed)
@@ -307,17 +507,24 @@ def main(argv: Sequence[str] | None = None) -> int:
             return compare_command(args)
         if args.command == "report":
             return report_command(args)
-        try:
-            config = resolve_config(args)
-        except ValueError as error:  # an unknown preset, field or value: say which, no traceback
-            raise ConfigError(str(error)) from error
+        config, notes = _resolve(args)
+        for note in notes:  # what each TRL name became
+            print(f"posttrain: TRL's {note}", file=sys.stderr)
         from posttrain.training.api import run
 
         run(config)
         return 0
     except _user_errors() as error:
-        print(f"posttrain: error: {error}", file=sys.stderr)
+        print(_error_text(error), file=sys.stderr)
         return 2
+
+
+def _error_text(error: BaseException) -> str:
+    """One line for one problem; several (a ConfigError's) one per line under a count."""
+    problems = getattr(error, "problems", None) or [str(error)]
+    if len(problems) == 1:
+        return f"posttrain: error: {problems[0]}"
+    return f"posttrain: error: {len(problems)} problems:\n" + "\n".join(f"  {problem}" for problem in problems)
 
 
 if __name__ == "__main__":

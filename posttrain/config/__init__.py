@@ -28,6 +28,7 @@ from typing import Any
 import yaml
 
 from posttrain.algorithms.presets import ALGORITHMS, algorithm, setting_names
+from posttrain.config import trl
 from posttrain.config.sections import (
     CORRECTIONS,
     LR_SCHEDULES,
@@ -45,9 +46,9 @@ from posttrain.config.sections import (
     is_reward_name,
 )
 
-__all__ = ["CORRECTIONS", "LR_SCHEDULES", "SECTIONS", "TRL_NAMES", "Config", "ConfigError", "DataConfig",
+__all__ = ["CORRECTIONS", "LR_SCHEDULES", "SECTIONS", "Config", "ConfigError", "DataConfig",
            "EpisodeConfig", "ModelConfig", "OffPolicyConfig", "OptimConfig", "PreferenceConfig", "RolloutConfig",
-           "RunConfig", "absolute_path", "import_plugins", "is_reward_name", "load_yaml", "save_yaml", "unknown_field_hint",
+           "Resolved", "RunConfig", "absolute_path", "import_plugins", "is_reward_name", "load_yaml", "resolve", "save_yaml", "unknown_field_hint",
            "upgrade_saved_config"]
 
 
@@ -113,51 +114,76 @@ class Config:
 
     @classmethod
     def from_flat(cls, flat: dict[str, Any]) -> "Config":
-        """Build from a flat mapping; a key that is neither a config nor an algorithm field is an error."""
-        flat = dict(flat)
-        plugins = flat.get("plugin") or ()
-        import_plugins([plugins] if isinstance(plugins, str) else plugins)  # before the names they register are looked up
-        name = flat.pop("algorithm", "grpo")
-        preset_fields = set(setting_names(algorithm(name)))  # raises on an unknown name
-        sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
-        owner = {f.name: s for s, klass in SECTIONS.items() for f in fields(klass)}
-        overrides: dict[str, Any] = {}
-        for key, value in flat.items():
-            key = key.replace("-", "_")
-            if key in owner:
-                klass = SECTIONS[owner[key]]
-                sections[owner[key]][key] = _coerce_tuple(klass, key, value)
-            elif key in preset_fields:
-                overrides[key] = value
-            else:
-                raise _unknown_field(key, name, sorted(owner) + sorted(preset_fields))
-        preset_rate = getattr(algorithm(name), "default_learning_rate", None)
-        if preset_rate is not None and "learning_rate" not in sections["optim"]:
-            sections["optim"]["learning_rate"] = preset_rate  # the preset's, where none is given
-        config = cls(
-            algorithm=name,
-            overrides=overrides,
-            **{s: SECTIONS[s](**values) for s, values in sections.items()},
-        )
-        config.preset()  # validate the overrides now, before any model is loaded
-        return config
+        """Build from a flat mapping (posttrain's names or TRL's, :mod:`posttrain.config.trl`); every problem
+        of every field is reported at once, one per line, in a ConfigError."""
+        resolved = resolve(flat)
+        if resolved.problems:
+            raise ConfigError(*resolved.problems)
+        return resolved.config
 
 
-TRL_NAMES = {
-    "output_dir": "output",
-    "num_generations": "group_size",
-    "max_completion_length": "max_new_tokens",
-    "lr_scheduler_type": "lr_schedule",
-    "num_iterations": "num_epochs",
-    "steps_per_generation": "mini_batches",
-    "epsilon_high": "eps_high",
-    "save_steps": "save_every",
-    "eval_steps": "eval_every",
-    "bf16": "mixed_precision",
-}
-"""TRL's (and transformers' ``TrainingArguments``) names for fields posttrain names otherwise, for the
-error that meets a config brought from TRL. They are hints, not aliases: one name per setting keeps
-saved configs and resumed runs unambiguous."""
+@dataclass
+class Resolved:
+    """A flat mapping resolved: the config (None when any problem), the mapping in posttrain's names, what
+    each TRL name became, and every problem found."""
+
+    config: Config | None
+    flat: dict[str, Any]
+    notes: list[str]
+    problems: list[str]
+
+
+def resolve(flat: dict[str, Any]) -> Resolved:
+    """Translate TRL's names, sort the fields into sections, and build them, collecting every problem
+    (unknown fields, invalid values of each section and of the preset, combinations) instead of
+    stopping at the first; a key that is neither a config nor an algorithm field is a problem."""
+    flat = {key.replace("-", "_"): value for key, value in flat.items()}
+    plugins = flat.get("plugin") or ()
+    import_plugins([plugins] if isinstance(plugins, str) else plugins)  # before the names they register are looked up
+    name = flat.pop("algorithm", "grpo")
+    try:
+        preset = algorithm(name)
+    except ValueError as error:  # an unknown preset: nothing else can be checked against it
+        return Resolved(None, flat, [], [f"algorithm: {error}"])
+    translated = trl.translate(flat, preset)
+    problems = list(translated.problems)
+    preset_fields = set(setting_names(preset))
+    owner = {f.name: s for s, klass in SECTIONS.items() for f in fields(klass)}
+    sections: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+    overrides: dict[str, Any] = {}
+    for key, value in translated.flat.items():
+        if key in owner:
+            sections[owner[key]][key] = _coerce_tuple(SECTIONS[owner[key]], key, value)
+        elif key in preset_fields:
+            overrides[key] = value
+        else:
+            problems.append(str(_unknown_field(key, name, sorted(owner) + sorted(preset_fields))))
+    preset_rate = getattr(preset, "default_learning_rate", None)
+    if preset_rate is not None and "learning_rate" not in sections["optim"]:
+        sections["optim"]["learning_rate"] = preset_rate  # the preset's, where none is given
+    built = {}
+    for section, values in sections.items():
+        try:
+            built[section] = SECTIONS[section](**values)
+        except (ConfigError, TypeError) as error:
+            problems.extend(_problems_of(error))
+    try:
+        algorithm(name, **overrides)  # validate the overrides now, before any model is loaded
+    except (ValueError, TypeError) as error:
+        problems.append(str(error))
+    config = None
+    if len(built) == len(SECTIONS):
+        try:
+            config = Config(algorithm=name, overrides=overrides, **built)
+        except ConfigError as error:
+            problems.extend(error.problems)
+    translated_flat = {"algorithm": name, **translated.flat}
+    return Resolved(None if problems else config, translated_flat, translated.notes, problems)
+
+
+def _problems_of(error: Exception) -> list[str]:
+    """The lines of a section's error (a ConfigError holds several; a TypeError is a wrong value type)."""
+    return list(error.problems) if isinstance(error, ConfigError) else [str(error)]
 
 
 def _unknown_field(key: str, algorithm_name: str, valid: Sequence[str]) -> ConfigError:
@@ -188,8 +214,6 @@ def unknown_field_hint(key: str, valid: Sequence[str]) -> str:
     """What to say after "unknown field KEY": posttrain's name for a TRL field, an abbreviation or a renamed
     field, or the closest valid name."""
     key = key.replace("-", "_")
-    if key in TRL_NAMES:
-        return f" (TRL's name; posttrain calls it {TRL_NAMES[key]!r})"
     if key in SHORT_NAMES:
         return f" (did you mean {SHORT_NAMES[key]!r}?)"
     if key in RENAMED_FIELDS:

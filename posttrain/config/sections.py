@@ -21,7 +21,12 @@ def _help(text: str, default: Any = None, **kw: Any) -> Any:
 
 
 class ConfigError(ValueError):
-    """A configuration value is invalid; the message names the field and the fix."""
+    """A configuration value is invalid; the message names the field and the fix. ``problems`` holds one
+    line per problem when several are reported at once (the message is those lines)."""
+
+    def __init__(self, *problems: str) -> None:
+        super().__init__("\n".join(problems))
+        self.problems = list(problems)
 
 
 def _require(ok: bool, field_name: str, message: str) -> None:
@@ -34,6 +39,40 @@ def is_reward_name(spec: str) -> bool:
     a function in a file, ``FILE.py:FUNCTION``; the name is looked up where the rewards are loaded
     (posttrain.data.rewards.load_reward)."""
     return re.fullmatch(r"\s*[A-Za-z_]\w*\s*(\(.*\))?\s*", spec, re.DOTALL) is not None
+
+
+class Checks:
+    """A section's problems, collected so that a config reports all of them at once, not one per run."""
+
+    def __init__(self) -> None:
+        self.problems: list[str] = []
+
+    def __call__(self, ok: bool, field_name: str, message: str) -> None:
+        if not ok:
+            self.problems.append(f"{field_name}: {message}")
+
+    def raise_any(self) -> None:
+        if self.problems:
+            raise ConfigError(*self.problems)
+
+
+DATA_FILE_SUFFIXES = (".jsonl", ".json", ".parquet", ".csv")
+"""File types a dataset may be read from; a name with one of them is a file, never a hub id."""
+
+HUB_PREFIX = "hf:"
+_HUB_ID = re.compile(r"[A-Za-z0-9][\w.-]*(/[A-Za-z0-9][\w.-]*)?")
+
+
+def hub_dataset_name(source: str) -> str | None:
+    """The Hugging Face dataset that ``source`` names, or None when it names a file.
+
+    ``hf:NAME`` is always a hub id; otherwise a path that exists, or ends in a data-file suffix, is a
+    file, and ``name`` or ``owner/name`` (letters, digits, ``-``, ``_``, ``.``) is a hub id."""
+    if source.startswith(HUB_PREFIX):
+        return source[len(HUB_PREFIX):]
+    if Path(source).exists() or source.endswith(DATA_FILE_SUFFIXES) or not _HUB_ID.fullmatch(source):
+        return None
+    return source
 
 
 @dataclass(frozen=True)
@@ -71,18 +110,20 @@ class ModelConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.dtype in ("float32", "bfloat16"), "dtype", f"got {self.dtype!r}; use float32 or bfloat16")
-        _require(self.mixed_precision in ("no", "bf16"), "mixed_precision", f"got {self.mixed_precision!r}; use no or bf16")
-        _require(self.mixed_precision == "no" or self.dtype == "float32", "mixed_precision",
+        require = Checks()
+        require(self.dtype in ("float32", "bfloat16"), "dtype", f"got {self.dtype!r}; use float32 or bfloat16")
+        require(self.mixed_precision in ("no", "bf16"), "mixed_precision", f"got {self.mixed_precision!r}; use no or bf16")
+        require(self.mixed_precision == "no" or self.dtype == "float32", "mixed_precision",
                  f"bf16 computes float32 weights in bfloat16; with dtype {self.dtype} they already are "
                  "(use dtype float32 with mixed_precision bf16, or mixed_precision no)")
-        _require(self.device in ("cpu", "cuda", "auto"), "device", f"got {self.device!r}; use cpu, cuda or auto")
-        _require(self.lora_r >= 0, "lora_r", f"got {self.lora_r}; use 0 (off) or a positive rank")
-        _require(self.lora_alpha > 0, "lora_alpha", f"got {self.lora_alpha}; use a value > 0")
-        _require(0 <= self.lora_dropout < 1, "lora_dropout", f"got {self.lora_dropout}; use a value in [0, 1)")
-        _require(not (self.offload_reference and self.lora_r), "offload_reference",
+        require(self.device in ("cpu", "cuda", "auto"), "device", f"got {self.device!r}; use cpu, cuda or auto")
+        require(self.lora_r >= 0, "lora_r", f"got {self.lora_r}; use 0 (off) or a positive rank")
+        require(self.lora_alpha > 0, "lora_alpha", f"got {self.lora_alpha}; use a value > 0")
+        require(0 <= self.lora_dropout < 1, "lora_dropout", f"got {self.lora_dropout}; use a value in [0, 1)")
+        require(not (self.offload_reference and self.lora_r), "offload_reference",
                  "with LoRA the reference is the policy with its adapters off, not a copy: there is nothing to "
                  "offload; drop --offload-reference or set lora_r 0")
+        require.raise_any()
 
 
 @dataclass(frozen=True)
@@ -93,10 +134,15 @@ class DataConfig:
         "environment's multi-turn games (the gem extra). Online presets; ignored when --dataset is given.",
         "addition")
     dataset: str | None = _help(
-        "Prompt dataset: a JSONL/Parquet/CSV file or anything datasets.load_dataset reads, "
-        "with a `prompt` column; other columns reach the reward functions."
+        "Training data: a .jsonl/.json/.parquet/.csv file, or a Hugging Face dataset by name (owner/name; "
+        "hf:owner/name too), read by datasets.load_dataset from the local cache when offline. Online presets "
+        "need a `prompt` column; other columns reach the reward functions."
     )
-    eval_dataset: str | None = _help("Held-out prompts for --dataset runs (same format); none by default.")
+    dataset_config: str | None = _help("The configuration (subset) of a Hugging Face --dataset / --eval-dataset "
+                                       "by name; default: the dataset's only or default one.")
+    dataset_split: str = _help("The split of a Hugging Face --dataset by name that trains.", "train")
+    eval_dataset: str | None = _help("Held-out prompts for --dataset runs (same formats); none by default.")
+    eval_dataset_split: str = _help("The split of a Hugging Face --eval-dataset by name.", "test")
     reward: tuple[str, ...] = _help(
         "Reward function(s), repeatable: a built-in or registered name (exact_match, numeric_match, math_answer, "
         "format_reward, length_penalty), its settings in parentheses if any ('length_penalty(max_chars=400)'), or "
@@ -133,31 +179,33 @@ class DataConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
-        _require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
-        _require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
-        _require(self.eval_subset >= 0, "eval_subset", f"got {self.eval_subset}; use 0 (all of eval_size) or more")
-        _require(
+        require = Checks()
+        require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
+        require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
+        require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
+        require(self.eval_subset >= 0, "eval_subset", f"got {self.eval_subset}; use 0 (all of eval_size) or more")
+        require(
             not self.reward_weights or len(self.reward_weights) == len(self.reward),
             "reward_weights",
             f"{len(self.reward_weights)} weights for {len(self.reward)} --reward functions; give one per function",
         )
         for name in ("dataset", "eval_dataset"):
-            path = getattr(self, name)
-            if path is not None and not path.startswith("hf:") and not Path(path).exists():
-                raise ConfigError(f"{name}: file {path!r} does not exist")
-        _require(self.reward_model_normalize in ("none", "batch"), "reward_model_normalize",
+            source = getattr(self, name)
+            require(source is None or hub_dataset_name(source) is not None or Path(source).exists(), name,
+                    f"file {source!r} does not exist (a Hugging Face dataset is named owner/name)")
+        require(self.reward_model_normalize in ("none", "batch"), "reward_model_normalize",
                  f"got {self.reward_model_normalize!r}; use none or batch")
         if self.reward_model is not None:
-            _require(Path(self.reward_model, "config.json").is_file(), "reward_model",
+            require(Path(self.reward_model, "config.json").is_file(), "reward_model",
                      f"{self.reward_model!r} is not a model directory (no config.json); give the final_model/ of a "
                      "posttrain train --algorithm reward_model run, or any sequence-classification model directory")
         for spec in self.reward:
             if is_reward_name(spec):
                 continue
             path = spec.rsplit(":", 1)[0]
-            _require(":" in spec, "reward", f"{spec!r} is not FILE.py:FUNCTION")
-            _require(Path(path).exists(), "reward", f"file {path!r} of {spec!r} does not exist")
+            require(":" in spec, "reward", f"{spec!r} is not FILE.py:FUNCTION")
+            require(Path(path).exists(), "reward", f"file {path!r} of {spec!r} does not exist")
+        require.raise_any()
 
 
 CORRECTIONS = {"token-truncate": ("token", "truncate"), "token-mask": ("token", "mask"),
@@ -180,18 +228,20 @@ class RolloutConfig:
         "advantages: nothing is learned); a warning comes after 5. 0 = never stop.", 25,
     )
     def __post_init__(self) -> None:
-        _require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
-        _require(self.group_size >= 1, "group_size", f"got {self.group_size}; use 1 or more")
-        _require(
+        require = Checks()
+        require(self.prompts_per_step >= 1, "prompts_per_step", f"got {self.prompts_per_step}; use 1 or more")
+        require(self.group_size >= 1, "group_size", f"got {self.group_size}; use 1 or more")
+        require(
             self.max_new_tokens is None or self.max_new_tokens > 0,
             "max_new_tokens", f"got {self.max_new_tokens}; the token budget must be > 0",
         )
-        _require(self.temperature > 0, "temperature", f"got {self.temperature}; use a value > 0")
-        _require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
-        _require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
-        _require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
-        _require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
+        require(self.temperature > 0, "temperature", f"got {self.temperature}; use a value > 0")
+        require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
+        require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
+        require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
+        require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
                  f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
+        require.raise_any()
 
 
 @dataclass(frozen=True)
@@ -219,18 +269,20 @@ class EpisodeConfig:
                              "reward -1 (counted in episode/environment_errors); error stops the run.", "feedback")
 
     def __post_init__(self) -> None:
-        _require(self.tool_format in (None, "json", "inline"), "tool_format",
+        require = Checks()
+        require(self.tool_format in (None, "json", "inline"), "tool_format",
                  f"got {self.tool_format!r}; use json or inline")
-        _require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
-        _require(self.tool_timeout is None or self.tool_timeout >= 0, "tool_timeout",
+        require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
+        require(self.tool_timeout is None or self.tool_timeout >= 0, "tool_timeout",
                  f"got {self.tool_timeout}; use 0 (in-process) or seconds")
-        _require(self.tool_errors in ("feedback", "error"), "tool_errors",
+        require(self.tool_errors in ("feedback", "error"), "tool_errors",
                  f"got {self.tool_errors!r}; use feedback or error")
         for field_name, specs, kind in (("tools", self.tools, "FUNCTION"),
                                         ("environment", (self.environment,) if self.environment else (), "CLASS")):
             for spec in specs:
-                _require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
+                require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
                          f"{spec!r} is not FILE.py:{kind} of an existing file")
+        require.raise_any()
 
 
 @dataclass(frozen=True)
@@ -271,20 +323,22 @@ class OffPolicyConfig:
         return bool(self.sampler_noise or self.sampler_dtype)
 
     def __post_init__(self) -> None:
-        _require(self.correction in (None, *CORRECTIONS), "correction",
+        require = Checks()
+        require(self.correction in (None, *CORRECTIONS), "correction",
                  f"got {self.correction!r}; use one of {', '.join(CORRECTIONS)}")
-        _require(self.correction_high > 0, "correction_high", f"got {self.correction_high}; use a value > 0")
-        _require(self.correction != "geometric-mask" or self.correction_high >= 1.0, "correction_high",
+        require(self.correction_high > 0, "correction_high", f"got {self.correction_high}; use a value > 0")
+        require(self.correction != "geometric-mask" or self.correction_high >= 1.0, "correction_high",
                  f"got {self.correction_high}; the geometric mask's band must contain 1")
-        low = 1.0 / self.correction_high if self.correction_low is None else self.correction_low
-        _require(0 < low <= self.correction_high, "correction_low",
+        low = 1.0 / max(self.correction_high, 1e-12) if self.correction_low is None else self.correction_low
+        require(0 < low <= self.correction_high, "correction_low",
                  f"got {self.correction_low}; use a value in (0, correction_high]")
-        _require(self.sampler_noise >= 0, "sampler_noise", f"got {self.sampler_noise}; use 0 or more")
-        _require(self.sampler_dtype in (None, "bfloat16", "float16"), "sampler_dtype",
+        require(self.sampler_noise >= 0, "sampler_noise", f"got {self.sampler_noise}; use 0 or more")
+        require(self.sampler_dtype in (None, "bfloat16", "float16"), "sampler_dtype",
                  f"got {self.sampler_dtype!r}; use bfloat16 or float16")
-        _require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; use 0 or more")
-        _require(self.rollout_threads is None or self.rollout_threads >= 1, "rollout_threads",
+        require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; use 0 or more")
+        require(self.rollout_threads is None or self.rollout_threads >= 1, "rollout_threads",
                  f"got {self.rollout_threads}; use 1 or more")
+        require.raise_any()
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
@@ -315,14 +369,16 @@ class OptimConfig:
     )
 
     def __post_init__(self) -> None:
-        _require(self.learning_rate > 0, "learning_rate", f"got {self.learning_rate}; use a value > 0")
-        _require(self.warmup_steps >= 0, "warmup_steps", f"got {self.warmup_steps}; use 0 or more")
-        _require(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
+        require = Checks()
+        require(self.learning_rate > 0, "learning_rate", f"got {self.learning_rate}; use a value > 0")
+        require(self.warmup_steps >= 0, "warmup_steps", f"got {self.warmup_steps}; use 0 or more")
+        require(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
                  f"got {self.lr_schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
-        _require(self.micro_batch_size >= 1, "micro_batch_size", f"got {self.micro_batch_size}; use 1 or more")
-        _require(self.max_grad_norm >= 0, "max_grad_norm", f"got {self.max_grad_norm}; use 0 (off) or more")
-        _require(self.ref_refresh_every >= 0, "ref_refresh_every", f"got {self.ref_refresh_every}; use 0 or more")
-        _require(self.max_bad_steps >= 1, "max_bad_steps", f"got {self.max_bad_steps}; use 1 or more")
+        require(self.micro_batch_size >= 1, "micro_batch_size", f"got {self.micro_batch_size}; use 1 or more")
+        require(self.max_grad_norm >= 0, "max_grad_norm", f"got {self.max_grad_norm}; use 0 (off) or more")
+        require(self.ref_refresh_every >= 0, "ref_refresh_every", f"got {self.ref_refresh_every}; use 0 or more")
+        require(self.max_bad_steps >= 1, "max_bad_steps", f"got {self.max_bad_steps}; use 1 or more")
+        require.raise_any()
 
 
 @dataclass(frozen=True)
@@ -393,25 +449,29 @@ class RunConfig:
     progress: bool = _help("Show a progress bar.", True)
 
     def __post_init__(self) -> None:
-        _require(self.max_steps >= 1, "max_steps", f"got {self.max_steps}; use 1 or more (posttrain eval scores a "
+        require = Checks()
+        require(self.max_steps >= 1, "max_steps", f"got {self.max_steps}; use 1 or more (posttrain eval scores a "
                  "model without training it)")
         for name in ("eval_every", "save_every", "log_samples_every"):
-            _require(getattr(self, name) >= 0, name, f"got {getattr(self, name)}; use 0 (off) or more")
-        _check_report_to(self.report_to)
+            require(getattr(self, name) >= 0, name, f"got {getattr(self, name)}; use 0 (off) or more")
+        _check_report_to(require, self.report_to)
         for path in self.plugin:
-            _require(path.endswith(".py") and Path(path).is_file(), "plugin", f"{path!r} is not a Python file")
+            require(path.endswith(".py") and Path(path).is_file(), "plugin", f"{path!r} is not a Python file")
         if self.resume is not None:
-            _require(Path(self.resume).is_dir(), "resume", f"run directory {self.resume!r} does not exist")
+            require(Path(self.resume).is_dir(), "resume", f"run directory {self.resume!r} does not exist")
+        require.raise_any()
 
 
-def _check_report_to(report_to: tuple[str, ...]) -> None:
+def _check_report_to(require: Checks, report_to: tuple[str, ...]) -> None:
     """Every name a tracker of ``posttrain.tracking.metrics.TRACKERS``, or ``none`` alone."""
     valid = f"use one or more of {', '.join(TRACKERS)}, or none alone"
-    _require(isinstance(report_to, tuple), "report_to", f"got {report_to!r}; {valid}, as a tuple")
+    if not isinstance(report_to, tuple):
+        require(False, "report_to", f"got {report_to!r}; {valid}, as a tuple")
+        return
     for name in report_to:
-        _require(name in TRACKERS or name == "none", "report_to", f"got {name!r}; {valid}")
-    _require("none" not in report_to or len(report_to) == 1, "report_to",
-             f"got {', '.join(report_to)}: none means no tracker; {valid}")
+        require(name in TRACKERS or name == "none", "report_to", f"got {name!r}; {valid}")
+    require("none" not in report_to or len(report_to) == 1, "report_to",
+            f"got {', '.join(report_to)}: none means no tracker; {valid}")
 
 
 SECTIONS: dict[str, type] = {

@@ -15,18 +15,23 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.config.sections import hub_dataset_name
+
 
 class DataError(ValueError):
     """A dataset row is unusable; the message names the file, the row and the field."""
 
 
-def read_rows(path: str) -> list[dict[str, Any]]:
-    """Rows of a JSONL/JSON/Parquet/CSV file, or of ``hf:NAME`` through ``datasets.load_dataset``."""
-    if path.startswith("hf:"):
-        import datasets
-
-        return [dict(row) for row in datasets.load_dataset(path[3:], split="train")]
+def read_rows(path: str, config: str | None = None, split: str = "train") -> list[dict[str, Any]]:
+    """Rows of a JSONL/JSON/Parquet/CSV file, or of a Hugging Face dataset named ``owner/name`` (or
+    ``hf:owner/name``): its ``config`` (None: the default) and ``split``, through ``datasets.load_dataset``,
+    which reads the local cache when offline."""
+    name = hub_dataset_name(path)
+    if name is not None:
+        return _read_hub(name, config, split)
     file = Path(path)
+    if not file.exists():
+        raise DataError(f"{path}: file does not exist")
     if file.suffix == ".jsonl":
         return _read_jsonl(file)
     if file.suffix in (".parquet", ".csv", ".json"):
@@ -34,7 +39,26 @@ def read_rows(path: str) -> list[dict[str, Any]]:
 
         kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}[file.suffix]
         return [dict(row) for row in datasets.load_dataset(kind, data_files=str(file), split="train")]
-    raise DataError(f"{path}: unsupported file type {file.suffix!r}; use .jsonl, .json, .parquet or .csv")
+    raise DataError(f"{path}: unsupported file type {file.suffix!r}; use .jsonl, .json, .parquet or .csv, or "
+                    "name a Hugging Face dataset (owner/name)")
+
+
+def _read_hub(name: str, config: str | None, split: str) -> list[dict[str, Any]]:
+    """A Hugging Face dataset's split; a DataError that says how to fetch it when it is not cached."""
+    import datasets
+
+    arguments = ", ".join(map(repr, [name, *([config] if config else [])]))
+    try:
+        dataset = datasets.load_dataset(name, config, split=split)
+    except ConnectionError:
+        raise DataError(
+            f"{name}: the Hugging Face dataset is not in the local cache and the Hub cannot be reached; fetch it "
+            f"where there is internet, with the same HF_HOME: python -c \"import datasets; "
+            f"datasets.load_dataset({arguments})\" (then copy HF_HOME's datasets cache here), or give a local "
+            f"file") from None
+    except ValueError as error:  # an unknown config or split: datasets names the ones there are
+        raise DataError(f"{name}: {error}".replace("\n", " ")) from None
+    return [dict(row) for row in dataset]
 
 
 def _read_jsonl(file: Path) -> list[dict[str, Any]]:

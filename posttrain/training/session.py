@@ -79,9 +79,9 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     """The task or dataset named by the config, with its reward functions (``inputs``' first); checks the rows."""
     data = config.data
     if data.dataset is not None:
-        train_rows = read_rows(data.dataset)
+        train_rows = read_rows(data.dataset, data.dataset_config, data.dataset_split)
         check_prompt_rows(train_rows, data.dataset)
-        test_rows = read_rows(data.eval_dataset) if data.eval_dataset else []
+        test_rows = read_rows(data.eval_dataset, data.dataset_config, data.eval_dataset_split) if data.eval_dataset else []
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
         if not data.reward and not inputs.reward_funcs and data.reward_model is None:
@@ -170,16 +170,32 @@ def score_texts(work: Workload, data: DataConfig, rows: list[dict], texts: list[
     return scores, correct
 
 
+def rewards_as_given(config: Config, alg: OnlineAlgorithm, work: Workload) -> OnlineAlgorithm:
+    """The preset for rewards without an answer check (``--reward`` functions, a reward model): a preset's
+    own ``binary_reward`` (DAPO's +-1 for a correct answer) is dropped, so the rewards train as they are and
+    dynamic sampling drops the groups whose rewards are all equal. One the user gave is kept (``validate``
+    refuses it)."""
+    if work.correct is not None or alg.binary_reward is None or "binary_reward" in config.overrides:
+        return alg
+    distributed.say(f"{alg.name}: your rewards train as they are (binary_reward {alg.binary_reward} maps a "
+                    "task's answer check, which they have none of)")
+    return dataclasses.replace(alg, binary_reward=None)
+
+
 def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
     """Reject impossible combinations before any model is loaded; say what to change."""
     r = config.rollout
     if alg.is_group_estimator and r.group_size < 2:
         raise ConfigError(f"group_size: {alg.name}'s {alg.advantage!r} advantages compare samples of a group; "
                           f"use group_size >= 2 (got {r.group_size})")
-    for flag, needed in (("binary_reward", alg.binary_reward is not None), ("history_resampling", alg.history_resampling)):
-        if needed and work.correct is None:
-            raise ConfigError(f"{flag}: needs a task that checks answers (a built-in --task); "
-                              f"set {flag} off to train on your reward functions' values")
+    if work.correct is None and alg.binary_reward is not None:  # only when given: the preset's is dropped
+        raise ConfigError(f"binary_reward: {alg.binary_reward} maps a task's answer check to (incorrect, correct) "
+                          "rewards, and your reward functions have none; pass --binary-reward none (YAML: "
+                          "binary_reward: null) to train on their values")
+    if work.correct is None and alg.history_resampling:
+        raise ConfigError("history_resampling: leaves out prompts whose every completion was correct, which needs "
+                          "a task that checks answers (a built-in --task); pass --no-history-resampling to train "
+                          "on your reward functions")
     if r.prompts_per_step > len(work.train_rows):
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
     if r.backend == "vllm":
@@ -244,6 +260,7 @@ class OnlineSession:
             raise ConfigError(f"algorithm: {alg.name} is an offline preference preset; the online trainer "
                               "runs online presets (posttrain train routes it to the preference trainer)")
         work = load_workload(config, inputs)
+        alg = rewards_as_given(config, alg, work)
         validate(config, alg, work)
         eval_workloads = load_eval_workloads(config, work.max_new_tokens)  # their errors before the model loads
         if config.model.lora_r and config.optim.ref_refresh_every:
