@@ -270,7 +270,7 @@ def test_builtin_task_gives_generation_accuracy(tiny_model_dir, monkeypatch):
     monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition",
                         lambda seed: addition_pairs.make_task(seed, n_train=16, n_test=4))
     config = Config.from_flat(dict(algorithm="kto", model=str(tiny_model_dir), task="addition", pairs_per_step=4,
-                                   progress=False, report_to="none"))
+                                   pairs_from="dataset", progress=False, report_to="none"))
     s = PreferenceSession.create(config)
     assert len(s.train) == 32 and s.train.desirable.sum() == 16  # the pairs, unpaired
     metrics = evaluate(s)
@@ -532,3 +532,47 @@ def test_policy_pairs_never_right_or_never_wrong_is_a_loud_error(tiny_model_dir,
     s = PreferenceSession.create(policy_config(tiny_model_dir))  # a random model never adds
     with pytest.raises(NoLearningSignal, match="sample accuracy 0.000"):
         train_step(s)
+
+
+# --- the built-in task's default: pairs of the policy's own samples, with RPO's NLL -----------------
+
+
+def default_config(model_dir, algorithm="dpo", **flat) -> Config:
+    """A built-in task run with no pairs_from and no rpo_alpha given: what `posttrain train --algorithm NAME`
+    builds (small)."""
+    return Config.from_flat(dict(
+        algorithm=algorithm, model=str(model_dir), task="addition", resample_every=2, prompts_per_step=4,
+        group_size=4, max_new_tokens=6, pairs_per_step=2, max_steps=2, eval_size=4, progress=False,
+        report_to="none", seed=0, **flat))
+
+
+@pytest.mark.parametrize("name, rpo_alpha", [("dpo", 1.0), ("odpo", 1.0), ("simpo", 1.0), ("kto", 1.0),
+                                             ("orpo", None)])
+def test_a_built_in_task_trains_by_default_on_the_policys_pairs_with_rpos_nll(name, rpo_alpha, tiny_model_dir,
+                                                                             labelled_by_length, capsys):
+    s = PreferenceSession.create(default_config(tiny_model_dir, name))
+    assert s.train is None and s.prompt_sampler is not None  # pairs come from the policy's first round
+    assert s.preset.rpo_alpha == rpo_alpha  # ORPO's loss has its NLL already
+    said = capsys.readouterr().err + capsys.readouterr().out
+    assert "pairs sampled from the policy" in said
+    assert ("per-token NLL (RPO; --rpo-alpha 0 for the paper's loss alone)" in said) == (rpo_alpha is not None)
+    assert "pairs/count" in train_step(s)
+
+
+def test_the_default_keeps_a_users_rpo_alpha_and_a_users_pairs(tiny_model_dir, pair_files, labelled_by_length):
+    assert PreferenceSession.create(default_config(tiny_model_dir, rpo_alpha=0)).preset.rpo_alpha == 0
+    assert PreferenceSession.create(default_config(tiny_model_dir, rpo_alpha=0.5)).preset.rpo_alpha == 0.5
+    given = PreferenceSession.create(make_config(tiny_model_dir, pair_files))  # --dataset: auto is dataset
+    assert given.prompt_sampler is None and len(given.train) == 32 and given.preset.rpo_alpha is None
+    fixed = PreferenceSession.create(default_config(tiny_model_dir, pairs_from="dataset"))  # the synthetic pairs
+    assert fixed.prompt_sampler is None and len(fixed.train) == 64 and fixed.preset.rpo_alpha is None
+    with pytest.raises(ConfigError, match="precompute_reference: pairs sampled from the policy"):
+        PreferenceSession.create(default_config(tiny_model_dir, precompute_reference=True))
+
+
+def test_posttrain_algorithms_says_what_the_built_in_default_adds():
+    from posttrain.algorithms.tables import format_side_by_side
+
+    dpo, orpo = format_side_by_side(["dpo"]), format_side_by_side(["orpo"])
+    assert "pairs sampled from the policy" in dpo and "adds 1.0 x the chosen completions' per-token NLL" in dpo
+    assert "pairs sampled from the policy" in orpo and "NLL (RPO)" not in orpo

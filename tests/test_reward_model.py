@@ -275,6 +275,34 @@ def test_bad_pairs_and_configs_say_what_to_change(tiny_model_dir, pair_files, tm
     assert s.policy is classifier and classifier.config.pad_token_id == tok.pad_token_id  # trained as given
 
 
+def test_a_built_in_task_samples_the_starting_models_own_pairs(tiny_model_dir, monkeypatch):
+    """No --dataset: the pairs are the starting model's samples, labelled by the task's check (here: a text of
+    even length is "correct", which a random model passes about half the time), from training prompts until
+    max_steps x pairs_per_step pairs, and from every held-out prompt; pairs_from dataset keeps the fixed ones."""
+    import dataclasses
+
+    from posttrain.data import preference as preference_data
+    from posttrain.data.tasks import addition_pairs
+
+    def make(seed):
+        task = addition_pairs.make_task(seed, n_train=64, n_test=4)
+        source = dataclasses.replace(task.source, correct=lambda prompts, texts, **_: [len(t) % 2 == 0 for t in texts])
+        return dataclasses.replace(task, source=source)
+
+    monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition", make)
+    flat = dict(algorithm="reward_model", model=str(tiny_model_dir), task="addition", prompts_per_step=4,
+                resample_every=1, group_size=4, max_new_tokens=6, pairs_per_step=2, max_steps=3, eval_size=100,
+                progress=False, report_to="none", seed=0)
+    s = RewardModelSession.create(Config.from_flat(flat))
+    train, test = s.train.rows, s.test.rows
+    assert 6 <= len(train) and len({r["prompt"] for r in train}) <= 8  # two chunks of 4 prompts gave 6 or more
+    assert all(len(r["chosen"]) % 2 == 0 and len(r["rejected"]) % 2 == 1 for r in train + test)
+    held_out = {r["prompt"] for r in make(0).source.test}
+    assert {r["prompt"] for r in test} <= held_out and not {r["prompt"] for r in train} & held_out
+    fixed = RewardModelSession.create(Config.from_flat({**flat, "pairs_from": "dataset"}))
+    assert [r["chosen"] for r in fixed.train.rows] == [r["chosen"] for r in make(0).train]
+
+
 def test_too_long_pairs_are_left_out_and_counted():
     tok = char_tokenizer("0123456789+=,|")
     rows = [{"prompt": "1+2=", "chosen": "3", "rejected": "4"},  # 6 tokens each with BOS

@@ -21,8 +21,9 @@ from posttrain.algorithms.records import (
     setting_names,
 )
 
-__all__ = ["ALGORITHMS", "DESCRIPTIVE_FIELDS", "OnlineAlgorithm", "Preset", "PreferenceAlgorithm",
-           "SupervisedAlgorithm", "algorithm", "field_help", "register_algorithm", "setting_names"]
+__all__ = ["ALGORITHMS", "DESCRIPTIVE_FIELDS", "OnlineAlgorithm", "POLICY_PAIRS_RPO_ALPHA", "Preset",
+           "PreferenceAlgorithm", "SupervisedAlgorithm", "algorithm", "field_help", "register_algorithm",
+           "setting_names"]
 
 Preset = OnlineAlgorithm | PreferenceAlgorithm | SupervisedAlgorithm
 
@@ -159,6 +160,13 @@ _SUPERVISED = [
         objective="reward_model"),
 ]
 ALGORITHMS: dict[str, Preset] = {a.name: a for a in [*_ONLINE, *_PREFERENCE, *_SUPERVISED]}
+
+POLICY_PAIRS_RPO_ALPHA = 1.0
+"""The ``rpo_alpha`` a preference run on a built-in task gets when its pairs are sampled from the policy
+(``pairs_from`` auto or policy) and the user set none: the chosen completions' per-token NLL (Iterative
+RPO, Pang et al. 2024, arXiv:2404.19733). A preference loss alone on a policy's own pairs can lower the
+right answers' likelihood with the wrong ones' (decisions 49 and 87); ``rpo_alpha 0`` gives the paper's
+loss alone. ORPO's loss has its NLL already and takes none."""
 
 
 def _unknown(message: str, name: str, valid: Sequence[str]) -> ValueError:

@@ -10,6 +10,7 @@ from typing import Any
 from posttrain.algorithms.presets import (
     ALGORITHMS,
     DESCRIPTIVE_FIELDS,
+    POLICY_PAIRS_RPO_ALPHA,
     OnlineAlgorithm,
     PreferenceAlgorithm,
     SupervisedAlgorithm,
@@ -74,9 +75,21 @@ def format_presets_table() -> str:
 
 
 def _update_line(preset: OnlineAlgorithm | PreferenceAlgorithm) -> str:
+    if isinstance(preset, PreferenceAlgorithm):
+        return _default_data_line(preset)
     if not isinstance(preset, OnlineAlgorithm):
         return ""
     return f"\n    updates per rollout: {_updates(preset)} (mini-batches x epochs), {preset.update_structure}"
+
+
+def _default_data_line(preset: PreferenceAlgorithm) -> str:
+    """What a run on a built-in task trains on by default, and the term it adds to the paper's loss."""
+    line = ("\n    default data on a built-in task (no --dataset): pairs sampled from the policy as it trains, a correct "
+            "completion chosen over an incorrect one (pairs_from auto)")
+    if PREFERENCE_LOSSES[preset.loss].takes_rpo_alpha and preset.rpo_alpha is None:
+        line += (f"; adds {_fmt(POLICY_PAIRS_RPO_ALPHA)} x the chosen completions' per-token NLL (RPO) to the paper's "
+                 "loss there: --rpo-alpha 0 for the loss alone")
+    return line
 
 
 def format_side_by_side(names: Sequence[str]) -> str:

@@ -342,6 +342,8 @@ class OffPolicyConfig:
 
 
 LR_SCHEDULES = ("constant", "linear", "cosine")
+PAIR_SOURCES = ("auto", "dataset", "policy")
+"""``pairs_from`` values; ``auto`` is ``policy`` on a built-in task and ``dataset`` with ``--dataset``."""
 
 
 @dataclass(frozen=True)
@@ -393,10 +395,11 @@ class PreferenceConfig:
         "Score the whole dataset with the reference model once at the start instead of every step.", False,
     )
     pairs_from: str = _help(
-        "Where the training pairs come from: dataset (--dataset's pairs, or the built-in task's) or policy "
-        "(group_size completions per prompt sampled from the policy being trained and labelled by the task's "
-        "answer check: a correct completion is chosen over an incorrect one of the same prompt; built-in "
-        "tasks only).", "dataset",
+        "Where the training pairs come from: auto (policy on a built-in task, dataset with --dataset), dataset "
+        "(--dataset's pairs, or the built-in task's fixed synthetic pairs: a right scratchpad against one with a "
+        "slip) or policy (group_size completions per prompt sampled from the policy being trained and labelled by "
+        "the task's answer check: a correct completion is chosen over an incorrect one of the same prompt; built-in "
+        "tasks only). The reward model samples its pairs once, from the starting model.", "auto",
     )
     resample_every: int = _help(
         "With pairs_from policy: sample a new round of pairs from the current policy every N steps (iterative, "
@@ -411,8 +414,8 @@ class PreferenceConfig:
 
     def __post_init__(self) -> None:
         _require(self.pairs_per_step >= 1, "pairs_per_step", f"got {self.pairs_per_step}; use 1 or more")
-        _require(self.pairs_from in ("dataset", "policy"), "pairs_from",
-                 f"got {self.pairs_from!r}; use dataset or policy")
+        _require(self.pairs_from in PAIR_SOURCES, "pairs_from",
+                 f"got {self.pairs_from!r}; use {', '.join(PAIR_SOURCES)}")
         _require(self.resample_every >= 1, "resample_every", f"got {self.resample_every}; use 1 or more")
         _require(isinstance(self.packing, bool), "packing", f"got {self.packing!r}; use true or false")
         _require(not (self.pairs_from == "policy" and self.precompute_reference), "precompute_reference",

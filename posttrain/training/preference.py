@@ -2,7 +2,8 @@
 
 One optimizer step (``train_step``), top to bottom:
 
-0. ``pairs_from policy`` (a built-in task), every ``resample_every`` steps: sample
+0. pairs from the policy (``pairs_from`` policy, or auto on a built-in task: the default
+   run), every ``resample_every`` steps: sample
    ``group_size`` completions of each of the task's next ``prompts_per_step x
    resample_every`` prompts from the current policy (rollout temperature), label them
    with the task's answer check and pair a correct completion (chosen) with an
@@ -26,7 +27,9 @@ One optimizer step (``train_step``), top to bottom:
 
 A preset with ``rpo_alpha`` adds that weight times the chosen (KTO: desirable)
 completions' per-token NLL to its loss (RPO): on pairs of its own samples a preference
-loss alone can lower both log-probs, and the NLL keeps the right answers likely.
+loss alone can lower both log-probs, and the NLL keeps the right answers likely. On pairs
+sampled from the policy a preset whose loss takes the term gets ``rpo_alpha`` 1 unless the
+user set it (``with_policy_pairs_defaults``; the run's first lines say so).
 
 ``evaluate``: held-out pairwise accuracy under the preset's own implicit reward and,
 for a built-in task, greedy generation accuracy on its held-out prompts.
@@ -60,6 +63,7 @@ The loop never looks at the preset's name: ``needs_reference``, ``paired``,
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -67,24 +71,25 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.algorithms.presets import PreferenceAlgorithm
+from posttrain.algorithms.presets import POLICY_PAIRS_RPO_ALPHA, PreferenceAlgorithm
+from posttrain.algorithms.registry import PREFERENCE_LOSSES
 from posttrain.config import Config, ConfigError
 from posttrain.data.preference import (
     PreferenceExamples,
     PreferenceTask,
     encode,
     load_rows,
-    pairs_from_samples,
     unpair,
 )
-from posttrain.data.prompts import PromptSampler, encode_prompt
+from posttrain.data.prompts import PromptSampler
 from posttrain.models.modeling import collate, forward, right_pad
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
-from posttrain.training.guards import NoLearningSignal, UpdateCheck
+from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
+from posttrain.training.policy_pairs import pairs_source, sample_pairs
 from posttrain.training.runner import run_training
 from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
@@ -149,7 +154,10 @@ class PreferenceSession:
         test_rows = test_rows[:data.eval_size]
         if task is not None:
             _say(f"task {data.task}: {task.description} ({len(train_rows)} training pairs, {len(test_rows)} held out)")
-        from_policy = config.preference.pairs_from == "policy"
+        from_policy = pairs_source(config) == "policy"
+        if from_policy:
+            preset, note = with_policy_pairs_defaults(preset, config)
+            _say(note)
         validate(config, preset, None if from_policy else len(train_rows), task)
         start_processes(config, needs_reference=preset.needs_reference, name=preset.name)
         name = model_name(config, task.source.default_model if task else None, inputs)
@@ -166,9 +174,9 @@ class PreferenceSession:
             _say(f"{int(train.truncated.sum())} of {len(train)} training examples truncated "
                  f"(max_length {pc.max_length}, max_prompt_length {pc.max_prompt_length})")
         if task is not None and not from_policy and not data.dataset:
-            _say("the built-in pairs are synthetic (the right scratchpad against one with a slip): they teach "
-                 "ranking and can lower task accuracy; to improve the task itself, train on the policy's own "
-                 "samples: --pairs-from policy --rpo-alpha 1 (ORPO: no --rpo-alpha)")
+            _say("the built-in fixed pairs are synthetic (the right scratchpad against one with a slip): they teach "
+                 "ranking and can lower task accuracy; the default, --pairs-from auto, trains on the policy's own "
+                 "samples and improves the task")
         chunk = config.optim.micro_batch_size  # sequences per no-grad forward pass
         pad = tokenizer.pad_token_id
         with offload.resident(ref):
@@ -230,6 +238,20 @@ class PreferenceSession:
                 for j, i in enumerate(self.last_batch[:limit])]
 
 
+def with_policy_pairs_defaults(preset: PreferenceAlgorithm, config: Config) -> tuple[PreferenceAlgorithm, str]:
+    """The preset a run on pairs of the policy's own samples trains with, and the line that says so: RPO's
+    NLL term (``POLICY_PAIRS_RPO_ALPHA``) added unless the user set ``rpo_alpha`` or the loss takes none
+    (ORPO's has its NLL already)."""
+    what = (f"pairs sampled from the policy: {config.rollout.group_size} completions of each of "
+            f"{config.rollout.prompts_per_step * config.preference.resample_every} prompts every "
+            f"{config.preference.resample_every} steps, a correct one chosen over an incorrect one")
+    if "rpo_alpha" in config.overrides or not PREFERENCE_LOSSES[preset.loss].takes_rpo_alpha:
+        return preset, what
+    preset = dataclasses.replace(preset, rpo_alpha=POLICY_PAIRS_RPO_ALPHA)
+    return preset, (f"{what}; {preset.name}'s loss + {POLICY_PAIRS_RPO_ALPHA} x the chosen completions' per-token "
+                    "NLL (RPO; --rpo-alpha 0 for the paper's loss alone)")
+
+
 def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | None,
              task: PreferenceTask | None) -> None:
     """Reject impossible combinations before any model is loaded; say what to change. ``num_examples`` is
@@ -238,6 +260,10 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | No
     if num_examples is None and (task is None or config.data.dataset is not None):
         raise ConfigError("pairs_from: policy pairs are labelled by a built-in task's answer check; give --task "
                           "(addition, gsm) without --dataset, or use pairs_from dataset")
+    if num_examples is None and config.preference.precompute_reference:
+        raise ConfigError("precompute_reference: pairs sampled from the policy (the built-in task's default, pairs_from "
+                          "auto) change every resample_every steps, so the reference scores them as they come; drop "
+                          "precompute_reference, or train on the fixed synthetic pairs with pairs_from dataset")
     if num_examples is None and distributed.world_size() > 1:
         raise ConfigError("pairs_from: policy pairs are sampled in one process; run it without torchrun/accelerate "
                           "or use pairs_from dataset")
@@ -361,28 +387,12 @@ def kl_inputs(s: PreferenceSession, idx: list[int]) -> dict[str, Tensor]:
 def sample_policy_pairs(s: PreferenceSession) -> dict[str, float]:
     """A new round of pairs from the current policy, and its metrics: ``group_size`` completions of each
     of the task's next ``prompts_per_step x resample_every`` prompts, a correct one chosen over an
-    incorrect one of the same prompt (``preference_data.pairs_from_samples``)."""
+    incorrect one of the same prompt (``posttrain.training.policy_pairs``)."""
     r, source = s.config.rollout, s.task.source
     rows = [source.train[i] for i in s.prompt_sampler.next(r.prompts_per_step * s.config.preference.resample_every)]
-    texts: list[str] = []
-    for start in range(0, len(rows), r.prompts_per_step):
-        part = rows[start:start + r.prompts_per_step]
-        completions = s.generator.generate([encode_prompt(s.tokenizer, row["prompt"]) for row in part],
-                                           num_samples=r.group_size)
-        texts += s.tokenizer.batch_decode(completions.completion_ids, skip_special_tokens=True)
-    prompts = [row["prompt"] for row in rows for _ in range(r.group_size)]
-    columns = {key: [row[key] for row in rows for _ in range(r.group_size)] for key in rows[0] if key != "prompt"}
-    correct = source.correct(prompts, texts, **columns)
-    accuracy = sum(correct) / len(correct)
-    pairs = pairs_from_samples(rows, texts, correct, r.group_size)
-    if not pairs:
-        raise NoLearningSignal(
-            f"pairs_from policy: none of {len(rows)} prompts had both a correct and an incorrect completion among "
-            f"its {r.group_size} samples (sample accuracy {accuracy:.3f}), so there is no pair to learn from; raise "
-            "group_size or temperature, or start from a policy that is sometimes right")
+    pairs, metrics = sample_pairs(s.generator, s.tokenizer, source, rows, r.group_size, chunk=r.prompts_per_step)
     use_pairs(s, pairs)
-    return {"pairs/count": len(pairs), "pairs/sample_accuracy": accuracy,
-            "pairs/prompts_with_a_pair": len({pair["prompt"] for pair in pairs}) / len(rows)}
+    return metrics
 
 
 def use_pairs(s: PreferenceSession, rows: list[dict[str, Any]]) -> None:

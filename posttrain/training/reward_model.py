@@ -57,6 +57,7 @@ from posttrain.data.prompts import (
 )
 from posttrain.data.rewards import reward_model_text
 from posttrain.functional import bradley_terry_loss
+from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.modeling import (
     checkpoint_layers,
     resolve_device,
@@ -70,10 +71,14 @@ from posttrain.models.reward_head import (
 )
 from posttrain.parallel import distributed, fsdp
 from posttrain.parallel.distributed import say as _say
+from posttrain.rollout.completions import SamplingParams
+from posttrain.rollout.generators import make_generator
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
+from posttrain.training.policy_pairs import pairs_source, sample_pairs
 from posttrain.training.runner import run_training
+from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
     Inputs,
     build_optimization,
@@ -160,11 +165,15 @@ class RewardModelSession:
                                                 needs_scores=False)
         start_processes(config, needs_reference=False, name=preset.name)
         name = model_name(config, task.source.default_model if task else None, inputs)
+        source = data.dataset or f"task {data.task}"
+        if pairs_source(config) == "policy":
+            train_rows, test_rows = policy_pairs(config, name, task)
+            source = f"pairs sampled from {name}"
         policy, tokenizer = load_scorer(config, name, inputs)
         max_length = config.preference.max_length
-        train = encode_pairs(train_rows, tokenizer, max_length=max_length, source=data.dataset or f"task {data.task}")
+        train = encode_pairs(train_rows, tokenizer, max_length=max_length, source=source)
         test = encode_pairs(test_rows[:data.eval_size], tokenizer, max_length=max_length,
-                            source=data.eval_dataset or f"task {data.task} (held-out)") if test_rows else None
+                            source=data.eval_dataset or f"{source} (held-out)") if test_rows else None
         for what, pairs in (("training", train), ("held-out", test)):
             if pairs is not None:
                 _say(f"{len(pairs)} {what} pairs ({pairs.too_long} longer than max_length {max_length} left out)")
@@ -210,14 +219,36 @@ class RewardModelSession:
                 for i, c, r in zip(self.last_batch[:limit], chosen, rejected)]
 
 
+def policy_pairs(config: Config, name: str, task: Any) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(training, held-out) pairs of the starting model's own samples on the built-in task's training and
+    held-out prompts (``posttrain.training.policy_pairs``): enough training prompts, in a seeded order, for
+    ``max_steps x pairs_per_step`` pairs (or all of them), and every held-out prompt. The causal model that
+    samples them is freed before the reward model loads."""
+    r, m = config.rollout, config.model
+    sampler_model, tokenizer = load_model_and_tokenizer(name, dtype=m.dtype, device=m.device,
+                                                        mixed_precision=m.mixed_precision)
+    sampling = SamplingParams(r.max_new_tokens or task.source.max_new_tokens, r.temperature, r.top_p, r.top_k)
+    generator = make_generator("hf", sampler_model, tokenizer, sampling, eos_token_ids(sampler_model, tokenizer))
+    order = PromptSampler(len(task.source.train), config.run.seed).next(len(task.source.train))
+    wanted = config.run.max_steps * config.preference.pairs_per_step
+    train, metrics = sample_pairs(generator, tokenizer, task.source, [task.source.train[i] for i in order],
+                                  r.group_size, chunk=r.prompts_per_step * config.preference.resample_every,
+                                  wanted=wanted)
+    _say(f"sampled {len(train)} training pairs from {name}: {r.group_size} completions per prompt, sample accuracy "
+         f"{metrics['pairs/sample_accuracy']:.3f}, {metrics['pairs/prompts_with_a_pair']:.0%} of prompts with a pair")
+    test, _ = sample_pairs(generator, tokenizer, task.source, task.source.test, r.group_size,
+                           chunk=r.prompts_per_step * config.preference.resample_every)
+    return train, test
+
+
 def validate(config: Config, preset: Any, inputs: Inputs) -> None:
     """Reject what the reward-model trainer does not do before any model is loaded; say what to change."""
     if not (isinstance(preset, SupervisedAlgorithm) and preset.objective == "reward_model"):
         raise ConfigError(f"algorithm: {preset.name} is not a reward-model preset; the reward-model trainer runs "
                           "presets with objective reward_model")
-    if config.preference.pairs_from != "dataset":
-        raise ConfigError("pairs_from: a reward model learns from given pairs (--dataset or a built-in --task); "
-                          "set pairs_from dataset")
+    if pairs_source(config) == "policy" and (config.data.dataset or inputs.model is not None):
+        raise ConfigError("pairs_from: the reward model samples pairs from a built-in task's model by name; with "
+                          "--dataset or a model object, give the pairs and set pairs_from dataset")
     if inputs.reward_funcs or config.data.reward or config.data.reward_model:
         raise ConfigError("reward: a reward model learns from chosen/rejected pairs, not from rewards; drop --reward "
                           "and --reward-model (an online preset takes the trained final_model/ as --reward-model)")

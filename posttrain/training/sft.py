@@ -172,7 +172,7 @@ def reject_unused(config: Config, preset: Any, inputs: Inputs) -> None:
     if config.data.eval_tasks:
         raise ConfigError("eval_tasks: only the online trainer scores other tasks during a run; score the SFT run's "
                           "final_model/ with posttrain eval --task ...")
-    if config.preference.pairs_from != "dataset" or config.preference.precompute_reference:
+    if config.preference.pairs_from == "policy" or config.preference.precompute_reference:
         raise ConfigError("pairs_from: SFT trains on --dataset's demonstrations (or a task's); pairs_from policy and "
                           "precompute_reference belong to the preference presets")
     if config.optim.ref_refresh_every:

@@ -1,0 +1,58 @@
+"""Preference pairs from a policy's own samples, labelled by a built-in task's answer check.
+
+The default data of the preference presets on a built-in task (a new round every ``resample_every``
+steps, from the policy being trained) and of the reward model (one round, from the starting model):
+``group_size`` completions of each prompt are sampled, the task's ``correct`` labels them, and a
+prompt's k-th correct completion is chosen over its k-th incorrect one
+(``posttrain.data.preference.pairs_from_samples``). A prompt the policy always or never solves gives
+no pair, so the pairs hold the mistakes the policy actually makes next to its right answers.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from posttrain.config import Config
+from posttrain.data.preference import pairs_from_samples
+from posttrain.data.prompts import encode_prompt
+from posttrain.data.tasks.task import Task
+from posttrain.rollout.completions import Generator
+from posttrain.rollout.generators import generate_texts
+from posttrain.training.guards import NoLearningSignal
+
+
+def pairs_source(config: Config) -> str:
+    """``dataset`` or ``policy``: ``pairs_from`` with ``auto`` resolved (the policy's own samples on a
+    built-in task, the given pairs with ``--dataset``)."""
+    if config.preference.pairs_from != "auto":
+        return config.preference.pairs_from
+    return "dataset" if config.data.dataset else "policy"
+
+
+def sample_pairs(generator: Generator, tokenizer: Any, source: Task, rows: list[dict[str, Any]], group_size: int,
+                 chunk: int, wanted: int | None = None) -> tuple[list[dict[str, Any]], dict[str, float]]:
+    """Pairs of ``group_size`` sampled completions of each of ``rows``' prompts, ``chunk`` prompts per
+    generation call, and the metrics of the samples drawn. With ``wanted``, sampling stops after the chunk
+    that brings the pairs to that many. No pair at all is a ``NoLearningSignal`` that says what to change."""
+    pairs: list[dict[str, Any]] = []
+    correct: list[bool] = []
+    drawn = 0
+    for start in range(0, len(rows), chunk):
+        part = rows[start:start + chunk]
+        texts, _ = generate_texts(generator, tokenizer, [encode_prompt(tokenizer, row["prompt"]) for row in part],
+                                  num_samples=group_size, chunk=chunk)
+        columns = {key: [row[key] for row in part for _ in range(group_size)] for key in part[0] if key != "prompt"}
+        labels = source.correct([row["prompt"] for row in part for _ in range(group_size)], texts, **columns)
+        pairs += pairs_from_samples(part, texts, labels, group_size)
+        correct += labels
+        drawn += len(part)
+        if wanted is not None and len(pairs) >= wanted:
+            break
+    accuracy = sum(correct) / len(correct)
+    if not pairs:
+        raise NoLearningSignal(
+            f"pairs from the policy: none of {drawn} prompts had both a correct and an incorrect completion among "
+            f"its {group_size} samples (sample accuracy {accuracy:.3f}), so there is no pair to learn from; raise "
+            "group_size or temperature, or start from a policy that is sometimes right")
+    return pairs, {"pairs/count": len(pairs), "pairs/sample_accuracy": accuracy,
+                   "pairs/prompts_with_a_pair": len({pair["prompt"] for pair in pairs}) / drawn}
