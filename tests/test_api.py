@@ -106,3 +106,38 @@ def test_bad_input_is_named(tmp_path, tiny_model_dir):
                         reward_weights=[1.0, 2.0], output=str(tmp_path / "c"), **QUICK)
     with pytest.raises(ConfigError, match="unknown config field 'num_generation'"):
         posttrain.train(model=str(tiny_model_dir), num_generation=4, output=str(tmp_path / "d"))
+
+
+def test_evaluate_returns_what_posttrain_eval_prints(tiny_model_dir, reward_file, tmp_path, capsys):
+    from posttrain.cli import main
+    from posttrain.tracking.stats import wilson_interval
+
+    rows = tmp_path / "rows.jsonl"
+    rows.write_text("".join(json.dumps(row) + "\n" for row in PROMPTS))
+    output = tmp_path / "eval.json"
+    assert main(["eval", "--model", str(tiny_model_dir), "--task", "addition", "--dataset", str(rows),
+                 "--reward", f"{reward_file}:sevens", "--reward", "numeric_match", "--eval-size", "5",
+                 "--samples", "3", "--seed", "1", "--max-new-tokens", "8", "--output", str(output)]) == 0
+    printed = capsys.readouterr().out
+    evaluation = posttrain.evaluate(tiny_model_dir, tasks="addition", dataset=rows,
+                                    reward=[f"{reward_file}:sevens", "numeric_match"], eval_size=5, samples=3, seed=1,
+                                    max_new_tokens=8)
+    assert str(evaluation) in printed and "pass@3" in str(evaluation)
+    assert evaluation.to_dict() == json.loads(output.read_text())  # --output's numbers, all of them
+    addition = evaluation["addition"]
+    assert (addition.problems, len(addition.greedy)) == (5, 5)
+    assert addition.metrics["accuracy"] == addition.correct / 5
+    assert (addition.metrics["accuracy_low"], addition.metrics["accuracy_high"]) == wilson_interval(addition.correct, 5)
+    assert {"pass@1", "pass@3", "maj@3"} <= set(addition.metrics)
+    # the dataset's rows are its own problems: the first eval_size of them, scored by the rewards given
+    assert evaluation[str(rows)].problems == 5
+    with pytest.raises(KeyError, match="'gsm' was not evaluated"):
+        evaluation["gsm"]
+
+
+def test_evaluate_names_a_bad_setting_and_an_unnamed_reward(tiny_model_dir, tmp_path):
+    with pytest.raises(ConfigError, match="eval_sizes: not a setting of posttrain.evaluate; its settings: "
+                                          "reward_weights, eval_size, samples"):
+        posttrain.evaluate(tiny_model_dir, eval_sizes=5)
+    with pytest.raises(ConfigError, match="reward: posttrain.evaluate takes rewards by name"):
+        posttrain.evaluate(tiny_model_dir, dataset=tmp_path, reward=lambda p, c, **k: [0.0] * len(c))

@@ -6,7 +6,7 @@ Hugging Face ``Dataset``, a pandas ``DataFrame``, or a file), reward callables w
 ``fn(prompts, completions, **columns) -> list[float]`` or rewards by name, a preset name, callbacks
 that watch the run and may stop it (:class:`~posttrain.training.runner.Callback`), and any config field
 or preset setting as keyword arguments. It returns the run directory and the held-out metrics before
-and after.
+and after. :func:`evaluate` is ``posttrain eval`` from Python: it returns what the command prints, as values.
 
 Decisions:
 
@@ -33,6 +33,7 @@ from torch import nn
 from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.config import Config, ConfigError, load_yaml
 from posttrain.parallel.allocator import keep_freed_memory
+from posttrain.training.evaluation import EvalSpec, Evaluation, evaluate_model
 from posttrain.training.runner import Callback, run_training
 from posttrain.training.setup import Inputs
 
@@ -97,6 +98,40 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
     inputs = _record_rewards(flat, inputs, _as_list(reward_funcs))
     inputs = _record_episodes(flat, inputs, _as_list(tools), environment)
     return run(Config.from_flat(flat), inputs, callbacks)
+
+
+def evaluate(model: str | Path | None = None, *, tasks: str | Iterable[str] | None = None,
+             dataset: str | Path | None = None, reward: Callable | str | Iterable[Callable | str] = (),
+             device: str = "auto", dtype: str = "float32", **settings: Any) -> Evaluation:
+    """Score ``model`` as ``posttrain eval`` does; returns what it prints: ``str(evaluation)`` is the printed
+    text, ``evaluation["addition"].metrics["accuracy"]`` (and ``accuracy_low``/``accuracy_high``, its 95%
+    interval; ``pass@1``, ``pass@K``, ``maj@K`` with samples K > 1) the numbers, ``.problems`` and
+    ``.correct`` the counts, ``.greedy`` every problem's completion and verdict.
+
+    Args:
+        model: a model directory (a run's ``final_model/``), a ``.gguf`` file or a built-in name; default:
+            the first task's built-in model.
+        tasks: built-in task names, ``reasoning-gym:SPEC`` or ``gem:ENV_ID``, each scored on its held-out
+            split; default: ``addition`` when no ``dataset`` is given.
+        dataset: a prompts file (as for training) whose rows are scored by ``reward``: rewards by name
+            (``"numeric_match"``), ``FILE.py:FUNCTION`` specs or functions defined in a file.
+        **settings: ``eval_size`` (problems per task, 500), ``samples`` (K completions per problem, 1),
+            ``temperature``, ``top_p``, ``max_new_tokens``, ``success_threshold`` (on a dataset, the total
+            reward that counts as correct, 1.0), ``reward_weights``, ``seed``: :class:`EvalSpec`'s fields,
+            ``posttrain eval``'s flags.
+    """
+    valid = [f.name for f in dataclasses.fields(EvalSpec) if f.name not in ("tasks", "dataset", "reward")]
+    unknown = sorted(set(settings) - set(valid))
+    if unknown:
+        raise ConfigError(f"{unknown[0]}: not a setting of posttrain.evaluate; its settings: {', '.join(valid)}")
+    specs = [recordable(fn, "reward") for fn in _as_list(reward)]
+    if None in specs:  # evaluate_model loads every reward by its spec
+        raise ConfigError("reward: posttrain.evaluate takes rewards by name, FILE.py:FUNCTION or functions defined "
+                          "at a module file's top level; a lambda or a closure has no name to load it by")
+    task_names = _as_list(tasks) if tasks is not None else ([] if dataset is not None else ["addition"])
+    spec = EvalSpec(tasks=task_names, dataset=None if dataset is None else str(dataset), reward=specs, **settings)
+    name, results = evaluate_model(None if model is None else str(model), spec, device=device, dtype=dtype)
+    return Evaluation(name, spec, tuple(results))
 
 
 def _checked_callbacks(callbacks: Iterable[Callback]) -> tuple[Callback, ...]:

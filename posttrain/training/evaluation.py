@@ -60,6 +60,34 @@ class TaskResult:
     metrics: dict[str, float]  # e.g. accuracy, accuracy_low, accuracy_high, pass@1, ...
     greedy: list[dict[str, Any]] = field(default_factory=list)  # per problem: prompt, completion, correct, ...
 
+    @property
+    def correct(self) -> int:
+        """Problems whose greedy completion was correct (``accuracy`` times ``problems``)."""
+        return sum(bool(record["correct"]) for record in self.greedy)
+
+
+@dataclass(frozen=True)
+class Evaluation:
+    """A model's results on the tasks of an :class:`EvalSpec` (what ``posttrain.evaluate`` returns): ``str()`` is
+    what ``posttrain eval`` prints, :meth:`to_dict` what its ``--output`` writes, ``evaluation[task]`` one
+    task's :class:`TaskResult`."""
+
+    model: str
+    spec: EvalSpec
+    results: tuple[TaskResult, ...]
+
+    def __getitem__(self, task: str) -> TaskResult:
+        for result in self.results:
+            if result.name == task:
+                return result
+        raise KeyError(f"{task!r} was not evaluated; the tasks: {', '.join(r.name for r in self.results)}")
+
+    def __str__(self) -> str:
+        return format_results(self.model, self.results, self.spec)
+
+    def to_dict(self) -> dict[str, Any]:
+        return results_payload(self.model, self.results, self.spec)
+
 
 def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
                    dtype: str = "float32") -> tuple[str, list[TaskResult]]:
@@ -156,11 +184,15 @@ def format_results(model: str, results: Sequence[TaskResult], spec: EvalSpec) ->
     return "\n".join(lines)
 
 
+def results_payload(model: str, results: Sequence[TaskResult], spec: EvalSpec) -> dict[str, Any]:
+    """The results as JSON values: the model, the settings, and each task's problem count and metrics."""
+    return {"model": model, "settings": {k: v for k, v in vars(spec).items()},
+            "tasks": {r.name: {"problems": r.problems, **r.metrics} for r in results}}
+
+
 def write_results(path: str | Path, model: str, results: Sequence[TaskResult], spec: EvalSpec) -> None:
-    """The results as JSON: the model, the settings, and each task's metrics."""
-    payload = {"model": model, "settings": {k: v for k, v in vars(spec).items()},
-               "tasks": {r.name: {"problems": r.problems, **r.metrics} for r in results}}
-    Path(path).write_text(json.dumps(payload, indent=2) + "\n", encoding="utf-8")
+    """:func:`results_payload` written to ``path`` as JSON."""
+    Path(path).write_text(json.dumps(results_payload(model, results, spec), indent=2) + "\n", encoding="utf-8")
 
 
 def write_completions(path: str | Path, results: Sequence[TaskResult]) -> None:
