@@ -330,18 +330,35 @@ def resolve_config(args: argparse.Namespace) -> Config:
 def _resolve(args: argparse.Namespace) -> tuple[Config, list[str]]:
     """The config and what each TRL name in it became; a ConfigError holding every problem of the fields,
     their values, the dataset and the tasks, one per line (all that can be known before a model loads)."""
-    flat: dict[str, Any] = {}
     options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    if "resume" in options:
-        flat.update(upgrade_saved_config(load_yaml(_run_config(options["resume"]))))
-    if args.config:
-        flat.update(load_yaml(args.config))
-    flat.update(options)
+    layers = [upgrade_saved_config(load_yaml(_run_config(options["resume"])))] if "resume" in options else []
+    layers += [load_yaml(args.config)] if args.config else []
+    layers.append(options)
+    flat, notes, problems = _in_posttrain_names(layers)
     resolved = resolve(flat)
-    problems = resolved.problems + _data_problems(resolved.flat)
+    problems += resolved.problems + _data_problems(resolved.flat)
     if problems:
         raise ConfigError(*problems)
-    return resolved.config, resolved.notes
+    return resolved.config, notes + resolved.notes
+
+
+def _in_posttrain_names(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], list[str], list[str]]:
+    """The layers (saved run < YAML < flags) merged, each translated from TRL's names first, so that a flag
+    in posttrain's name wins over the YAML's TRL name for the same field; notes and problems of each."""
+    from posttrain.algorithms.presets import algorithm
+
+    merged = {key.replace("-", "_"): value for layer in layers for key, value in layer.items()}
+    try:
+        preset = algorithm(merged.get("algorithm", "grpo"))
+    except ValueError:
+        return merged, [], []  # resolve() reports the unknown preset
+    flat, notes, problems = {}, [], []
+    for layer in layers:
+        translated = trl.translate({key.replace("-", "_"): value for key, value in layer.items()}, preset, merged)
+        flat.update(translated.flat)
+        notes += translated.notes
+        problems += translated.problems
+    return flat, notes, problems
 
 
 def _data_problems(flat: dict[str, Any]) -> list[str]:

@@ -43,12 +43,13 @@ from posttrain.config.sections import (
     RolloutConfig,
     RunConfig,
     _require,
+    hub_dataset_name,
     is_reward_name,
 )
 
 __all__ = ["CORRECTIONS", "LR_SCHEDULES", "SECTIONS", "Config", "ConfigError", "DataConfig",
            "EpisodeConfig", "ModelConfig", "OffPolicyConfig", "OptimConfig", "PreferenceConfig", "RolloutConfig",
-           "Resolved", "RunConfig", "absolute_path", "import_plugins", "is_reward_name", "load_yaml", "resolve", "save_yaml", "unknown_field_hint",
+           "Resolved", "RunConfig", "absolute_path", "hub_dataset_name", "import_plugins", "is_reward_name", "load_yaml", "resolve", "save_yaml", "unknown_field_hint",
            "upgrade_saved_config"]
 
 

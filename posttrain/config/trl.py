@@ -360,9 +360,11 @@ class Translated:
     problems: list[str]
 
 
-def translate(flat: dict[str, Any], preset: Any) -> Translated:
-    """``flat`` with every TRL name replaced by posttrain's (see the module docstring)."""
-    context = Context(preset, flat)
+def translate(flat: dict[str, Any], preset: Any, around: dict[str, Any] | None = None) -> Translated:
+    """``flat`` with every TRL name replaced by posttrain's (see the module docstring). ``around``: the
+    values of the other layers of the config (a YAML file's, under the flags'), which translations that
+    depend on other fields also read."""
+    context = Context(preset, {**(around or {}), **flat})
     result = Translated({k: v for k, v in flat.items() if not is_trl_name(k)}, [], [])
     translations: list[tuple[list[str], Translation]] = []
     for key, value in flat.items():
