@@ -323,20 +323,22 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def resolve_config(args: argparse.Namespace) -> Config:
-    """Defaults < the resumed run's config < --config YAML < flags; every problem at once in a ConfigError."""
-    return _resolve(args)[0]
+    """Defaults < the resumed run's config < --config YAML < flags; every problem of its fields at once in a
+    ConfigError (the data is read when the run starts)."""
+    return _resolve(args, read_data=False)[0]
 
 
-def _resolve(args: argparse.Namespace) -> tuple[Config, list[str]]:
+def _resolve(args: argparse.Namespace, read_data: bool = True) -> tuple[Config, list[str]]:
     """The config and what each TRL name in it became; a ConfigError holding every problem of the fields,
-    their values, the dataset and the tasks, one per line (all that can be known before a model loads)."""
+    their values and, with ``read_data``, the dataset and the tasks, one per line (all that can be known
+    before a model loads)."""
     options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
     layers = [upgrade_saved_config(load_yaml(_run_config(options["resume"])))] if "resume" in options else []
     layers += [load_yaml(args.config)] if args.config else []
     layers.append(options)
     flat, notes, problems = _in_posttrain_names(layers)
     resolved = resolve(flat)
-    problems += resolved.problems + _data_problems(resolved.flat)
+    problems += resolved.problems + (_data_problems(resolved.flat) if read_data else [])
     if problems:
         raise ConfigError(*problems)
     return resolved.config, notes + resolved.notes
