@@ -54,7 +54,7 @@ class Callback(Protocol):
 
     Subclass it for no-op defaults and override what you need, or write any object with these three
     methods. The metrics are those ``metrics.jsonl`` logs at that step (names such as ``loss``,
-    ``reward/mean``, ``eval/accuracy``), as floats; a callback gets a copy, so changing it changes no log.
+    ``reward/mean``, ``eval/accuracy``), as numbers; a callback gets a copy, so changing it changes no log.
     In a run of several processes every process calls its own callbacks, and a stop asked on any process
     stops them all.
     """
