@@ -86,3 +86,14 @@ def test_eval_tasks_accuracies_join_the_held_out_accuracy_panel():
     panels = dict(with_eval_tasks(PANELS, rows))
     assert panels["Eval accuracy on held-out prompts"] == ("eval/accuracy", "eval/gsm_symbolic/accuracy")
     assert panels["Policy entropy: mean token entropy (nats)"] == ("entropy",)
+
+
+def test_held_out_reward_is_drawn_only_where_there_is_no_held_out_accuracy():
+    """A --dataset run logs eval/reward alone and gets its panel; a task run's reward panel would repeat
+    its accuracy."""
+    from posttrain.tracking.plots import PANELS, without_repeated_held_out_reward
+
+    reward_panel = ("Eval reward on held-out prompts", ("eval/reward",))
+    assert reward_panel in without_repeated_held_out_reward(PANELS, [{"eval/reward": 0.35}])
+    task_run = [{"eval/reward": 0.4, "eval/accuracy": 0.4}]
+    assert reward_panel not in without_repeated_held_out_reward(PANELS, task_run)

@@ -1,7 +1,8 @@
 """Plot a run's main training curves from its ``metrics.jsonl``.
 
 One panel per curve that the run logged (``PANELS``, with the accuracy on each ``eval_tasks`` entry
-beside the held-out accuracy; missing keys are skipped), step on the x axis, each logged value as a faint point under a smoothed line. The smoothing is TensorBoard's:
+beside the held-out accuracy, and the held-out reward of a run that logs no accuracy; missing keys
+are skipped), step on the x axis, each logged value as a faint point under a smoothed line. The smoothing is TensorBoard's:
 a bias-corrected exponential moving average (weight ``SMOOTHING``), so the first points are not
 pulled towards zero. Only a dense series is smoothed: one logged at every step or at least every
 other, with ``MIN_POINTS_TO_SMOOTH`` points or more. Any other (held-out evaluations every
@@ -28,6 +29,7 @@ from posttrain.tracking.metrics import read_metrics
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("Reward: mean over sampled completions", ("reward/mean",)),
     ("Eval accuracy on held-out prompts", ("eval/accuracy",)),
+    ("Eval reward on held-out prompts", ("eval/reward",)),
     ("Policy entropy: mean token entropy (nats)", ("entropy",)),
     ("KL to the reference policy (k3, mean)", ("kl",)),
     ("Clip fraction: share of tokens clipped", ("clip_fraction",)),
@@ -51,6 +53,15 @@ def with_eval_tasks(panels: tuple[tuple[str, tuple[str, ...]], ...],
     return tuple((title, keys + tuple(extra) if "eval/accuracy" in keys else keys) for title, keys in panels)
 
 
+def without_repeated_held_out_reward(panels: tuple[tuple[str, tuple[str, ...]], ...],
+                                     rows: Sequence[dict]) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """``panels`` without the held-out reward panel when the run logged held-out accuracy: a built-in task's
+    reward is its accuracy, while a ``--dataset`` run (no answer check) has only the reward to show."""
+    if any("eval/accuracy" in row for row in rows):
+        return tuple(panel for panel in panels if panel[1] != ("eval/reward",))
+    return panels
+
+
 def plot_run(
     run_dir: str | os.PathLike, out_path: str | os.PathLike | None = None, keys: Sequence[str] | None = None
 ) -> Path:
@@ -59,7 +70,7 @@ def plot_run(
     logged none of the keys."""
     run_dir = Path(run_dir)
     rows = read_metrics(run_dir)
-    panels = with_eval_tasks(PANELS, rows) if keys is None else tuple((key, (key,)) for key in keys)
+    panels = without_repeated_held_out_reward(with_eval_tasks(PANELS, rows), rows) if keys is None else tuple((key, (key,)) for key in keys)
     drawn = [(title, {key: _series(rows, key) for key in panel_keys}) for title, panel_keys in panels]
     drawn = [(title, {k: s for k, s in series.items() if s[0]}) for title, series in drawn]
     drawn = [(title, series) for title, series in drawn if series]
