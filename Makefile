@@ -1,6 +1,6 @@
 # Quick start:  make train   (set up .venv and run the embedded default)
 #               make test    (set up .venv and run the test suite)
-.PHONY: setup train test test-slow test-smollm2 bench
+.PHONY: setup train test test-slow test-smollm2 bench docs
 
 setup:
 	@bash scripts/setup.sh
@@ -25,3 +25,8 @@ test-smollm2:
 bench: setup
 	POSTTRAIN_EXTRAS=dev,bench bash scripts/setup.sh
 	.venv/bin/python benchmarks/run.py --json benchmarks/results.json
+
+# The documentation site: docs/reference/ regenerated from the code, then built strictly (offline) into site/
+docs: setup
+	.venv/bin/python scripts/gen_reference.py
+	.venv/bin/python -m mkdocs build --strict
