@@ -93,3 +93,34 @@ def test_a_hub_dataset_that_is_not_cached_names_the_command_that_fetches_it(cach
     assert main(["train", "--dataset", cached_hub_dataset, "--dataset-config", "small", "--dataset-split", "validation", "--reward",
                  "exact_match", "--max-new-tokens", "8"]) == 2
     assert "Unknown split \"validation\"" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("module", ["posttrain.data.preference", "posttrain.data.sft"])
+def test_offline_trainers_read_the_hub_datasets_config_and_splits(module, monkeypatch):
+    """--dataset-config, --dataset-split and --eval-dataset-split reach the preference, reward-model and SFT
+    data too, not only the online trainer's."""
+    import importlib
+
+    from posttrain.data.prompts import DataError, HubSplits, hub_splits
+    from posttrain.config import Config
+
+    data = importlib.import_module(module)
+    calls = []
+
+    def read_rows(path, config=None, split="train"):
+        calls.append((path, config, split))
+        raise DataError("stop here")
+
+    monkeypatch.setattr(data, "read_rows", read_rows)
+    config = Config.from_flat({"dataset": "owner/pairs", "eval_dataset": "owner/pairs", "dataset_config": "small",
+                               "dataset_split": "train[:90%]", "eval_dataset_split": "validation"})
+    assert hub_splits(config.data) == HubSplits("small", "train[:90%]", "validation")
+    paired = {"paired": True, "needs_scores": False} if module.endswith("preference") else {"completion_only_loss": True}
+    with pytest.raises(DataError, match="stop here"):
+        data.load_rows("owner/pairs", "owner/pairs", None, hub=hub_splits(config.data), **paired)
+    assert calls == [("owner/pairs", "small", "train[:90%]")]
+    calls.clear()
+    monkeypatch.setattr(data, "read_rows", lambda path, config=None, split="train": calls.append(split) or [])
+    with pytest.raises(DataError):  # no rows
+        data.load_rows("owner/pairs", "owner/pairs", None, hub=hub_splits(config.data), **paired)
+    assert calls == ["train[:90%]", "validation"]

@@ -39,6 +39,7 @@ from torch import Tensor
 
 from posttrain.data.prompts import (
     DataError,
+    HubSplits,
     encode_prompt,
     is_chat,
     read_rows,
@@ -161,15 +162,15 @@ def unpair(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
             for row in rows for name in PAIR_COLUMNS]
 
 
-def load_rows(dataset: str | None, eval_dataset: str | None, task: str | None, *, paired: bool,
-              needs_scores: bool) -> tuple[list[dict], list[dict], PreferenceTask | None]:
+def load_rows(dataset: str | None, eval_dataset: str | None, task: str | None, *, paired: bool, needs_scores: bool,
+              hub: HubSplits = HubSplits()) -> tuple[list[dict], list[dict], PreferenceTask | None]:
     """Checked (train, held-out) rows of ``dataset`` (else the built-in ``task``); held-out rows are pairs.
 
     The training rows are unpaired when the preset is (pairs given to KTO are unpaired after checking).
     """
     if dataset is not None:
-        train, source = read_rows(dataset), dataset
-        test = read_rows(eval_dataset) if eval_dataset else []
+        train, source = read_rows(dataset, hub.config, hub.split), dataset
+        test = read_rows(eval_dataset, hub.config, hub.eval_split) if eval_dataset else []
         built_in = None
     else:
         built_in = preference_task(task)

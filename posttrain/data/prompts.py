@@ -9,17 +9,33 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Sequence
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 from torch import Tensor
 
-from posttrain.config.sections import hub_dataset_name
+from posttrain.config.sections import DataConfig, hub_dataset_name
 
 
 class DataError(ValueError):
     """A dataset row is unusable; the message names the file, the row and the field."""
+
+
+@dataclass(frozen=True)
+class HubSplits:
+    """Which part of a Hugging Face dataset named by ``--dataset``/``--eval-dataset`` is read: its config
+    (None: the default) and the training and held-out splits. Files ignore it."""
+
+    config: str | None = None
+    split: str = "train"
+    eval_split: str = "test"
+
+
+def hub_splits(data: DataConfig) -> HubSplits:
+    """The ``--dataset-config``, ``--dataset-split`` and ``--eval-dataset-split`` of a run's data section."""
+    return HubSplits(data.dataset_config, data.dataset_split, data.eval_dataset_split)
 
 
 def read_rows(path: str, config: str | None = None, split: str = "train") -> list[dict[str, Any]]:

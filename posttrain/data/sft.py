@@ -50,6 +50,7 @@ from torch import Tensor
 from posttrain.data.preference import completion_text, completion_token_ids
 from posttrain.data.prompts import (
     DataError,
+    HubSplits,
     encode_prompt,
     is_chat,
     read_rows,
@@ -139,12 +140,12 @@ def demonstrations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 
 
 def load_rows(dataset: str | None, eval_dataset: str | None, task: str | None, *, completion_only_loss: bool,
-              seed: int = 0) -> tuple[list[dict], list[dict], Task | None]:
+              seed: int = 0, hub: HubSplits = HubSplits()) -> tuple[list[dict], list[dict], Task | None]:
     """Checked (train, held-out) rows of ``dataset`` (else the built-in ``task``'s demonstrations), and the
     task (None for a dataset). The held-out rows must have the training rows' shape."""
     if dataset is not None:
-        train, source, built_in = read_rows(dataset), dataset, None
-        test = read_rows(eval_dataset) if eval_dataset else []
+        train, source, built_in = read_rows(dataset, hub.config, hub.split), dataset, None
+        test = read_rows(eval_dataset, hub.config, hub.eval_split) if eval_dataset else []
     else:
         built_in = get_task(task, seed)
         if not built_in.train or "solution" not in built_in.train[0]:

@@ -81,7 +81,7 @@ from posttrain.data.preference import (
     load_rows,
     unpair,
 )
-from posttrain.data.prompts import PromptSampler
+from posttrain.data.prompts import PromptSampler, hub_splits
 from posttrain.models.modeling import collate, forward, right_pad
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
@@ -150,14 +150,15 @@ class PreferenceSession:
             raise ConfigError("reward_funcs: preference presets learn from chosen/rejected pairs, not rewards; "
                               "an online preset (grpo, rloo, ...) takes reward functions")
         train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task, paired=preset.paired,
-                                                needs_scores=preset.needs_scores)
+                                                needs_scores=preset.needs_scores, hub=hub_splits(data))
         test_rows = test_rows[:data.eval_size]
-        if task is not None:
-            _say(f"task {data.task}: {task.description} ({len(train_rows)} training pairs, {len(test_rows)} held out)")
         from_policy = pairs_source(config) == "policy"
         if from_policy:
             preset, note = with_policy_pairs_defaults(preset, config)
-            _say(note)
+            _say(f"task {data.task}: training on {note}; held out: {len(test_rows)} of the task's fixed pairs "
+                 f"({task.description})" if task else note)
+        elif task is not None:
+            _say(f"task {data.task}: {task.description} ({len(train_rows)} training pairs, {len(test_rows)} held out)")
         validate(config, preset, None if from_policy else len(train_rows), task)
         start_processes(config, needs_reference=preset.needs_reference, name=preset.name)
         name = model_name(config, task.source.default_model if task else None, inputs)

@@ -52,6 +52,7 @@ from posttrain.data.preference import PAIR_COLUMNS, load_rows, pair_margins
 from posttrain.data.prompts import (
     DataError,
     PromptSampler,
+    hub_splits,
     is_chat,
     require_chat_template,
 )
@@ -162,7 +163,7 @@ class RewardModelSession:
         validate(config, preset, inputs)
         data = config.data
         train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task, paired=True,
-                                                needs_scores=False)
+                                                needs_scores=False, hub=hub_splits(data))
         start_processes(config, needs_reference=False, name=preset.name)
         name = model_name(config, task.source.default_model if task else None, inputs)
         source = data.dataset or f"task {data.task}"

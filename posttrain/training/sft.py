@@ -48,7 +48,7 @@ from torch import Tensor, nn
 import posttrain.functional as F
 from posttrain.algorithms.presets import SupervisedAlgorithm
 from posttrain.config import Config, ConfigError
-from posttrain.data.prompts import PromptSampler
+from posttrain.data.prompts import PromptSampler, hub_splits
 from posttrain.data.sft import (
     SFTExamples,
     TokenRows,
@@ -107,7 +107,7 @@ class SFTSession:
         reject_unused(config, preset, inputs)
         data, pc = config.data, config.preference
         train_rows, test_rows, task = load_rows(data.dataset, data.eval_dataset, data.task,
-                                                completion_only_loss=preset.completion_only_loss)
+                                                completion_only_loss=preset.completion_only_loss, hub=hub_splits(data))
         test_rows = test_rows[:data.eval_size]
         if task is not None:
             _say(f"task {data.task}: {task.description} ({len(train_rows)} demonstrations, {len(test_rows)} held out)")
