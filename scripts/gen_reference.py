@@ -51,9 +51,9 @@ def cell(text: Any) -> str:
     (help texts name tags such as ``<tool_call>``, which Markdown would read as HTML)."""
     if isinstance(text, Markup):
         return text
-    parts = re.split(r"(`[^`]*`)", " ".join(str(text).split()))
-    escaped = [part if part.startswith("`") else part.replace("<", "&lt;").replace(">", "&gt;") for part in parts]
-    return "".join(escaped).replace("|", "\\|")
+    parts = re.split(r"(`[^`]*`)", " ".join(str(text).split()))  # Python-Markdown's tables read a code span whole
+    return "".join(part if part.startswith("`") else
+                   part.replace("<", "&lt;").replace(">", "&gt;").replace("|", "\\|") for part in parts)
 
 
 def code(text: Any) -> str:
@@ -99,11 +99,13 @@ def type_text(hint: Any) -> Markup:
         return arg.__name__ if isinstance(arg, type) and not typing.get_args(arg) else str(arg).replace("typing.", "")
 
     args = typing.get_args(hint) if typing.get_origin(hint) in (typing.Union, types.UnionType) else (hint,)
-    return Markup(code(" | ".join(name(arg) for arg in args)).replace("|", "\\|"))
+    return Markup(code(" | ".join(name(arg) for arg in args)))
 
 
 def first_paragraph(doc: str | None) -> str:
-    return (inspect.cleandoc(doc or "").split("\n\n")[0]).replace("\n", " ")
+    """A docstring's first paragraph on one line, its reST markup (``code``, :func:`name`) as Markdown."""
+    text = inspect.cleandoc(doc or "").split("\n\n")[0].replace("\n", " ")
+    return re.sub(r"``([^`]+)``", r"`\1`", re.sub(r":\w+:`~?([^`]+)`", r"`\1`", text))
 
 
 def own_docstring(obj: Any) -> str:
@@ -427,15 +429,19 @@ def _python_entry(name: str, obj: Any) -> str:
         return f"## {title}\n\n{code(repr(obj))}\n"
     if not isinstance(obj, type):
         return documented(title, signature(name, obj), inspect.getdoc(obj) or "")
-    if dataclasses.is_dataclass(obj):
-        text = f"class {name}: its fields are listed in Preset fields"
-        link = f"\nIts fields, with each preset's values: [Preset fields](presets.md).\n"
-    else:
-        text, link = f"class {signature(name, obj)}", ""
+    preset_kind = dataclasses.is_dataclass(obj)  # its many fields are the Preset fields page's, with their values
+    text = f"class {name}" if preset_kind or _takes_anything(obj) else f"class {signature(name, obj)}"
+    link = "\nIts fields, with each preset's values: [Preset fields](presets.md).\n" if preset_kind else ""
     methods = [documented(f"{title}.{method}", signature(method, member), inspect.getdoc(member) or "").replace(
         "## ", "### ", 1) for method, member in vars(obj).items()
         if inspect.isfunction(member) and not method.startswith("_") and member.__doc__]
     return documented(title, text, own_docstring(obj)) + link + "\n".join(methods)
+
+
+def _takes_anything(klass: type) -> bool:
+    """Whether ``klass(...)``'s signature says nothing: ``(*args, **kwargs)``, as a Protocol's does."""
+    kinds = [p.kind for p in inspect.signature(klass).parameters.values()]
+    return kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
 
 
 # ---------------------------------------------------------------------------------------
@@ -462,7 +468,7 @@ def registries_page() -> str:
     preference_losses = [[code(p.name), ", ".join(code(i) for i in p.inputs), ", ".join(code(c) for c in p.coefficients),
                           yes[p.takes_rpo_alpha], first_paragraph(p.fn.__doc__)]
                          for p in registry.PREFERENCE_LOSSES.values()]
-    rewards = [[code(name), signature(name, factory), first_paragraph(factory.__doc__)]
+    rewards = [[code(name), code(signature(name, factory, width=1000)), first_paragraph(factory.__doc__)]
                for name, factory in REWARDS.items()]
     return page(
         "Registries",

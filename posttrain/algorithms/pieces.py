@@ -43,7 +43,18 @@ def _group_estimator(name: str):
         return process_supervision(rewards, preset, mask, step_rewards, step_ends, scale=name == "group")
 
     estimator.__qualname__ = estimator.__name__ = name
+    estimator.__doc__ = _GROUP_ESTIMATORS[name]
     return estimator
+
+
+_GROUP_ESTIMATORS = {
+    "group": "GRPO: (r - mean) / (std + eps) within each prompt's group; with step rewards, DeepSeekMath's "
+             "process supervision.",
+    "group_mean": "Dr.GRPO: r - mean within each prompt's group, with no std division; with step rewards, "
+                  "process supervision centred only.",
+    "rloo": "RLOO: r minus the mean reward of the prompt's other G - 1 completions (leave-one-out).",
+}
+"""The group estimators' one-line accounts, for the registry's listing (docs/reference/registries.md)."""
 
 
 def process_supervision(rewards: Tensor, preset: OnlineAlgorithm, mask: Tensor, step_rewards: Tensor,
@@ -140,6 +151,7 @@ _LENGTHS = ("chosen_lengths", "rejected_lengths")
 @register_preference_loss("dpo", inputs=(*_PAIR, *_REF_PAIR), coefficients=("beta", "label_smoothing"))
 def dpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
         ref_rejected_logps: Tensor, **_: Tensor) -> tuple[Tensor, Metrics]:
+    """DPO: -log sigmoid(beta * (chosen minus rejected policy-vs-reference log-ratio)), label-smoothed."""
     return F.dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=preset.beta,
                       label_smoothing=preset.label_smoothing)
 
@@ -149,6 +161,7 @@ def dpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Te
 def odpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
          ref_rejected_logps: Tensor, chosen_scores: Tensor, rejected_scores: Tensor,
          **_: Tensor) -> tuple[Tensor, Metrics]:
+    """ODPO: DPO whose margin must exceed the offset alpha * log(score_w - score_l)."""
     offset = F.odpo_offset(chosen_scores, rejected_scores, alpha=preset.alpha)
     return F.dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=preset.beta,
                       offset=offset)
@@ -157,6 +170,7 @@ def odpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: T
 @register_preference_loss("simpo", inputs=(*_PAIR, *_LENGTHS), coefficients=("beta", "gamma"))
 def simpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, chosen_lengths: Tensor,
           rejected_lengths: Tensor, **_: Tensor) -> tuple[Tensor, Metrics]:
+    """SimPO: -log sigmoid(beta * (chosen minus rejected mean token log-prob) - gamma); no reference."""
     return F.simpo_loss(chosen_logps, rejected_logps, chosen_lengths, rejected_lengths, beta=preset.beta,
                         gamma=preset.gamma)
 
@@ -172,5 +186,6 @@ def orpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: T
                           coefficients=("beta", "desirable_weight", "undesirable_weight"))
 def kto(preset: PreferenceAlgorithm, *, logps: Tensor, ref_logps: Tensor, desirable: Tensor, kl_logps: Tensor,
         kl_ref_logps: Tensor, **_: Tensor) -> tuple[Tensor, Metrics]:
+    """KTO: each example's policy-vs-reference log-ratio against the batch's KL reference point, weighted by kind."""
     return F.kto_loss(logps, ref_logps, desirable, kl_logps, kl_ref_logps, beta=preset.beta,
                       desirable_weight=preset.desirable_weight, undesirable_weight=preset.undesirable_weight)
