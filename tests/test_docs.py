@@ -157,8 +157,10 @@ def test_block_runs(block: Block):
 @contextlib.contextmanager
 def registries_restored():
     from posttrain.algorithms import presets, registry
+    from posttrain.data import rewards
 
-    tables = (registry.ADVANTAGES, registry.POLICY_LOSSES, registry.PREFERENCE_LOSSES, presets.ALGORITHMS)
+    tables = (registry.ADVANTAGES, registry.POLICY_LOSSES, registry.PREFERENCE_LOSSES, presets.ALGORITHMS,
+              rewards.REWARDS)
     saved = [dict(table) for table in tables]
     try:
         yield

@@ -143,8 +143,8 @@ def test_training_runs_in_mixed_precision(algorithm, lora_r, tiny_model_dir, rew
         flat.update(reward=[f"{reward_file}:sevens"], prompts_per_step=4, group_size=4, max_new_tokens=12)
         s = OnlineSession.create(Config.from_flat(flat))
         step = online.train_step
-    else:
-        s = preference.PreferenceSession.create(Config.from_flat(flat))
+    else:  # the fixed pairs: a random model never adds, so no pair of its own samples has a right answer
+        s = preference.PreferenceSession.create(Config.from_flat({**flat, "pairs_from": "dataset"}))
         step = preference.train_step
     before = [p.detach().clone() for p in s.policy.parameters()]
     for _ in range(2):

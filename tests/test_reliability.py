@@ -172,10 +172,11 @@ def test_group_estimators_need_two_samples_before_any_model_loads(reward_file):
 
 
 def test_dapo_binary_reward_on_a_dataset_without_correctness_says_what_to_change(tmp_path, reward_file):
+    """The preset's own binary_reward is dropped on a dataset run (decision 6); one the user gives is refused."""
     data = tmp_path / "prompts.jsonl"
     data.write_text('{"prompt": "1+1="}\n' * 8)
-    config = make_config("not/a/model", reward_file, "dapo", task=None, dataset=str(data))
-    with pytest.raises(ConfigError, match="binary_reward"):
+    config = make_config("not/a/model", reward_file, "dapo", task=None, dataset=str(data), binary_reward=(-1.0, 1.0))
+    with pytest.raises(ConfigError, match="binary_reward.*--binary-reward none"):
         OnlineSession.create(config)
 
 
