@@ -10,8 +10,8 @@ The stages are the commands the README lists (printed as they run), one at a tim
 
 1. ``sft``: ``tiny-addition-base`` (random weights, the tiny model's architecture and tokenizer) fine-tuned
    on the task's demonstrations (prompt, reference scratchpad);
-2. ``reward_model``: a scalar head on the SFT model, trained on the task's pairs (the reference
-   scratchpad against one with a slip);
+2. ``reward_model``: a scalar head on the SFT model, its default run: pairs of the SFT model's own samples,
+   a right answer against a wrong one of the same prompt (250 steps of 64 pairs);
 3. ``ppo`` and ``grpo``: from the SFT model, rewarded by the reward model alone (``--reward-model``); the
    task's answer check still scores held-out accuracy.
 
@@ -32,8 +32,7 @@ from pathlib import Path
 
 SFT = ["--algorithm", "sft", "--model", "tiny-addition-base", "--task", "addition", "--learning-rate", "1e-3",
        "--lr-schedule", "linear", "--max-steps", "300"]
-REWARD_MODEL = ["--algorithm", "reward_model", "--task", "addition", "--learning-rate", "1e-3", "--max-steps", "100",
-                "--pairs-per-step", "32"]
+REWARD_MODEL = ["--algorithm", "reward_model", "--task", "addition"]
 RL = ["--task", "addition"]
 
 

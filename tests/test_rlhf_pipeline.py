@@ -1,5 +1,5 @@
 """The RLHF pipeline end to end on the built-in addition task, on a small budget: SFT a base model, train a
-reward model on the task's pairs from the SFT model, then PPO and GRPO from the SFT model against the
+reward model on pairs of the SFT model's own samples, then PPO and GRPO from the SFT model against the
 reward model alone, each stage reading the one before's final_model/ (the README's command sequence)."""
 
 from __future__ import annotations
@@ -23,8 +23,8 @@ def test_sft_then_a_reward_model_then_ppo_and_grpo_against_it(tmp_path):
                 eval_size=100, output=str(tmp_path / "sft"))
     assert sft["after"]["eval/accuracy"] > sft["before"]["eval/accuracy"] + 0.1  # the base model learns the task
     sft_model = str(tmp_path / "sft" / "final_model")
-    reward = stage(algorithm="reward_model", model=sft_model, learning_rate=1e-3, max_steps=40, pairs_per_step=32,
-                   eval_size=200, output=str(tmp_path / "reward_model"))
+    reward = stage(algorithm="reward_model", model=sft_model, max_steps=40, pairs_per_step=32, eval_size=200,
+                   output=str(tmp_path / "reward_model"))  # the SFT model's own samples, right against wrong
     assert reward["after"]["eval/pairwise_accuracy_low"] > 0.5  # it ranks held-out pairs better than chance
     for algorithm in ("ppo", "grpo"):
         out = tmp_path / algorithm
