@@ -275,10 +275,10 @@ def test_bad_pairs_and_configs_say_what_to_change(tiny_model_dir, pair_files, tm
     assert s.policy is classifier and classifier.config.pad_token_id == tok.pad_token_id  # trained as given
 
 
-def test_a_built_in_task_samples_the_starting_models_own_pairs(tiny_model_dir, monkeypatch):
-    """No --dataset: the pairs are the starting model's samples, labelled by the task's check (here: a text of
-    even length is "correct", which a random model passes about half the time), from training prompts until
-    max_steps x pairs_per_step pairs, and from every held-out prompt; pairs_from dataset keeps the fixed ones."""
+@pytest.fixture
+def labelled_by_length(monkeypatch):
+    """The built-in addition task, small, with an answer check that a random model passes about half the
+    time: a completion is "correct" when its text has an even number of characters. Returns the builder."""
     import dataclasses
 
     from posttrain.data import preference as preference_data
@@ -290,17 +290,39 @@ def test_a_built_in_task_samples_the_starting_models_own_pairs(tiny_model_dir, m
         return dataclasses.replace(task, source=source)
 
     monkeypatch.setitem(preference_data.PREFERENCE_TASKS, "addition", make)
-    flat = dict(algorithm="reward_model", model=str(tiny_model_dir), task="addition", prompts_per_step=4,
-                resample_every=1, group_size=4, max_new_tokens=6, pairs_per_step=2, max_steps=3, eval_size=100,
-                progress=False, report_to="none", seed=0)
-    s = RewardModelSession.create(Config.from_flat(flat))
+    return make
+
+
+def sampled_pairs_config(model_dir, **flat) -> Config:
+    base = dict(algorithm="reward_model", model=str(model_dir), task="addition", prompts_per_step=4, resample_every=1,
+                group_size=4, max_new_tokens=6, pairs_per_step=2, max_steps=3, eval_size=100, progress=False,
+                report_to="none", seed=0)
+    return Config.from_flat({**base, **flat})
+
+
+def test_a_built_in_task_samples_the_starting_models_own_pairs(tiny_model_dir, labelled_by_length):
+    """No --dataset: the pairs are the starting model's samples, labelled by the task's check, from training
+    prompts until max_steps x pairs_per_step pairs, and from every held-out prompt; pairs_from dataset keeps
+    the fixed ones."""
+    s = RewardModelSession.create(sampled_pairs_config(tiny_model_dir))
     train, test = s.train.rows, s.test.rows
     assert 6 <= len(train) and len({r["prompt"] for r in train}) <= 8  # two chunks of 4 prompts gave 6 or more
     assert all(len(r["chosen"]) % 2 == 0 and len(r["rejected"]) % 2 == 1 for r in train + test)
-    held_out = {r["prompt"] for r in make(0).source.test}
+    held_out = {r["prompt"] for r in labelled_by_length(0).source.test}
     assert {r["prompt"] for r in test} <= held_out and not {r["prompt"] for r in train} & held_out
-    fixed = RewardModelSession.create(Config.from_flat({**flat, "pairs_from": "dataset"}))
-    assert [r["chosen"] for r in fixed.train.rows] == [r["chosen"] for r in make(0).train]
+    fixed = RewardModelSession.create(sampled_pairs_config(tiny_model_dir, pairs_from="dataset"))
+    assert [r["chosen"] for r in fixed.train.rows] == [r["chosen"] for r in labelled_by_length(0).train]
+
+
+def test_a_resumed_run_on_sampled_pairs_draws_the_same_pairs(tiny_model_dir, labelled_by_length, tmp_path):
+    common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=2)
+    whole = sampled_pairs_config(tiny_model_dir, output=str(tmp_path / "whole"), **common)
+    run_training(RewardModelSession.create(whole), whole, train_step, evaluate)
+    first = sampled_pairs_config(tiny_model_dir, output=str(tmp_path / "split"), **common)
+    run_interrupted(RewardModelSession.create(first), first, train_step, evaluate, after=2)
+    second = resumed(first, tmp_path / "split")
+    run_training(RewardModelSession.create(second), second, train_step, evaluate)
+    assert_runs_identical(tmp_path / "whole", tmp_path / "split")
 
 
 def test_too_long_pairs_are_left_out_and_counted():
@@ -316,15 +338,15 @@ def test_too_long_pairs_are_left_out_and_counted():
 
 @pytest.mark.slow
 def test_a_short_run_on_the_addition_pairs_learns(tmp_path):
-    """`posttrain train --algorithm reward_model --model tiny-addition --task addition --max-steps 40
-    --pairs-per-step 32 --learning-rate 1e-3 --eval-size 200`: held-out pairwise accuracy 0.435 -> 0.635
+    """`posttrain train --algorithm reward_model --model tiny-addition --task addition --pairs-from dataset
+    --max-steps 40 --pairs-per-step 32 --learning-rate 1e-3 --eval-size 200` (the fixed slip pairs): held-out pairwise accuracy 0.435 -> 0.635
     (Wilson 95% interval 0.566-0.699, clear of chance). What it learns is the dropped carry (a column written
     without its "+1"): 13 -> 45 of the 46 such held-out pairs ranked right, scored through
     RewardModel(final_model/). A column sum one off ("7+5=13") stays near chance, here and after 600 steps at
     learning rate 3e-4 (0.638 of all 500 held-out pairs): this 0.6M-parameter model does not learn to check
     a sum from one score of the whole text."""
     config = Config.from_flat(dict(algorithm="reward_model", model="tiny-addition", task="addition",
-                                   pairs_per_step=32, learning_rate=1e-3, max_steps=40, eval_every=0, save_every=0,
+                                   pairs_from="dataset", pairs_per_step=32, learning_rate=1e-3, max_steps=40, eval_every=0, save_every=0,
                                    log_samples_every=0, eval_size=200, output=str(tmp_path / "run"), progress=False,
                                    report_to="none", seed=0))
     result = reward_model.train_reward_model(config)
