@@ -381,20 +381,21 @@ def weaker_start(tmp_path_factory) -> Path:
 @pytest.mark.slow
 @pytest.mark.parametrize("name", PRESETS)
 def test_each_preset_raises_held_out_pairwise_accuracy(name, weaker_start, tmp_path):
-    """`posttrain train --algorithm NAME --max-steps 150 --model WEAKER_START`: the built-in pairs, default settings.
+    """`posttrain train --algorithm NAME --pairs-from dataset --max-steps 150 --model WEAKER_START`: the built-in
+    fixed pairs, default settings.
 
     Before: 0.5 for the reference presets (all ties), 0.875-0.93 for SimPO and ORPO (the warm-started
     model already prefers the correct scratchpad per token); after: 0.79-0.99 (KTO lowest, ORPO highest).
 
     SimPO is held to what it optimises instead: the held-out margin of its length-normalised reward.
     Its held-out ranking does not reliably rise on these pairs (docs/decisions.md 17): 0.875 -> 0.900
-    in session 3, 0.93 -> 0.89 from the same recipe built by later code, 0.865 -> 0.825 from a recipe
+    at first, 0.93 -> 0.89 from the same recipe built by later code, 0.865 -> 0.825 from a recipe
     stopped at 15%, while the margin went 0.575 -> 1.370 and 0.454 -> 1.184.
     """
     # 200 held-out pairs: the numbers above were measured on them (on all 500, SimPO went 0.892 -> 0.908)
-    config = Config.from_flat(dict(algorithm=name, model=str(weaker_start), max_steps=150, eval_every=0, save_every=0,
-                                   log_samples_every=0, eval_size=200, output=str(tmp_path / name), progress=False,
-                                   report_to="none"))
+    config = Config.from_flat(dict(algorithm=name, model=str(weaker_start), pairs_from="dataset", max_steps=150,
+                                   eval_every=0, save_every=0, log_samples_every=0, eval_size=200,
+                                   output=str(tmp_path / name), progress=False, report_to="none"))
     result = preference.train_preference(config)
     before, after = result["before"]["eval/pairwise_accuracy"], result["after"]["eval/pairwise_accuracy"]
     if name == "simpo":
