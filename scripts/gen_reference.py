@@ -198,7 +198,7 @@ def config_page() -> str:
     no_equivalent = [[code(name), advice] for name, advice in sorted(trl.NO_EQUIVALENT.items())]
     return page(
         "Configuration fields",
-        f"""
+        """
 A run's configuration is a few frozen dataclasses, one per concern; this page lists every field of each.
 A YAML config (`posttrain train --config run.yaml`) is a flat mapping of these names plus `algorithm`
 (the preset) and the preset's own fields ([Preset fields](presets.md)); each field is also a flag of

@@ -10,8 +10,11 @@ no pair, so the pairs hold the mistakes the policy actually makes next to its ri
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
+from posttrain.algorithms.presets import POLICY_PAIRS_RPO_ALPHA, PreferenceAlgorithm
+from posttrain.algorithms.registry import PREFERENCE_LOSSES
 from posttrain.config import Config
 from posttrain.data.preference import pairs_from_samples
 from posttrain.data.prompts import encode_prompt
@@ -27,6 +30,20 @@ def pairs_source(config: Config) -> str:
     if config.preference.pairs_from != "auto":
         return config.preference.pairs_from
     return "dataset" if config.data.dataset else "policy"
+
+
+def with_policy_pairs_defaults(preset: PreferenceAlgorithm, config: Config) -> tuple[PreferenceAlgorithm, str]:
+    """The preset a run on pairs of the policy's own samples trains with, and the line that says so: RPO's
+    NLL term (``POLICY_PAIRS_RPO_ALPHA``) added unless the user set ``rpo_alpha`` or the loss takes none
+    (ORPO's has its NLL already)."""
+    what = (f"pairs sampled from the policy: {config.rollout.group_size} completions of each of "
+            f"{config.rollout.prompts_per_step * config.preference.resample_every} prompts every "
+            f"{config.preference.resample_every} steps, a correct one chosen over an incorrect one")
+    if "rpo_alpha" in config.overrides or not PREFERENCE_LOSSES[preset.loss].takes_rpo_alpha:
+        return preset, what
+    preset = dataclasses.replace(preset, rpo_alpha=POLICY_PAIRS_RPO_ALPHA)
+    return preset, (f"{what}; {preset.name}'s loss + {POLICY_PAIRS_RPO_ALPHA} x the chosen completions' per-token "
+                    "NLL (RPO; --rpo-alpha 0 for the paper's loss alone)")
 
 
 def sample_pairs(generator: Generator, tokenizer: Any, source: Task, rows: list[dict[str, Any]], group_size: int,

@@ -63,7 +63,6 @@ The loop never looks at the preset's name: ``needs_reference``, ``paired``,
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass, field
 from typing import Any
@@ -71,8 +70,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from posttrain.algorithms.presets import POLICY_PAIRS_RPO_ALPHA, PreferenceAlgorithm
-from posttrain.algorithms.registry import PREFERENCE_LOSSES
+from posttrain.algorithms.presets import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data.preference import (
     PreferenceExamples,
@@ -89,7 +87,7 @@ from posttrain.rollout.completions import Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
-from posttrain.training.policy_pairs import pairs_source, sample_pairs
+from posttrain.training.policy_pairs import pairs_source, sample_pairs, with_policy_pairs_defaults
 from posttrain.training.runner import run_training
 from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
@@ -237,20 +235,6 @@ class PreferenceSession:
         per_example = {k: v for k, v in self.last_inputs.items() if k.endswith("logps") and v.dim() == 1}
         return [{**self.train.rows[i], **{k: float(v[j]) for k, v in per_example.items()}}
                 for j, i in enumerate(self.last_batch[:limit])]
-
-
-def with_policy_pairs_defaults(preset: PreferenceAlgorithm, config: Config) -> tuple[PreferenceAlgorithm, str]:
-    """The preset a run on pairs of the policy's own samples trains with, and the line that says so: RPO's
-    NLL term (``POLICY_PAIRS_RPO_ALPHA``) added unless the user set ``rpo_alpha`` or the loss takes none
-    (ORPO's has its NLL already)."""
-    what = (f"pairs sampled from the policy: {config.rollout.group_size} completions of each of "
-            f"{config.rollout.prompts_per_step * config.preference.resample_every} prompts every "
-            f"{config.preference.resample_every} steps, a correct one chosen over an incorrect one")
-    if "rpo_alpha" in config.overrides or not PREFERENCE_LOSSES[preset.loss].takes_rpo_alpha:
-        return preset, what
-    preset = dataclasses.replace(preset, rpo_alpha=POLICY_PAIRS_RPO_ALPHA)
-    return preset, (f"{what}; {preset.name}'s loss + {POLICY_PAIRS_RPO_ALPHA} x the chosen completions' per-token "
-                    "NLL (RPO; --rpo-alpha 0 for the paper's loss alone)")
 
 
 def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | None,
