@@ -1,24 +1,29 @@
 """Real learning on the built-in task (slow: minutes per preset; `make test-slow`).
 
-Every online preset, in its papers' update structure, starts from the built-in tiny-addition
-model (about 40% held-out greedy accuracy) and must end well above it at the default budget
-(GRPO also in mixed precision). Every preference preset, on pairs sampled from the policy and
-labelled by the task's answer check, must raise both held-out greedy accuracy and held-out
-pairwise accuracy. The figures these thresholds come from are in benchmarks/RESULTS.md.
+Every preset's default run must make the built-in tiny-addition model better at its task
+(about 40-50% held-out greedy accuracy to start, depending on the CPU):
+
+- every online preset, in its papers' update structure, at the default budget (GRPO also in
+  mixed precision);
+- every preference preset's default run (pairs sampled from the policy and labelled by the
+  task's answer check) on a reduced budget: held-out greedy and pairwise accuracy both rise;
+- SFT's default run on the task's reference solutions, and the reward model's default run on
+  the starting model's own right and wrong samples, on reduced budgets.
+
+The figures these thresholds come from are in docs/results.md.
 """
 
 from __future__ import annotations
 
 import pytest
 
-from posttrain.algorithms.presets import ALGORITHMS, PreferenceAlgorithm
+from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm
 from posttrain.config import Config
-from posttrain.training.preference import train_preference
 from posttrain.training.api import train
 
 pytestmark = pytest.mark.slow
 
-ONLINE = [name for name, preset in ALGORITHMS.items() if not isinstance(preset, PreferenceAlgorithm)]
+ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, OnlineAlgorithm)]
 PREFERENCE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, PreferenceAlgorithm)]
 QUIET = {"progress": False, "report_to": "none", "eval_every": 0, "save_every": 0, "log_samples_every": 0}
 
@@ -40,13 +45,32 @@ def test_online_preset_raises_held_out_accuracy(name, precision, tmp_path):
 
 
 @pytest.mark.parametrize("name", PREFERENCE)
-def test_preference_preset_on_policy_pairs_raises_task_and_pairwise_accuracy(name, tmp_path):
-    """`posttrain train --algorithm NAME --pairs-from policy --rpo-alpha 1 --max-steps 60` (ORPO: its own
-    NLL): a round of pairs from the policy every 10 steps."""
-    nll = {} if name == "orpo" else {"rpo_alpha": 1.0}
-    config = Config.from_flat({"algorithm": name, "pairs_from": "policy", "max_steps": 60,
-                               "output": str(tmp_path / name), **nll, **QUIET})
-    result = train_preference(config)
+def test_preference_presets_default_run_raises_task_and_pairwise_accuracy(name, tmp_path):
+    """`posttrain train --algorithm NAME --max-steps 100`: the default data (a round of pairs from the policy
+    every 10 steps) and loss (the paper's, plus RPO's NLL where the loss takes it), on 100 of the default
+    250 steps."""
+    config = Config.from_flat({"algorithm": name, "max_steps": 100, "output": str(tmp_path / name), **QUIET})
+    result = train(config)
     before, after = result["before"], result["after"]
     assert after["eval/accuracy"] >= before["eval/accuracy"] + 0.10, (name, before, after)
     assert after["eval/pairwise_accuracy"] > before["eval/pairwise_accuracy"], (name, before, after)
+
+
+def test_sft_default_run_raises_held_out_accuracy(tmp_path):
+    """`posttrain train --algorithm sft --max-steps 50`: the task's reference solutions (the default run's
+    evaluation at step 50: 0.504 -> 0.86 on the Intel machine)."""
+    config = Config.from_flat({"algorithm": "sft", "max_steps": 50, "output": str(tmp_path / "sft"), **QUIET})
+    result = train(config)
+    before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
+    assert after >= before + 0.10, (before, after)
+
+
+def test_reward_model_default_run_ranks_held_out_pairs(tmp_path):
+    """`posttrain train --algorithm reward_model --max-steps 150`: the starting model's own right and wrong
+    samples; held-out pairs of its samples on prompts it never trained on (the default run's evaluation at
+    step 150: 0.516 -> 0.79 on the Intel machine; 0.86-0.88 at the full 250 steps)."""
+    config = Config.from_flat({"algorithm": "reward_model", "max_steps": 150, "output": str(tmp_path / "rm"),
+                               **QUIET})
+    result = train(config)
+    before, after = result["before"], result["after"]
+    assert after["eval/pairwise_accuracy_low"] > 0.5 and after["eval/pairwise_accuracy"] >= 0.72, (before, after)
