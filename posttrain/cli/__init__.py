@@ -353,6 +353,3 @@ def _error_text(error: BaseException) -> str:
         return f"posttrain: error: {problems[0]}"
     return f"posttrain: error: {len(problems)} problems:\n" + "\n".join(f"  {problem}" for problem in problems)
 
-
-if __name__ == "__main__":
-    sys.exit(main())
