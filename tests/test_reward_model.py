@@ -314,6 +314,15 @@ def test_a_built_in_task_samples_the_starting_models_own_pairs(tiny_model_dir, l
     assert [r["chosen"] for r in fixed.train.rows] == [r["chosen"] for r in labelled_by_length(0).train]
 
 
+def test_sampled_pairs_need_one_process_and_a_model_by_name(tiny_model_dir, labelled_by_length, pair_files,
+                                                             monkeypatch):
+    with pytest.raises(ConfigError, match="pairs_from: the reward model samples pairs from a built-in task's model"):
+        RewardModelSession.create(make_config(tiny_model_dir, pair_files, pairs_from="policy"))
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    with pytest.raises(ConfigError, match="pairs_from: pairs of the starting model's samples are drawn in one process"):
+        RewardModelSession.create(sampled_pairs_config(tiny_model_dir))
+
+
 def test_a_resumed_run_on_sampled_pairs_draws_the_same_pairs(tiny_model_dir, labelled_by_length, tmp_path):
     common = dict(max_steps=4, eval_every=2, save_every=2, log_samples_every=2)
     whole = sampled_pairs_config(tiny_model_dir, output=str(tmp_path / "whole"), **common)

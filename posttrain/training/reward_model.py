@@ -250,6 +250,10 @@ def validate(config: Config, preset: Any, inputs: Inputs) -> None:
     if pairs_source(config) == "policy" and (config.data.dataset or inputs.model is not None):
         raise ConfigError("pairs_from: the reward model samples pairs from a built-in task's model by name; with "
                           "--dataset or a model object, give the pairs and set pairs_from dataset")
+    if pairs_source(config) == "policy" and distributed.world_size() > 1:
+        raise ConfigError("pairs_from: pairs of the starting model's samples are drawn in one process; run it "
+                          "without torchrun/accelerate, or give the pairs (--dataset) or the task's fixed ones "
+                          "(pairs_from dataset)")
     if inputs.reward_funcs or config.data.reward or config.data.reward_model:
         raise ConfigError("reward: a reward model learns from chosen/rejected pairs, not from rewards; drop --reward "
                           "and --reward-model (an online preset takes the trained final_model/ as --reward-model)")
