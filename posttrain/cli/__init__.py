@@ -103,8 +103,8 @@ def build_parser() -> argparse.ArgumentParser:
                           "--dataset is given]")
     evaluate.add_argument("--dataset", help="prompts file (as for train) scored by --reward, every row up to "
                           "--eval-size")
-    evaluate.add_argument("--reward", action="append", default=[], help="FILE.py:FUNCTION for --dataset; repeat for "
-                          "several")
+    evaluate.add_argument("--reward", action="append", default=[], help="for --dataset: a built-in or registered "
+                          "reward name (numeric_match, ...) or FILE.py:FUNCTION; repeat for several")
     evaluate.add_argument("--reward-weights", type=lambda t: [float(x) for x in t.split(",")], default=[],
                           help="comma-separated weights, one per --reward [default: 1 each]")
     evaluate.add_argument("--success-threshold", type=float, default=1.0, help="on --dataset: a completion is "
