@@ -351,7 +351,7 @@ def test_config_errors_name_the_field(tiny_model_dir, pair_files):
         make_config(tiny_model_dir, pair_files, max_length=8, max_prompt_length=8)
     with pytest.raises(ConfigError, match="pairs_per_step >= 2"):  # before any model is loaded
         PreferenceSession.create(make_config("does-not-exist", pair_files, "kto", pairs_per_step=1))
-    with pytest.raises(ConfigError, match="more than the 32"):
+    with pytest.raises(ConfigError, match="more than the 32 training examples; use --pairs-per-step 32 or fewer"):
         PreferenceSession.create(make_config("does-not-exist", pair_files, "dpo", pairs_per_step=33))
 
 

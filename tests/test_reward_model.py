@@ -261,7 +261,7 @@ def test_bad_pairs_and_configs_say_what_to_change(tiny_model_dir, pair_files, tm
         RewardModelSession.create(make_config(tiny_model_dir, (unpaired, pair_files[1])))
     with pytest.raises(DataError, match="every pair is longer than max_length 8 tokens"):
         RewardModelSession.create(make_config(tiny_model_dir, pair_files, max_length=8, max_prompt_length=4))
-    with pytest.raises(ConfigError, match="pairs_per_step: 33 is more than the 32 training pairs"):
+    with pytest.raises(ConfigError, match="pairs_per_step: 33 is more than the 32 training pairs; use --pairs-per-step 32 or fewer"):
         RewardModelSession.create(make_config(tiny_model_dir, pair_files, pairs_per_step=33))
     with pytest.raises(ConfigError, match="reward: a reward model learns from chosen/rejected pairs"):
         RewardModelSession.create(make_config(tiny_model_dir, pair_files, reward_model=str(tiny_model_dir)))

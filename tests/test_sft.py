@@ -422,7 +422,7 @@ def test_examples_without_a_trained_token_are_left_out(tiny_model_dir, tmp_path,
 
 
 def test_config_errors_name_the_field(tiny_model_dir, demo_files, reward_file):
-    with pytest.raises(ConfigError, match="pairs_per_step: 64 is more than the 48 training demonstrations"):
+    with pytest.raises(ConfigError, match="pairs_per_step: 64 is more than the 48 training demonstrations; use --pairs-per-step 48 or fewer"):
         SFTSession.create(make_config(tiny_model_dir, demo_files, pairs_per_step=64))
     with pytest.raises(ConfigError, match="reward: SFT learns from demonstrations"):
         SFTSession.create(make_config(tiny_model_dir, demo_files, reward=[f"{reward_file}:sevens"]))

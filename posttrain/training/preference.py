@@ -253,7 +253,8 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | No
         raise ConfigError("pairs_from: policy pairs are sampled in one process; run it without torchrun/accelerate "
                           "or use pairs_from dataset")
     if num_examples is not None and per_step > num_examples:
-        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training examples")
+        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training examples; use "
+                          f"--pairs-per-step {num_examples} or fewer")
     world = distributed.world_size()
     if per_step % world:
         raise ConfigError(f"pairs_per_step: {per_step} examples do not split evenly over {world} processes; "

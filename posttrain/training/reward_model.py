@@ -268,7 +268,8 @@ def check_pairs_per_step(config: Config, num_pairs: int) -> None:
     """A step's pairs must exist and split evenly over the processes."""
     per_step, world = config.preference.pairs_per_step, distributed.world_size()
     if per_step > num_pairs:
-        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_pairs} training pairs")
+        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_pairs} training pairs; use "
+                          f"--pairs-per-step {num_pairs} or fewer")
     if per_step % world:
         raise ConfigError(f"pairs_per_step: {per_step} pairs do not split evenly over {world} processes; "
                           f"use a multiple of {world}")

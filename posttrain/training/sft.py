@@ -183,7 +183,8 @@ def validate(config: Config, num_examples: int) -> None:
     """Reject a step size the data or the processes cannot give; say what to change."""
     per_step, world = config.preference.pairs_per_step, distributed.world_size()
     if per_step > num_examples:
-        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training demonstrations")
+        raise ConfigError(f"pairs_per_step: {per_step} is more than the {num_examples} training demonstrations; "
+                          f"use --pairs-per-step {num_examples} or fewer")
     if per_step % world:
         raise ConfigError(f"pairs_per_step: {per_step} examples do not split evenly over {world} processes; "
                           f"use a multiple of {world}")
