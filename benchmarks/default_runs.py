@@ -115,7 +115,7 @@ def figure(found: dict[str, dict[int, tuple[float, float]]], path: Path) -> None
     ax.set_ylim(0, 1)
     ax.set_ylabel("held-out accuracy\n(reward_model: pairwise)")
     ax.set_title(f"Default runs on the built-in task ({cpu_name()})", fontsize=9)
-    ax.legend(loc="lower right", fontsize=8)
+    ax.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8)
     fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=120)
