@@ -25,11 +25,9 @@ One optimizer step (``train_step``), top to bottom:
 4. one guarded optimizer step (``posttrain.training.optim``: a non-finite gradient is skipped);
 5. log the preset's loss and metrics on the whole step's detached log-probs.
 
-A preset with ``rpo_alpha`` adds that weight times the chosen (KTO: desirable)
-completions' per-token NLL to its loss (RPO): on pairs of its own samples a preference
-loss alone can lower both log-probs, and the NLL keeps the right answers likely. On pairs
-sampled from the policy a preset whose loss takes the term gets ``rpo_alpha`` 1 unless the
-user set it (``with_policy_pairs_defaults``; the run's first lines say so).
+A preset with ``rpo_alpha`` adds that weight times the chosen (KTO: desirable) completions'
+per-token NLL to its loss (RPO), which keeps the right answers likely; on pairs sampled from
+the policy it is 1 unless the user set it (``with_policy_pairs_defaults``, decision 87).
 
 ``evaluate``: held-out pairwise accuracy under the preset's own implicit reward and,
 for a built-in task, greedy generation accuracy on its held-out prompts.
