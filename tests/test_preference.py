@@ -18,6 +18,7 @@ from torch.nn.functional import log_softmax
 import posttrain.functional as F
 import posttrain.training.preference as preference
 import posttrain.training.setup as setup
+from posttrain.training.api import run
 from posttrain.algorithms.presets import ALGORITHMS, PreferenceAlgorithm
 from posttrain.config import Config, ConfigError, OptimConfig
 from posttrain.tracking.metrics import read_metrics
@@ -396,7 +397,7 @@ def test_each_preset_raises_held_out_pairwise_accuracy(name, weaker_start, tmp_p
     config = Config.from_flat(dict(algorithm=name, model=str(weaker_start), pairs_from="dataset", max_steps=150,
                                    eval_every=0, save_every=0, log_samples_every=0, eval_size=200,
                                    output=str(tmp_path / name), progress=False, report_to="none"))
-    result = preference.train_preference(config)
+    result = run(config)
     before, after = result["before"]["eval/pairwise_accuracy"], result["after"]["eval/pairwise_accuracy"]
     if name == "simpo":
         margins = result["before"]["eval/reward_margin"], result["after"]["eval/reward_margin"]

@@ -358,7 +358,7 @@ def test_a_short_run_on_the_addition_pairs_learns(tmp_path):
                                    pairs_from="dataset", pairs_per_step=32, learning_rate=1e-3, max_steps=40, eval_every=0, save_every=0,
                                    log_samples_every=0, eval_size=200, output=str(tmp_path / "run"), progress=False,
                                    report_to="none", seed=0))
-    result = reward_model.train_reward_model(config)
+    result = run(config)
     before, after = result["before"], result["after"]
     assert before["eval/pairwise_accuracy_low"] < 0.5 < after["eval/pairwise_accuracy_low"], (before, after)
     rows = preference_task("addition").test[:200]

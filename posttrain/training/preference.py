@@ -86,7 +86,6 @@ from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.training.policy_pairs import pairs_source, sample_pairs, with_policy_pairs_defaults
-from posttrain.training.runner import run_training
 from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
     Inputs,
@@ -493,8 +492,3 @@ def evaluate(s: PreferenceSession, limit: int | None = None) -> dict[str, float]
         rows = s.task.source.test[:s.config.data.eval_size][:limit]
         out.update(greedy_accuracy(s.generator, s.tokenizer, s.task.source.correct, rows))
     return out
-
-
-def train_preference(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
-    """Train a preference preset as configured; returns the run directory and held-out metrics before/after."""
-    return run_training(PreferenceSession.create(config, inputs), config, train_step, evaluate)

@@ -78,7 +78,6 @@ from posttrain.tracking.stats import wilson_interval
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.training.policy_pairs import pairs_source, sample_pairs
-from posttrain.training.runner import run_training
 from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
     Inputs,
@@ -386,8 +385,3 @@ def evaluate(s: RewardModelSession, limit: int | None = None) -> dict[str, float
         "eval/rewards_rejected": float(metrics["rewards/rejected"]),
         "eval/loss": float(loss),
     }
-
-
-def train_reward_model(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
-    """Train a reward model as configured; returns the run directory and held-out metrics before/after."""
-    return run_training(RewardModelSession.create(config, inputs), config, train_step, evaluate)

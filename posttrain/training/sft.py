@@ -66,7 +66,6 @@ from posttrain.rollout.completions import Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
-from posttrain.training.runner import run_training
 from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
     Inputs,
@@ -312,8 +311,3 @@ def evaluate(s: SFTSession, limit: int | None = None) -> dict[str, float]:
         rows = s.task.test[:s.config.data.eval_size][:limit]
         out.update(greedy_accuracy(s.generator, s.tokenizer, s.task.correct, rows))
     return out
-
-
-def train_sft(config: Config, inputs: Inputs = Inputs()) -> dict[str, Any]:
-    """Fine-tune on demonstrations as configured; returns the run directory and held-out metrics before/after."""
-    return run_training(SFTSession.create(config, inputs), config, train_step, evaluate)
