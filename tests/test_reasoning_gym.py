@@ -110,6 +110,7 @@ def test_rows_are_chat_prompts_with_the_entry_the_scorer_needs():
     assert row == {
         "prompt": [{"role": "user", "content": f"{entry['question']}\n\n{INSTRUCTION}"}],
         "answer": entry["answer"],
+        "question": entry["question"],
         "rg_entry": {"family": "chain_sum", **entry},
     }
 
@@ -216,9 +217,12 @@ def test_gsm_templates_family_draws_the_gsm_task_s_problems_and_scores_exact_num
     entry = row["rg_entry"]
     gold = entry["answer"]
     texts = [f"so {gold} in all.\nAnswer: {gold}", f"Answer: ${gold}.00", f"Answer: {gold} apples",
-             f"Answer: {int(gold) + 1}", "no answer at all"]
+             f"Answer: {int(gold) + 1}", "no answer at all", f"Answer: {int(gold) + 1} or {gold}",
+             f"The answer is 2 + {int(gold) - 2} = {gold}.", f"#### {gold}", f"\\boxed{{{gold}}}"]
     scores = task.reward_funcs[0]([row["prompt"]] * len(texts), [_chat(t) for t in texts], rg_entry=[entry] * len(texts))
-    assert scores == [1.0, 1.0, 0.0, 0.0, 0.0]  # no partial credit for a number inside other words
+    # the answer's number counts, units and all, however it is written; a second number in the answer
+    # earns nothing (no credit for merely containing the reference)
+    assert scores == [1.0, 1.0, 1.0, 0.0, 0.0, 0.0, 1.0, 1.0, 1.0]
 
 
 def test_gsm_templates_mixes_with_reasoning_gym_families_and_holds_out_disjointly():

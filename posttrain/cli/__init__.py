@@ -115,6 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--temperature", type=float, default=1.0, help="for --samples [default: 1.0]")
     evaluate.add_argument("--top-p", type=float, default=1.0, help="for --samples [default: 1.0]")
     evaluate.add_argument("--max-new-tokens", type=int, help="token budget per completion [default: the task's]")
+    evaluate.add_argument("--prompt-variants", metavar="SPEC", help="ask every problem under several instructions "
+                          "and answer conventions and report each, their mean and the worst: eval (the seven "
+                          "built-in variants), names such as bare,boxed, or a .yaml/.json file of templates holding "
+                          "{question} [default: the task's own prompt]")
     evaluate.add_argument("--seed", type=int, default=0, help="sampling seed [default: 0]")
     evaluate.add_argument("--device", default="auto")
     evaluate.add_argument("--dtype", default="float32")
@@ -301,7 +305,8 @@ def eval_command(args: argparse.Namespace) -> int:
         raise ConfigError(*problems)
     spec = EvalSpec(tasks=tasks, dataset=args.dataset, reward=args.reward, reward_weights=args.reward_weights,
                     eval_size=args.eval_size, samples=args.samples, temperature=args.temperature, top_p=args.top_p,
-                    max_new_tokens=args.max_new_tokens, success_threshold=args.success_threshold, seed=args.seed)
+                    max_new_tokens=args.max_new_tokens, success_threshold=args.success_threshold, seed=args.seed,
+                    prompt_variants=args.prompt_variants)
     name, results = evaluate_model(args.model, spec, device=args.device, dtype=args.dtype)
     print(format_results(name, results, spec))
     if args.output:

@@ -139,6 +139,51 @@ def extract_answer(text: str, delimiter: str | None = None) -> str | None:
     return numbers[-1] if numbers else None
 
 
+_CUE = re.compile(r"####|\\boxed\{|\banswer(?:\s+(?:is|was|would be|will be)\b\s*:?|\s*\**\s*[:=])",
+                  re.IGNORECASE)
+_STATEMENT_END = re.compile(r"\n|\.(?=\s|$)|$")
+
+
+def final_answer(text: str) -> str | None:
+    r"""The final answer however the reply writes it, or None: one parser for every answer convention.
+
+    The last answer cue decides: ``\boxed{...}`` (its content), ``####``, or "answer" ("The answer is",
+    "Answer:", "Final answer =", ...); the answer is what follows the cue up to the line's or the
+    sentence's end. In it, a worked equation counts by its result (the number after the last ``=``),
+    and otherwise its first number (units and explanations after it are dropped); an answer without a
+    number (a weekday, a word) is returned whole, and one in LaTeX as written. With no cue, the
+    reply's last number.
+
+    >>> final_answer("So the answer is 6 x 21 = 126.")
+    '126'
+    >>> final_answer("Answer: 12 apples (she had 15 and gave away 3)")
+    '12'
+    >>> final_answer("3 + 4 = 7\n#### 7")
+    '7'
+    >>> final_answer("It is $\\boxed{\\frac{1}{2}}$ of the cake")
+    '\\frac{1}{2}'
+    >>> final_answer("She has 8 now, then 9 after lunch")
+    '9'
+    """
+    cues = list(_CUE.finditer(text))
+    if not cues:
+        numbers = re.findall(_NUMBER, text)
+        return numbers[-1] if numbers else None
+    cue = cues[-1]
+    if cue.group(0).lower().startswith("\\boxed"):
+        statement = _boxed(text[cue.start():])
+    else:
+        rest = text[cue.end():].lstrip(" :*")
+        statement = rest[:_STATEMENT_END.search(rest).start()]
+    if statement is None:  # a box cut off before it closed
+        return None
+    value = statement.rsplit("=", 1)[-1].strip().strip("*$ ")
+    if not value or parse_number(value) is not None or "\\" in value:
+        return value or None
+    numbers = re.findall(_NUMBER, value)
+    return numbers[0] if numbers else value
+
+
 def parse_number(text: str | None) -> float | None:
     """``text`` as a float (thousands commas, ``$`` and ``%`` ignored), or None."""
     if text is None:
@@ -408,8 +453,8 @@ def _math_equal(predicted: str, gold: str, rel_tol: float, abs_tol: float) -> bo
 def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
     """1.0 when the final answer written in free text equals ``answer`` mathematically, else 0.0.
 
-    The final answer is :func:`extract_answer`'s (``\\boxed{}``, then "answer is", then the last
-    number); it is compared with the gold answer by ``math_verify.verify`` when the ``math-verify``
+    The final answer is :func:`final_answer`'s (the last ``\\boxed{}``, ``####`` or "answer is/Answer:"
+    statement, else the last number), so any answer convention counts; it is compared with the gold answer by ``math_verify.verify`` when the ``math-verify``
     package is installed, otherwise numerically (``math.isclose`` with the given tolerances). A
     completion without an answer scores 0.0; a row whose answer is None scores None.
     """
@@ -421,7 +466,7 @@ def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
             if gold is None:
                 scores.append(None)
                 continue
-            predicted = extract_answer(completion_text(completion))
+            predicted = final_answer(completion_text(completion))
             scores.append(float(predicted is not None and _math_equal(predicted, str(gold), rel_tol, abs_tol)))
         return scores
 

@@ -10,6 +10,9 @@
 - :func:`mean_interval`: the mean of per-problem values in [0, 1] (pass@1, pass@K) with a 95%
   normal interval over problems (the problems are the sample; the K draws per problem only make
   each value less noisy), clipped to [0, 1].
+- :func:`pass_ks`: which pass@k a run of K samples reports (1, the powers of two below K, K).
+- :func:`across_variants`: one problem set under several prompt variants: the mean accuracy over
+  variants with its interval, and the worst variant's.
 - :func:`majority_index`: maj@K's vote: the completion whose extracted answer is the most common
   among the K (ties: the answer given first); a problem is solved when that completion is correct.
 """
@@ -56,6 +59,33 @@ def pass_at_k(n: int, c: int, k: int) -> float:
     return 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
+def pass_ks(k: int) -> list[int]:
+    """The k reported from K samples: 1, the powers of two below K, and K (16 samples: 1, 2, 4, 8, 16),
+    each estimated without bias from all K (:func:`pass_at_k`)."""
+    return sorted({1, k, *(2 ** i for i in range(1, k.bit_length()) if 2 ** i < k)})
+
+
+def across_variants(correct: dict[str, Sequence[bool]]) -> dict[str, float | str]:
+    """How one problem set fares across prompt variants: ``correct[variant][i]`` is whether problem i was
+    solved when asked that way (the same problems under every variant).
+
+    ``mean``: the accuracy averaged over variants, with the normal interval over problems of each
+    problem's share of variants solved (:func:`mean_interval`: the problems are the sample). ``worst``:
+    the variant with the lowest accuracy (the first on ties), its accuracy and Wilson interval.
+    """
+    names = list(correct)
+    n = len(correct[names[0]])
+    if any(len(v) != n for v in correct.values()):
+        raise ValueError("across_variants: every variant must score the same problems")
+    shares = [sum(bool(correct[name][i]) for name in names) / len(names) for i in range(n)]
+    mean, low, high = mean_interval(shares)
+    worst = min(names, key=lambda name: sum(map(bool, correct[name])))
+    right = sum(map(bool, correct[worst]))
+    worst_low, worst_high = wilson_interval(right, n)
+    return {"mean": mean, "mean_low": low, "mean_high": high, "worst": right / n, "worst_low": worst_low,
+            "worst_high": worst_high, "worst_variant": worst}
+
+
 def majority_index(answers: Sequence[str | None]) -> int | None:
     """Index of the first completion giving the most common answer (None answers do not vote);
     ties go to the answer given first; None when no completion gave an answer."""
@@ -83,9 +113,9 @@ def summarise(correct_greedy: Sequence[bool], rewards: Sequence[float], lengths:
            "reward": math.fsum(rewards) / n, "completion_length": math.fsum(lengths) / n}
     if sampled is not None:
         k = len(sampled[0])
-        for name, per_problem in (("pass@1", [pass_at_k(k, sum(s), 1) for s in sampled]),
-                                  (f"pass@{k}", [pass_at_k(k, sum(s), k) for s in sampled])):
-            out[name], out[f"{name}_low"], out[f"{name}_high"] = mean_interval(per_problem)
+        for j in pass_ks(k):
+            per_problem = [pass_at_k(k, sum(s), j) for s in sampled]
+            out[f"pass@{j}"], out[f"pass@{j}_low"], out[f"pass@{j}_high"] = mean_interval(per_problem)
         if sampled_answers is not None:
             wins = 0
             for outcomes, answers in zip(sampled, sampled_answers):

@@ -117,8 +117,10 @@ def evaluate(model: str | Path | None = None, *, tasks: str | Iterable[str] | No
             (``"numeric_match"``), ``FILE.py:FUNCTION`` specs or functions defined in a file.
         **settings: ``eval_size`` (problems per task, 500), ``samples`` (K completions per problem, 1),
             ``temperature``, ``top_p``, ``max_new_tokens``, ``success_threshold`` (on a dataset, the total
-            reward that counts as correct, 1.0), ``reward_weights``, ``seed``: :class:`EvalSpec`'s fields,
-            ``posttrain eval``'s flags.
+            reward that counts as correct, 1.0), ``reward_weights``, ``seed``,
+            ``prompt_variants`` (each problem asked every way of a variant set: results per variant,
+            ``evaluation.across_variants`` their mean and worst): :class:`EvalSpec`'s fields, ``posttrain
+            eval``'s flags.
     """
     valid = [f.name for f in dataclasses.fields(EvalSpec) if f.name not in ("tasks", "dataset", "reward")]
     unknown = sorted(set(settings) - set(valid))

@@ -5,8 +5,15 @@ held-out split) and/or a dataset scored by reward functions: greedy decoding for
 ``samples`` > 1, K sampled completions per problem for pass@1, pass@K and maj@K (the estimators
 and their intervals are in :mod:`posttrain.tracking.stats`). Correct means the task's own check; on a
 dataset, a total reward of at least ``success_threshold``. maj@K votes with the task's final-answer
-parser (``Task.final_answer``), on a dataset with :func:`posttrain.data.rewards.extract_answer` (boxed,
-"answer is", the last number).
+parser (``Task.final_answer``), on a dataset with :func:`posttrain.data.rewards.final_answer` (boxed,
+``####``, "answer is", the last number).
+
+With ``prompt_variants`` every problem is asked under each variant of the set
+(:mod:`posttrain.data.prompt_variants`: no instruction, ``Answer:``, "The answer is", ``####``,
+``\\boxed{}``, reasoning first, a system prompt; or the user's own templates) and scored per variant,
+then summarised across them: the mean over variants and the worst one, each with its interval
+(:func:`posttrain.tracking.stats.across_variants`). A gain that holds only under the training prompt
+shows as a high mean with a low worst.
 """
 
 from __future__ import annotations
@@ -21,13 +28,14 @@ import torch
 
 from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
 from posttrain.data.prompts import encode_prompt
-from posttrain.data.rewards import extract_answer
+from posttrain.data.prompt_variants import PromptVariant, ask, resolve_variants
+from posttrain.data.rewards import final_answer
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.parallel.distributed import say
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import FORMATS, Tools, make_episode_generator
 from posttrain.rollout.generators import generate_texts, make_generator
-from posttrain.tracking.stats import summarise
+from posttrain.tracking.stats import across_variants, summarise
 from posttrain.training.session import (
     Workload,
     eos_token_ids,
@@ -51,14 +59,17 @@ class EvalSpec:
     max_new_tokens: int | None = None  # default: the task's
     success_threshold: float = 1.0  # on a dataset: a completion is correct when its total reward >= this
     seed: int = 0
+    prompt_variants: str | None = None  # a variant set, names or a template file: each problem asked every way
 
 
 @dataclass
 class TaskResult:
-    name: str
+    name: str  # the task, and with prompt variants the variant: "TASK [VARIANT]"
     problems: int
     metrics: dict[str, float]  # e.g. accuracy, accuracy_low, accuracy_high, pass@1, ...
     greedy: list[dict[str, Any]] = field(default_factory=list)  # per problem: prompt, completion, correct, ...
+    task: str = ""  # the task alone ("" : name)
+    variant: str | None = None  # the prompt variant the problems were asked under (None: the task's prompts)
 
     @property
     def correct(self) -> int:
@@ -85,6 +96,12 @@ class Evaluation:
     def __str__(self) -> str:
         return format_results(self.model, self.results, self.spec)
 
+    @property
+    def across_variants(self) -> dict[str, dict[str, float | str]]:
+        """Per task asked under prompt variants: the mean accuracy over variants and the worst variant's, with
+        intervals (:func:`variant_summaries`); empty without ``prompt_variants``."""
+        return variant_summaries(self.results)
+
     def to_dict(self) -> dict[str, Any]:
         return results_payload(self.model, self.results, self.spec)
 
@@ -96,15 +113,23 @@ def evaluate_model(model: str | None, spec: EvalSpec, *, device: str = "auto",
     the model is."""
     if spec.samples < 1:
         raise ConfigError(f"samples: got {spec.samples}; use 1 (greedy only) or more")
+    variants = resolve_variants(spec.prompt_variants) if spec.prompt_variants else [None]
     targets = [(name, config, load_workload(config)) for name, config in _targets(model, spec, device, dtype)]
+    asked = [(name, config, work, variant, _asked_rows(name, work, variant))
+             for name, config, work in targets for variant in variants]  # a row without a question fails here
     model_name = model or next((work.default_model for _, _, work in targets if work.default_model), None)
     if model_name is None:
         raise ConfigError("model: give --model PATH (a local Hugging Face model directory)")
     policy, tokenizer = load_model_and_tokenizer(model_name, dtype=dtype, device=device)
     policy.eval()
     eos_ids = eos_token_ids(policy, tokenizer)
-    return model_name, [_evaluate_task(name, config, work, policy, tokenizer, eos_ids, spec)
-                        for name, config, work in targets]
+    return model_name, [_evaluate_task(name, config, work, policy, tokenizer, eos_ids, spec, rows, variant)
+                        for name, config, work, variant, rows in asked]
+
+
+def _asked_rows(name: str, work: Workload, variant: PromptVariant | None) -> list[dict[str, Any]]:
+    """The held-out rows, their prompts asked under ``variant`` (None: as the task asks them)."""
+    return work.test_rows if variant is None else ask(work.test_rows, variant, name)
 
 
 def _targets(model: str | None, spec: EvalSpec, device: str, dtype: str) -> list[tuple[str, Config]]:
@@ -125,12 +150,12 @@ def _targets(model: str | None, spec: EvalSpec, device: str, dtype: str) -> list
 
 
 def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, tokenizer: Any, eos_ids: list[int],
-                   spec: EvalSpec) -> TaskResult:
+                   spec: EvalSpec, rows: list[dict[str, Any]], variant: PromptVariant | None) -> TaskResult:
     """Greedy completions of every held-out problem, then (``spec.samples`` > 1) K samples each."""
-    rows = work.test_rows
     if not rows:
         raise ConfigError(f"eval: {name} has no problems to evaluate on")
-    extract = work.final_answer or extract_answer
+    extract = work.final_answer or final_answer
+    label = name if variant is None else f"{name} [{variant.name}]"
 
     def outcomes(texts: list[str], g: int, completions: Completions) -> tuple[list[bool], list[float]]:
         scores, correct = score_texts(work, config.data, rows, texts, g, completions.rewards)
@@ -150,7 +175,7 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         generator = make_generator("hf", policy, tokenizer, params, eos_ids)
     prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}", tools=work.tools)
                   for i, row in enumerate(rows, 1)]
-    say(f"eval: {name}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
+    say(f"eval: {label}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
     k, per_sample, answers = spec.samples, None, None
     with torch.no_grad():
         greedy_texts, greedy_completions = generate_texts(generator, tokenizer, prompt_ids, greedy=True, rows=rows)
@@ -162,10 +187,21 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         flat, _ = outcomes(texts, k, completions)
         per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
         answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
-    greedy = [{"task": name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
+    greedy = [{"task": name, "variant": variant and variant.name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
                "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
               for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
-    return TaskResult(name, len(rows), summarise(correct, rewards, lengths, per_sample, answers), greedy)
+    return TaskResult(label, len(rows), summarise(correct, rewards, lengths, per_sample, answers), greedy, name,
+                      variant and variant.name)
+
+
+def variant_summaries(results: Sequence[TaskResult]) -> dict[str, dict[str, float | str]]:
+    """Per task evaluated under prompt variants: :func:`~posttrain.tracking.stats.across_variants` of its
+    variants' greedy verdicts (the mean over variants and the worst, with intervals)."""
+    by_task: dict[str, dict[str, list[bool]]] = {}
+    for result in results:
+        if result.variant is not None:
+            by_task.setdefault(result.task, {})[result.variant] = [bool(r["correct"]) for r in result.greedy]
+    return {task: across_variants(correct) for task, correct in by_task.items()}
 
 
 def format_results(model: str, results: Sequence[TaskResult], spec: EvalSpec) -> str:
@@ -179,15 +215,25 @@ def format_results(model: str, results: Sequence[TaskResult], spec: EvalSpec) ->
         if spec.samples > 1:
             k = spec.samples
             parts = [f"{name} {m[name]:.3f} [{m[name + '_low']:.3f}, {m[name + '_high']:.3f}]"
-                     for name in ("pass@1", f"pass@{k}", f"maj@{k}") if name in m]
+                     for name in (*(key for key in m if key.startswith("pass@") and key.count("_") == 0),
+                                  f"maj@{k}") if name in m]
             lines.append(f"  {k} samples at temperature {spec.temperature:g}: " + "   ".join(parts))
+    for task, summary in variant_summaries(results).items():
+        count = sum(result.task == task and result.variant is not None for result in results)
+        lines.append(f"{model} on {task} across {count} prompt variants: mean accuracy {summary['mean']:.3f} "
+                     f"[{summary['mean_low']:.3f}, {summary['mean_high']:.3f}]   worst {summary['worst']:.3f} "
+                     f"[{summary['worst_low']:.3f}, {summary['worst_high']:.3f}] ({summary['worst_variant']})")
     return "\n".join(lines)
 
 
 def results_payload(model: str, results: Sequence[TaskResult], spec: EvalSpec) -> dict[str, Any]:
     """The results as JSON values: the model, the settings, and each task's problem count and metrics."""
-    return {"model": model, "settings": {k: v for k, v in vars(spec).items()},
-            "tasks": {r.name: {"problems": r.problems, **r.metrics} for r in results}}
+    payload = {"model": model, "settings": {k: v for k, v in vars(spec).items()},
+               "tasks": {r.name: {"problems": r.problems, **r.metrics} for r in results}}
+    summaries = variant_summaries(results)
+    if summaries:
+        payload["across_variants"] = summaries
+    return payload
 
 
 def write_results(path: str | Path, model: str, results: Sequence[TaskResult], spec: EvalSpec) -> None:

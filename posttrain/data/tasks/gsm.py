@@ -159,7 +159,8 @@ EASY_SHARE = 0.5
 
 
 def make_rows(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
-    """Disjoint (train, test) rows: ``prompt`` (chat messages), ``answer`` (a string), ``template``."""
+    """Disjoint (train, test) rows: ``prompt`` (chat messages), ``answer`` (a string), ``template``, ``question``
+    (without the instruction)."""
     rng = random.Random(seed)
     seen: set[str] = set()
     rows: list[dict[str, Any]] = []
@@ -169,7 +170,7 @@ def make_rows(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[di
         if question not in seen:
             seen.add(question)
             rows.append({"prompt": [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
-                         "answer": str(answer), "template": template.__name__})
+                         "answer": str(answer), "template": template.__name__, "question": question})
     return rows[n_test:], rows[:n_test]
 
 

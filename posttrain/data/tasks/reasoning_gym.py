@@ -44,10 +44,13 @@ generator's entry (``question``, ``answer``, ``metadata``) plus its ``family``: 
 families (``arc_agi``, ``rearc``) keep tuples in ``metadata`` that JSON turns into lists, which
 their scorers then reject: rows stay in memory, so the scorer sees them as generated.
 
-Reward (one function, weight 1): the family's ``score_answer`` on the completion's final answer,
-:func:`posttrain.data.rewards.extract_answer` with the delimiter ``"Answer:"`` (the text after the last
-``Answer:``, so multi-line answers such as grids survive; without it, the last ``\\boxed{}``, "the
-answer is ...", or the last number). A completion with no answer (none found, or nothing after
+Reward (one function, weight 1): the family's ``score_answer`` on the completion's final answer
+(:func:`answer_of`). Where the reference is a number, the answer is read however the reply writes it
+(:func:`posttrain.data.rewards.final_answer`: ``Answer: N``, "the answer is N", ``#### N``,
+``\\boxed{N}``, the result of a worked equation, the last number), so the same problem asked under
+another instruction (:mod:`posttrain.data.prompt_variants`) is scored on its answer, not its format.
+Otherwise it is the text after the last ``Answer:``, so multi-line answers such as grids survive
+(without it, the last ``\\boxed{}``, "the answer is ...", or the last number). A completion with no answer (none found, or nothing after
 ``Answer:``) scores 0.0 without calling the scorer: some scorers give a missing answer a small
 positive score (``countdown``: 0.01), and a missing answer earns nothing here, whatever the family.
 ``correct``: the score is 1.0.
@@ -61,7 +64,6 @@ import math
 import random
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
-from functools import partial
 from typing import Any
 
 import reasoning_gym
@@ -73,6 +75,7 @@ from posttrain.data.rewards import (
     RewardFn,
     completion_text,
     extract_answer,
+    final_answer,
     parse_number,
 )
 from posttrain.data.settings import parse_settings as parse_setting_text
@@ -278,10 +281,11 @@ def create_dataset(component: Component, seed: int, size: int) -> ProceduralData
 
 
 def make_row(family: str, entry: dict[str, Any]) -> dict[str, Any]:
-    """A task row: the question as a chat prompt with :data:`INSTRUCTION`, the reference answer, the entry."""
+    """A task row: the question as a chat prompt with :data:`INSTRUCTION`, the reference answer, the bare
+    question (what a prompt variant asks its own way), the entry."""
     content = f"{entry['question'].rstrip()}\n\n{INSTRUCTION}"
     return {"prompt": [{"role": "user", "content": content}], "answer": entry["answer"],
-            "rg_entry": {"family": family, **entry}}
+            "question": entry["question"], "rg_entry": {"family": family, **entry}}
 
 
 def draw_rows(components: Sequence[Component], seed: int, n: int) -> list[dict[str, Any]]:
@@ -308,6 +312,16 @@ def drop_seen(test: list[dict[str, Any]], train: list[dict[str, Any]]) -> list[d
 # --- reward -------------------------------------------------------------------------------
 
 
+def answer_of(text: str, reference: Any) -> str | None:
+    """The answer a reply gives: for a numeric reference, however it is written (``Answer: N``, "the answer
+    is N", ``#### N``, ``\\boxed{N}``, the last number: :func:`~posttrain.data.rewards.final_answer`), so that
+    a prompt asking another convention is scored on the problem, not the format; otherwise (a grid, a word,
+    a list) the text after the last :data:`DELIMITER`, lines and all, else the generic cues."""
+    if isinstance(reference, (int, float)) or parse_number(str(reference)) is not None:
+        return final_answer(text)
+    return extract_answer(text, DELIMITER)
+
+
 def family_score(scorers: dict[str, ProceduralDataset]) -> RewardFn:
     """The reward: each completion's final answer scored by its row's family scorer (module docstring).
 
@@ -318,7 +332,7 @@ def family_score(scorers: dict[str, ProceduralDataset]) -> RewardFn:
                             **columns: Any) -> list[float | None]:
         scores: list[float | None] = []
         for completion, entry in zip(completions, rg_entry):
-            answer = extract_answer(completion_text(completion), DELIMITER)
+            answer = answer_of(completion_text(completion), entry["answer"])
             scores.append(float(scorers[entry["family"]].score_answer(answer, entry)) if answer else 0.0)
         return scores
 
@@ -361,5 +375,5 @@ def make_task(spec: str, seed: int = 0, n_train: int = 2000, n_test: int = 200) 
         correct=scores_one(reward),
         max_new_tokens=256,
         default_model="smollm2-135m",
-        final_answer=partial(extract_answer, delimiter=DELIMITER),
+        final_answer=final_answer,
     )
