@@ -172,6 +172,16 @@ class DataConfig:
         "transfers; logged as eval/LABEL/accuracy (LABEL: the task's name, or a reasoning-gym spec's families "
         "joined by +). Online presets.", (),
     )
+    train_prompt_variants: str | None = _help(
+        "Ask each training prompt under a prompt variant drawn for it (seeded), so the run learns the problem, "
+        "not one phrasing: train (ten built-in phrasings and answer conventions, none an evaluation variant's "
+        "wording), names of built-in variants, or a .yaml/.json file of templates holding {question}. Rows need "
+        "a question column (built-in word-problem and reasoning-gym tasks have one).")
+    eval_prompt_variants: str | None = _help(
+        "Score each eval_tasks entry under every variant of this set at every evaluation (eval: seven built-in "
+        "instructions and answer conventions; names; or a template file): eval/LABEL@VARIANT/accuracy per "
+        "variant, eval/LABEL/variants_mean and eval/LABEL/variants_worst across them. Costs one evaluation per "
+        "variant: set eval_subset.")
     eval_subset: int = _help(
         "Held-out prompts scored at the evaluations during training: the first N of the eval_size set, to keep "
         "evaluation a small share of a slow model's run; the evaluations before and after training score all "
@@ -184,6 +194,9 @@ class DataConfig:
         require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
         require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
         require(self.eval_subset >= 0, "eval_subset", f"got {self.eval_subset}; use 0 (all of eval_size) or more")
+        require(self.eval_prompt_variants is None or bool(self.eval_tasks), "eval_prompt_variants",
+                "asks the eval_tasks' problems several ways; add an eval_tasks entry (or use posttrain eval "
+                "--prompt-variants on a final model)")
         require(
             not self.reward_weights or len(self.reward_weights) == len(self.reward),
             "reward_weights",

@@ -28,6 +28,7 @@ from posttrain.data.prompts import (
     encode_prompt,
     read_rows,
 )
+from posttrain.data.prompt_variants import ask, ask_each_differently, resolve_variants
 from posttrain.data.rewards import RewardModel, load_reward, load_reward_function
 from posttrain.data.scoring import RewardPolicy, Scores, score
 from posttrain.data.tasks import get_task
@@ -93,6 +94,9 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         train_rows, test_rows = list(task.train), list(task.test)
         distributed.say(f"task {data.task}: {task.description} ({len(train_rows)} training prompts, "
                         f"{len(test_rows)} held out)")
+    if data.train_prompt_variants:  # each prompt asked one of several ways: the problem, not a phrasing, is learnt
+        train_rows = ask_each_differently(train_rows, resolve_variants(data.train_prompt_variants),
+                                          config.run.seed, data.dataset or data.task)
     if data.reward or inputs.reward_funcs or data.reward_model is not None:
         fns = [*inputs.reward_funcs, *(load_reward(spec) for spec in data.reward)]
         weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
@@ -129,10 +133,16 @@ def eval_label(task: str) -> str:
     return "+".join(c.family for c in parse_spec(task))
 
 
+VARIANT_SEPARATOR = "@"
+"""Between an eval task's label and a prompt variant's name in its metrics (``eval/gsm_templates@boxed/``)."""
+
+
 def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Workload]:
     """The ``eval_tasks`` by label: each task's held-out rows (up to ``eval_size``), rewards and check,
-    generated with the run's token budget."""
+    generated with the run's token budget; with ``eval_prompt_variants``, one per task and variant,
+    labelled ``LABEL@VARIANT``."""
     data = config.data
+    variants = resolve_variants(data.eval_prompt_variants) if data.eval_prompt_variants else [None]
     workloads: dict[str, Workload] = {}
     for spec in data.eval_tasks:
         label = eval_label(spec)
@@ -146,9 +156,11 @@ def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Worklo
             raise ConfigError(f"eval_tasks: {error}") from None
         if not task.test:
             raise ConfigError(f"eval_tasks: {spec!r} has no held-out problems")
-        workloads[label] = Workload([], list(task.test)[: data.eval_size], list(task.reward_funcs),
-                                    list(task.reward_weights), task.correct, max_new_tokens, task.default_model,
-                                    task.final_answer)
+        rows = list(task.test)[: data.eval_size]
+        for variant in variants:
+            workloads[label if variant is None else f"{label}{VARIANT_SEPARATOR}{variant.name}"] = Workload(
+                [], rows if variant is None else ask(rows, variant, spec), list(task.reward_funcs),
+                list(task.reward_weights), task.correct, max_new_tokens, task.default_model, task.final_answer)
     return workloads
 
 
@@ -442,8 +454,15 @@ def evaluate(s: OnlineSession, limit: int | None = None) -> dict[str, float]:
     checks answers) with its 95% interval, reward, length; the same for the first ``limit`` of each
     ``eval_tasks`` entry, under ``eval/LABEL/``."""
     out = _evaluate_workload(s, s.work, limit, "eval/")
+    by_task: dict[str, list[float]] = {}
     for label, work in s.eval_workloads.items():  # eval_tasks: other tasks' held-out problems, same policy
         out.update(_evaluate_workload(s, work, limit, f"eval/{label}/"))
+        task, separator, _ = label.partition(VARIANT_SEPARATOR)
+        if separator and f"eval/{label}/accuracy" in out:
+            by_task.setdefault(task, []).append(out[f"eval/{label}/accuracy"])
+    for task, accuracies in by_task.items():  # the same problems asked every way: how the skill holds up
+        out[f"eval/{task}/variants_mean"] = sum(accuracies) / len(accuracies)
+        out[f"eval/{task}/variants_worst"] = min(accuracies)
     return out
 
 
