@@ -125,27 +125,41 @@ def test_training_prompts_draw_a_variant_each_and_the_draw_is_seeded():
 # --- the answer parser on real SmolLM2-135M-Instruct replies --------------------------------
 
 REAL_REPLIES = [
-    # (reply, the answer it gives); replies of SmolLM2-135M-Instruct to gsm_templates under the variants
-    ("Tom has 6 marbles. 21 more marbles = 6 + 21 = 27 marbles.\nThe answer is 6 x 21 = 126.", "126"),
-    ("To find the total, multiply 4 by 4: 4 x 4 = 16.\n#### 16", "16"),
-    ("First, 9 + 5 = 14. So she has $\\boxed{14}$ cupcakes.", "14"),
-    ("Omar has 8 toy cars and gives away 3, so he has 8 - 3 = 5 toy cars left.", "5"),
-    ("Answer: 12 books", "12"),
-    ("Step 1: 4 * 3 = 12\nStep 2: 12 + 2 = 14\nAnswer: 14\n\nI hope it helps with 2 more problems!", "14"),
-    ("The answer is 35 dollars, because 7 x 5 = 35.", "35"),
-    ("**Answer:** 30 miles", "30"),
-    ("The final answer is: $\\boxed{\\frac{1}{2}}$", "\\frac{1}{2}"),
-    ("Let me answer step by step. 2 + 3 = 5, then 5 * 2 = 10.", "10"),
+    # (the end of a reply, the question's numbers where they matter, the answer a reader takes from it):
+    # SmolLM2-135M-Instruct's greedy replies to gsm_templates problems under the evaluation variants
+    ("In 10 years, Olivia will be 12 years old.\n\nSo, the answer is: 12 + 15 = 27", None, "27"),
+    ("The answer is 4 + 4 = 8 dollars.\n\nSo, Hugo spends 8 dollars on a pen.", None, "8"),
+    ("Jack has 6 + 9 = 15 marbles.\nJack gets 15 - 9 = 2 marbles.\nJack has now 2 marbles.\n#### 2\n"
+     "The answer is: 2", None, "2"),
+    ("The total number of books Grace has now is 5 + 12 = 17 books.\n#### 1\nGrace has 17 books now.", None, "1"),
+    ("Grace has 7 books.\n5 more books = 7 + 5 = 12 books\nGrace has 12 books now.\n\nAnswer: 12 + 1 = 13", None,
+     "13"),
+    ("Rosa: 20 (Rosa's 1 card) - 1 (Rosa's 1 card) = 1 card left\n\nAnswer: 1 card left", None, "1"),
+    ("12 + 9 = 21\n\nSo, the answer is 21.\n\nThe final answer is within \\boxed{}.", None, "21"),
+    ("He spends $39 on a game, so he spends $77 - $39 = $21.\n#### 2\nThe answer is 2.\n\nFinn ends his reply "
+     'with "Answer:" followed by the final answer alone.', None, "2"),
+    ("The total cost of 3 sandwiches is 3 x $3 = $9.\n\nSo, Hugo spends $9 on 3 sandwiches.",
+     "A sandwich costs $3. Hugo buys 3 sandwiches. How many dollars does Hugo spend?", "9"),
+    ("Dev has 20 + 20 = 40 marbles.\n\nSo, Dev has 40 - 20 = 20 marbles.\n\nIn conclusion, Dev has 20 marbles.",
+     None, "20"),
+    ("6. 20 + 20 = 40 pages Tara reads in 2 weeks.\n\nSo, the answer is 40.", None, "40"),
+    ("Therefore, Jack has 9 marbles now.\n\nSo, the answer is: 9", None, "9"),
+    ("Noah had 19 apples, and 5 of them were given to Dev. So, Noah has 19 - 5 = 9 apples left.", None, "9"),
+    # the conventions, written by hand
+    ("First, 9 + 5 = 14. So she has $\\boxed{14}$ cupcakes.", None, "14"),
+    ("Tom has 6 bags of 21 marbles, so the answer is 6 x 21 = 126", None, "126"),
+    ("4 x 4 = 16\n#### 16", None, "16"),
 ]
 
 
-@pytest.mark.parametrize("reply, answer", REAL_REPLIES)
-def test_the_answer_parser_reads_every_convention(reply, answer):
-    assert final_answer(reply) == answer
+@pytest.mark.parametrize("reply, question, answer", REAL_REPLIES)
+def test_the_answer_parser_reads_every_convention(reply, question, answer):
+    assert final_answer(reply, question) == answer
 
 
-def test_a_cut_off_box_gives_no_answer():
-    assert final_answer("so the answer is \\boxed{12") is None
+def test_cues_that_state_nothing_leave_the_last_sentence_and_no_number_no_answer():
+    assert final_answer("so the answer is \\boxed{12") == "12"  # cut off inside the box: its last number
+    assert final_answer("Answer: Friday") == "Friday"
     assert final_answer("no number here") is None
 
 
@@ -222,3 +236,42 @@ def test_a_built_in_word_problem_task_carries_its_question():
     row = gsm.make_task(0).test[0]
     assert row["prompt"][0]["content"] == f"{row['question']}\n{gsm.INSTRUCTION}"
     assert PromptVariant("x", "Q: {question}").render(row["question"])[0]["content"] == f"Q: {row['question']}"
+
+
+# --- in a training run ---------------------------------------------------------------------
+
+
+def test_a_run_trains_on_varied_prompts_and_scores_its_eval_task_under_each_variant(chat_model_dir, tmp_path):
+    from posttrain.tracking.metrics import read_metrics
+    from posttrain.training.session import OnlineSession
+
+    dataset = tmp_path / "problems.jsonl"
+    dataset.write_text("".join(json.dumps({"prompt": f"{a}+1=", "question": f"What is {a}+1?", "answer": a + 1}) + "\n"
+                               for a in range(6)))
+    flags = ["--model", str(chat_model_dir), "--dataset", str(dataset), "--reward", "math_answer",
+             "--train-prompt-variants", "bare,system", "--eval-tasks", "gsm", "--eval-prompt-variants",
+             "bare,boxed", "--eval-size", "3", "--max-steps", "1", "--eval-every", "1", "--max-new-tokens", "4",
+             "--prompts-per-step", "2", "--group-size", "2", "--save-every", "0", "--log-samples-every", "0",
+             "--output", str(tmp_path / "run")]
+    from posttrain.cli import build_parser, resolve_config
+
+    session = OnlineSession.create(resolve_config(build_parser().parse_args(["train", *flags])))
+    asked = {json.dumps(row["prompt"]) for row in session.work.train_rows}
+    bare = {json.dumps([{"role": "user", "content": f"What is {a}+1?"}]) for a in range(6)}
+    assert asked <= bare | {json.dumps(BUILTIN_VARIANTS["system"].render(f"What is {a}+1?")) for a in range(6)}
+    assert asked & bare and asked - bare  # both variants drawn over 6 rows (seed 0)
+    assert list(session.eval_workloads) == ["gsm@bare", "gsm@boxed"]
+    boxed_prompt = session.eval_workloads["gsm@boxed"].test_rows[0]["prompt"][0]["content"]
+    assert boxed_prompt.endswith("put your final answer within \\boxed{}.")
+    assert main(["train", *flags]) == 0
+    for row in (r for r in read_metrics(tmp_path / "run") if "eval/gsm/variants_mean" in r):
+        accuracies = [row["eval/gsm@bare/accuracy"], row["eval/gsm@boxed/accuracy"]]
+        assert row["eval/gsm/variants_mean"] == pytest.approx(sum(accuracies) / 2)
+        assert row["eval/gsm/variants_worst"] == min(accuracies)
+
+
+def test_eval_prompt_variants_need_eval_tasks():
+    from posttrain.config import Config
+
+    with pytest.raises(ConfigError, match="eval_prompt_variants: asks the eval_tasks' problems several ways"):
+        Config.from_flat({"eval_prompt_variants": "eval"})

@@ -42,6 +42,7 @@ import sys
 import types
 import typing
 from collections.abc import Callable, Sequence
+from functools import partial
 from pathlib import Path
 from typing import Any, TypeVar
 
@@ -142,17 +143,23 @@ def extract_answer(text: str, delimiter: str | None = None) -> str | None:
 _CUE = re.compile(r"####|\\boxed\{|\banswer(?:\s+(?:is|was|would be|will be)\b\s*:?|\s*\**\s*[:=])",
                   re.IGNORECASE)
 _STATEMENT_END = re.compile(r"\n|\.(?=\s|$)|$")
+_SENTENCE_BREAK = re.compile(r"\n|(?<=[.!?])\s")
 
 
-def final_answer(text: str) -> str | None:
+def final_answer(text: str, question: str | None = None) -> str | None:
     r"""The final answer however the reply writes it, or None: one parser for every answer convention.
 
-    The last answer cue decides: ``\boxed{...}`` (its content), ``####``, or "answer" ("The answer is",
-    "Answer:", "Final answer =", ...); the answer is what follows the cue up to the line's or the
-    sentence's end. In it, a worked equation counts by its result (the number after the last ``=``),
-    and otherwise its first number (units and explanations after it are dropped); an answer without a
-    number (a weekday, a word) is returned whole, and one in LaTeX as written. With no cue, the
-    reply's last number.
+    The last answer cue that states something decides: ``\boxed{...}`` (its content), ``####``, or
+    "answer" ("The answer is", "Answer:", "Final answer =", ...), the answer being what follows the cue
+    up to the line's or the sentence's end; a cue with a number beats a later one without (a reply that
+    repeats its instruction, ``... followed by the final answer alone``), and an empty box states
+    nothing. In the statement, a worked equation counts by its result (the number after the last
+    ``=``), and otherwise its first number (units and explanations after it are dropped); an answer
+    without a number (a weekday, a word) is returned whole, and one in LaTeX as written.
+
+    With no cue, the last sentence that holds a number states the answer: its equation's result, else
+    its last number; given the ``question``, its last number that the question does not hold
+    ("Hugo spends $9 on 3 sandwiches" answers "... buys 3 sandwiches" with 9).
 
     >>> final_answer("So the answer is 6 x 21 = 126.")
     '126'
@@ -162,26 +169,37 @@ def final_answer(text: str) -> str | None:
     '7'
     >>> final_answer("It is $\\boxed{\\frac{1}{2}}$ of the cake")
     '\\frac{1}{2}'
-    >>> final_answer("She has 8 now, then 9 after lunch")
-    '9'
+    >>> final_answer("So, in 5 years, Jack will be 49 years old.", question="How old will Jack be in 5 years?")
+    '49'
     """
-    cues = list(_CUE.finditer(text))
-    if not cues:
-        numbers = re.findall(_NUMBER, text)
-        return numbers[-1] if numbers else None
-    cue = cues[-1]
-    if cue.group(0).lower().startswith("\\boxed"):
-        statement = _boxed(text[cue.start():])
-    else:
-        rest = text[cue.end():].lstrip(" :*")
-        statement = rest[:_STATEMENT_END.search(rest).start()]
-    if statement is None:  # a box cut off before it closed
+    statements = [statement for statement in map(partial(_stated, text), reversed(list(_CUE.finditer(text))))
+                  if statement]
+    if statements:
+        statement = next((s for s in statements if re.search(_NUMBER, s)), statements[0])
+        value = statement.rsplit("=", 1)[-1].strip().strip("*$ ")
+        if not value or parse_number(value) is not None or "\\" in value:
+            return value or None
+        numbers = re.findall(_NUMBER, value)
+        return numbers[0] if numbers else value
+    sentences = [part for part in _SENTENCE_BREAK.split(text) if re.search(_NUMBER, part)]
+    if not sentences:
         return None
-    value = statement.rsplit("=", 1)[-1].strip().strip("*$ ")
-    if not value or parse_number(value) is not None or "\\" in value:
-        return value or None
-    numbers = re.findall(_NUMBER, value)
-    return numbers[0] if numbers else value
+    worked = re.findall(_NUMBER, sentences[-1].rsplit("=", 1)[-1]) if "=" in sentences[-1] else []
+    if worked:
+        return worked[0]
+    numbers = re.findall(_NUMBER, sentences[-1])
+    given = {parse_number(n) for n in re.findall(_NUMBER, question or "")}
+    fresh = [n for n in numbers if parse_number(n) not in given]
+    return (fresh or numbers)[-1]
+
+
+def _stated(text: str, cue: re.Match) -> str | None:
+    """What an answer cue states: a box's content, else the rest of its line or sentence (None: nothing)."""
+    if cue.group(0).lower().startswith("\\boxed"):
+        return _boxed(text[cue.start():]) or None
+    rest = text[cue.end():].lstrip(" :*")
+    statement = rest[:_STATEMENT_END.search(rest).start()].strip()
+    return None if "\\boxed{" in statement else statement or None  # a box states its own answer, if it closes
 
 
 def parse_number(text: str | None) -> float | None:
@@ -430,6 +448,11 @@ def _check_setting_type(reward: str, setting: str, value: Any, hint: Any) -> Non
         names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in dict.fromkeys(allowed))
         raise ConfigError(f"reward: setting {setting}={value!r} of {reward} must be of type {names}")
 
+def _prompt_text(prompt: Any) -> str:
+    """A prompt's text: the string, or its chat messages' contents joined."""
+    return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt or ())
+
+
 def _math_equal(predicted: str, gold: str, rel_tol: float, abs_tol: float) -> bool:
     """Whether two final answers agree: by ``math_verify`` when installed (``\\frac{1}{2}`` equals
     ``0.5``, ``7 apples`` equals ``7``), else as the last number each one writes, within tolerance."""
@@ -462,11 +485,11 @@ def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
     def math_answer(prompts: list, completions: list, answer: Sequence[Any] | None = None, **columns: Any):
         answers = _answers("math_answer", answer, len(completions))
         scores: list[float | None] = []
-        for completion, gold in zip(completions, answers):
+        for prompt, completion, gold in zip(prompts, completions, answers):
             if gold is None:
                 scores.append(None)
                 continue
-            predicted = final_answer(completion_text(completion))
+            predicted = final_answer(completion_text(completion), _prompt_text(prompt))
             scores.append(float(predicted is not None and _math_equal(predicted, str(gold), rel_tol, abs_tol)))
         return scores
 

@@ -47,9 +47,12 @@ CURVES_FILE = "curves.png"
 def with_eval_tasks(panels: tuple[tuple[str, tuple[str, ...]], ...],
                     rows: Sequence[dict]) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """``panels`` with each ``eval_tasks`` accuracy the run logged (``eval/LABEL/accuracy``) drawn next to
-    ``eval/accuracy``: transfer to other tasks reads against the run's own held-out curve."""
+    ``eval/accuracy``: transfer to other tasks reads against the run's own held-out curve. A task asked
+    under prompt variants is drawn as its mean and worst over them (``eval/LABEL/variants_mean``,
+    ``variants_worst``), not one line per variant."""
     extra = sorted({key for row in rows for key in row
-                    if key.startswith("eval/") and key.endswith("/accuracy") and key.count("/") == 2})
+                    if key.startswith("eval/") and key.count("/") == 2 and "@" not in key
+                    and key.endswith(("/accuracy", "/variants_mean", "/variants_worst"))})
     return tuple((title, keys + tuple(extra) if "eval/accuracy" in keys else keys) for title, keys in panels)
 
 

@@ -187,7 +187,8 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         flat, _ = outcomes(texts, k, completions)
         per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
         answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
-    greedy = [{"task": name, "variant": variant and variant.name, "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
+    greedy = [{"task": name, "variant": variant and variant.name, "question": row.get("question"),
+               "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
                "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
               for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
     return TaskResult(label, len(rows), summarise(correct, rewards, lengths, per_sample, answers), greedy, name,

@@ -312,13 +312,13 @@ def drop_seen(test: list[dict[str, Any]], train: list[dict[str, Any]]) -> list[d
 # --- reward -------------------------------------------------------------------------------
 
 
-def answer_of(text: str, reference: Any) -> str | None:
+def answer_of(text: str, reference: Any, question: str | None = None) -> str | None:
     """The answer a reply gives: for a numeric reference, however it is written (``Answer: N``, "the answer
     is N", ``#### N``, ``\\boxed{N}``, the last number: :func:`~posttrain.data.rewards.final_answer`), so that
     a prompt asking another convention is scored on the problem, not the format; otherwise (a grid, a word,
     a list) the text after the last :data:`DELIMITER`, lines and all, else the generic cues."""
     if isinstance(reference, (int, float)) or parse_number(str(reference)) is not None:
-        return final_answer(text)
+        return final_answer(text, question)
     return extract_answer(text, DELIMITER)
 
 
@@ -332,7 +332,7 @@ def family_score(scorers: dict[str, ProceduralDataset]) -> RewardFn:
                             **columns: Any) -> list[float | None]:
         scores: list[float | None] = []
         for completion, entry in zip(completions, rg_entry):
-            answer = answer_of(completion_text(completion), entry["answer"])
+            answer = answer_of(completion_text(completion), entry["answer"], entry["question"])
             scores.append(float(scorers[entry["family"]].score_answer(answer, entry)) if answer else 0.0)
         return scores
 
