@@ -126,6 +126,30 @@ def report(paths: list[Path], budget: int, samples: int, sample_variants: list[s
     return "\n".join(lines)
 
 
+def draw(paths: list[Path], out: Path) -> None:
+    """Grouped bars: each model's greedy accuracy under each variant, with the mean over variants."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    models = {path.stem: read(path) for path in paths}
+    variants = list(next(iter(models.values())))
+    width = 0.8 / len(models)
+    fig, ax = plt.subplots(figsize=(9, 3.6))
+    for k, (name, records) in enumerate(models.items()):
+        accuracies = [sum(map(is_right, records[v])) / len(records[v]) for v in variants]
+        positions = [i + (k - (len(models) - 1) / 2) * width for i in range(len(variants) + 1)]
+        ax.bar(positions, [*accuracies, sum(accuracies) / len(accuracies)], width, label=name)
+    ax.set_xticks(range(len(variants) + 1), [*variants, "mean"], rotation=20)
+    ax.set_ylabel("greedy accuracy")
+    ax.set_ylim(0, 1.2 * ax.get_ylim()[1])  # room for the legend above the bars
+    ax.legend(frameon=False, ncol=len(models), loc="upper left")
+    ax.spines[["top", "right"]].set_visible(False)
+    fig.tight_layout()
+    fig.savefig(out, dpi=120)
+
+
 def _question(record: dict[str, Any]) -> str:
     prompt = record["prompt"]
     return prompt[-1]["content"] if isinstance(prompt, list) else str(prompt)
@@ -138,8 +162,11 @@ def main() -> None:
     parser.add_argument("--samples", type=int, default=0, help="problems whose replies to print")
     parser.add_argument("--sample-variants", default="bare,boxed,reason_first",
                         help="comma-separated variants to print replies under")
+    parser.add_argument("--figure", type=Path, help="also draw each model's accuracy per variant into this PNG")
     args = parser.parse_args()
     print(report(args.completions, args.max_new_tokens, args.samples, args.sample_variants.split(",")))
+    if args.figure:
+        draw(args.completions, args.figure)
 
 
 if __name__ == "__main__":

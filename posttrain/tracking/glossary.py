@@ -166,6 +166,13 @@ GLOSSARY: tuple[MetricEntry, ...] = (
     MetricEntry("eval/<task>/<metric>", "`accuracy` (with `accuracy_low` and `accuracy_high`), `reward` and "
                 "`completion_length`, as above, on one of `eval_tasks`.", EVALUATIONS + ", with `eval_tasks`",
                 ONLINE),
+    MetricEntry("eval/<task>@<variant>/<metric>", "The same, on one of `eval_tasks` asked under one prompt variant "
+                "of `eval_prompt_variants`.", EVALUATIONS + ", with `eval_prompt_variants`", ONLINE),
+    MetricEntry("eval/<task>/variants_mean", "Greedy accuracy on one of `eval_tasks` averaged over the prompt "
+                "variants of `eval_prompt_variants`: whether a skill holds however it is asked.",
+                EVALUATIONS + ", with `eval_prompt_variants`", ONLINE),
+    MetricEntry("eval/<task>/variants_worst", "The lowest of those accuracies: a gain that holds only under the "
+                "training prompt shows here.", EVALUATIONS + ", with `eval_prompt_variants`", ONLINE),
     # --- preference ----------------------------------------------------------------------------------
     MetricEntry("rewards/chosen", "Mean implicit reward of the chosen completions (DPO: beta * (log pi - log "
                 "ref); SimPO: beta * mean token log-prob; ORPO: log-odds); the reward model's mean score of "
