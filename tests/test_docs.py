@@ -828,9 +828,20 @@ def check_yaml_block(block: Block, workspace: Workspace) -> list[str]:
         data = yaml.safe_load(block.code)
     except yaml.YAMLError as error:
         return [f"{block.id}: not valid YAML: {error}"]
+    if isinstance(data, list):  # a list of templates: a --prompt-variants file
+        from posttrain.config import ConfigError
+        from posttrain.data.prompt_variants import resolve_variants
+
+        path = workspace.root / "variants.yaml"
+        path.write_text(block.code, encoding="utf-8")
+        try:
+            resolve_variants(str(path))
+        except ConfigError as error:
+            return [f"{block.id}: not a prompt variants file: {error}"]
+        return []
     if not isinstance(data, dict):
-        return [f"{block.id}: a {type(data).__name__}, not a mapping of field: value; mark it "
-                "<!-- not run: why --> if it is no config"]
+        return [f"{block.id}: a {type(data).__name__}, not a mapping of field: value or a list of prompt "
+                "templates; mark it <!-- not run: why --> if it is neither"]
     try:
         if ACCELERATE_KEYS & data.keys():
             built(lambda: check_accelerate_config(data, workspace))
@@ -936,7 +947,8 @@ def test_a_bad_command_is_caught(command, complaint, tmp_path):
     ("algorithm: dapo\nmax_steps: 0\n", 3, "max_steps"),
     ("algorithm: dpo\ngroup_size: 8\neps_high: 0.3\n", 4, "eps_high"),
     ("algorithm: grpoo\n", 2, "grpoo"),
-    ("- algorithm: dapo\n", 1, "not a mapping"),
+    ("- algorithm: dapo\n", 1, "not a prompt variants file"),  # a list is read as templates: refused
+    ("just a sentence\n", 1, "not a mapping"),
     ("compute_environment: LOCAL_MACHINE\ndistributed_type: MULTI_GPUS\n", 3, "MULTI_GPUS"),
     ("compute_environment: LOCAL_MACHINE\ndistributed_type: FSDP\nfsdp_config:\n  fsdp_ofload_params: false\n", 1,
      "fsdp_config.fsdp_ofload_params"),
