@@ -173,15 +173,11 @@ class DataConfig:
         "joined by +). Online presets.", (),
     )
     train_prompt_variants: str | None = _help(
-        "Ask each training prompt under a prompt variant drawn for it (seeded), so the run learns the problem, "
-        "not one phrasing: train (ten built-in phrasings and answer conventions, none an evaluation variant's "
-        "wording), names of built-in variants, or a .yaml/.json file of templates holding {question}. Rows need "
-        "a question column (built-in word-problem and reasoning-gym tasks have one).")
+        "Ask each training prompt under a variant drawn for it, so the problem is learnt, not a phrasing: train "
+        "(ten built-in phrasings), built-in names, or a .yaml/.json file of templates holding {question}.")
     eval_prompt_variants: str | None = _help(
-        "Score each eval_tasks entry under every variant of this set at every evaluation (eval: seven built-in "
-        "instructions and answer conventions; names; or a template file): eval/LABEL@VARIANT/accuracy per "
-        "variant, eval/LABEL/variants_mean and eval/LABEL/variants_worst across them. Costs one evaluation per "
-        "variant: set eval_subset.")
+        "Score each eval_tasks entry under every variant (eval: seven built-in ways of asking; names; a file) "
+        "at each evaluation: eval/LABEL@VARIANT/, eval/LABEL/variants_mean and variants_worst.")
     eval_subset: int = _help(
         "Held-out prompts scored at the evaluations during training: the first N of the eval_size set, to keep "
         "evaluation a small share of a slow model's run; the evaluations before and after training score all "

@@ -448,6 +448,7 @@ def _check_setting_type(reward: str, setting: str, value: Any, hint: Any) -> Non
         names = " or ".join("None" if kind is type(None) else kind.__name__ for kind in dict.fromkeys(allowed))
         raise ConfigError(f"reward: setting {setting}={value!r} of {reward} must be of type {names}")
 
+
 def _prompt_text(prompt: Any) -> str:
     """A prompt's text: the string, or its chat messages' contents joined."""
     return prompt if isinstance(prompt, str) else "\n".join(str(m.get("content", "")) for m in prompt or ())
@@ -477,9 +478,10 @@ def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
     """1.0 when the final answer written in free text equals ``answer`` mathematically, else 0.0.
 
     The final answer is :func:`final_answer`'s (the last ``\\boxed{}``, ``####`` or "answer is/Answer:"
-    statement, else the last number), so any answer convention counts; it is compared with the gold answer by ``math_verify.verify`` when the ``math-verify``
-    package is installed, otherwise numerically (``math.isclose`` with the given tolerances). A
-    completion without an answer scores 0.0; a row whose answer is None scores None.
+    statement, else the answer sentence's number), so any answer convention counts; it is compared
+    with the gold answer by ``math_verify.verify`` when the ``math-verify`` package is installed,
+    otherwise numerically (``math.isclose`` with the given tolerances). A completion without an answer
+    scores 0.0; a row whose answer is None scores None.
     """
 
     def math_answer(prompts: list, completions: list, answer: Sequence[Any] | None = None, **columns: Any):
