@@ -88,6 +88,15 @@ def test_eval_tasks_accuracies_join_the_held_out_accuracy_panel():
     assert panels["Policy entropy: mean token entropy (nats)"] == ("entropy",)
 
 
+def test_a_task_asked_under_prompt_variants_is_drawn_as_its_mean_and_worst():
+    from posttrain.tracking.plots import PANELS, with_eval_tasks
+
+    rows = [{"eval/accuracy": 0.2, "eval/gsm@bare/accuracy": 0.3, "eval/gsm@boxed/accuracy": 0.1,
+             "eval/gsm/variants_mean": 0.2, "eval/gsm/variants_worst": 0.1}]
+    assert dict(with_eval_tasks(PANELS, rows))["Eval accuracy on held-out prompts"] == (
+        "eval/accuracy", "eval/gsm/variants_mean", "eval/gsm/variants_worst")
+
+
 def test_held_out_reward_is_drawn_only_where_there_is_no_held_out_accuracy():
     """A --dataset run logs eval/reward alone and gets its panel; a task run's reward panel would repeat
     its accuracy."""

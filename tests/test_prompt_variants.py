@@ -117,9 +117,9 @@ def test_training_prompts_draw_a_variant_each_and_the_draw_is_seeded():
     variants = list(TRAINING_VARIANTS.values())
     asked = ask_each_differently(rows, variants, seed=3, source="t")
     assert asked == ask_each_differently(rows, variants, seed=3, source="t")
-    used = {json.dumps(row["prompt"][0]) for row in asked if row["prompt"][0]["role"] == "system"}
-    firsts = {row["prompt"][-1]["content"].replace(row["question"], "{question}") for row in asked}
-    assert len(firsts | used) >= 9  # 200 draws of 10 phrasings: every one all but surely appears
+    drawn = [[v.name for v in variants if v.render(row["question"]) == row["prompt"]] for row in asked]
+    assert all(len(names) == 1 for names in drawn)  # each prompt is exactly one variant's rendering
+    assert {names[0] for names in drawn} == set(TRAINING_VARIANTS)  # 200 draws of 10: every one appears
 
 
 # --- the answer parser on real SmolLM2-135M-Instruct replies --------------------------------

@@ -69,6 +69,8 @@ MLFLOW_DB = "mlflow.db"
 MLFLOW_ARTIFACTS_DIR = "mlartifacts"
 MLFLOW_ID_FILE = "mlflow_run_id"
 TRACKIO_NAME_FILE = "trackio_run_name"
+VARIANT_SEPARATOR = "@"
+"""Between an eval task's label and a prompt variant's name in a metric (``eval/gsm_templates@boxed/accuracy``)."""
 
 _STR_TO_NONFINITE = {"NaN": math.nan, "Infinity": math.inf, "-Infinity": -math.inf}
 

@@ -23,7 +23,7 @@ from pathlib import Path
 from matplotlib.backends.backend_agg import FigureCanvasAgg
 from matplotlib.figure import Figure
 
-from posttrain.tracking.metrics import read_metrics
+from posttrain.tracking.metrics import VARIANT_SEPARATOR, read_metrics
 
 # (panel title, metric keys drawn in it)
 PANELS: tuple[tuple[str, tuple[str, ...]], ...] = (
@@ -51,7 +51,7 @@ def with_eval_tasks(panels: tuple[tuple[str, tuple[str, ...]], ...],
     under prompt variants is drawn as its mean and worst over them (``eval/LABEL/variants_mean``,
     ``variants_worst``), not one line per variant."""
     extra = sorted({key for row in rows for key in row
-                    if key.startswith("eval/") and key.count("/") == 2 and "@" not in key
+                    if key.startswith("eval/") and key.count("/") == 2 and VARIANT_SEPARATOR not in key
                     and key.endswith(("/accuracy", "/variants_mean", "/variants_worst"))})
     return tuple((title, keys + tuple(extra) if "eval/accuracy" in keys else keys) for title, keys in panels)
 

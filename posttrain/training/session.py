@@ -43,6 +43,7 @@ from posttrain.rollout.episodes import (
     make_episode_generator,
 )
 from posttrain.rollout.generators import generate_texts, make_generator
+from posttrain.tracking.metrics import VARIANT_SEPARATOR
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.groups import Groups
 from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
@@ -131,10 +132,6 @@ def eval_label(task: str) -> str:
     )
 
     return "+".join(c.family for c in parse_spec(task))
-
-
-VARIANT_SEPARATOR = "@"
-"""Between an eval task's label and a prompt variant's name in its metrics (``eval/gsm_templates@boxed/``)."""
 
 
 def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Workload]:

@@ -50,8 +50,8 @@ Reward (one function, weight 1): the family's ``score_answer`` on the completion
 ``\\boxed{N}``, the result of a worked equation, the last number), so the same problem asked under
 another instruction (:mod:`posttrain.data.prompt_variants`) is scored on its answer, not its format.
 Otherwise it is the text after the last ``Answer:``, so multi-line answers such as grids survive
-(without it, the last ``\\boxed{}``, "the answer is ...", or the last number). A completion with no answer (none found, or nothing after
-``Answer:``) scores 0.0 without calling the scorer: some scorers give a missing answer a small
+(without it, the last ``\\boxed{}``, "the answer is ...", or the last number). A completion with no
+answer (none found, or nothing after ``Answer:``) scores 0.0 without calling the scorer: some scorers give a missing answer a small
 positive score (``countdown``: 0.01), and a missing answer earns nothing here, whatever the family.
 ``correct``: the score is 1.0.
 """
@@ -314,7 +314,7 @@ def drop_seen(test: list[dict[str, Any]], train: list[dict[str, Any]]) -> list[d
 
 def answer_of(text: str, reference: Any, question: str | None = None) -> str | None:
     """The answer a reply gives: for a numeric reference, however it is written (``Answer: N``, "the answer
-    is N", ``#### N``, ``\\boxed{N}``, the last number: :func:`~posttrain.data.rewards.final_answer`), so that
+    is N", ``#### N``, ``\\boxed{N}``, the answer sentence's number: :func:`~posttrain.data.rewards.final_answer`), so that
     a prompt asking another convention is scored on the problem, not the format; otherwise (a grid, a word,
     a list) the text after the last :data:`DELIMITER`, lines and all, else the generic cues."""
     if isinstance(reference, (int, float)) or parse_number(str(reference)) is not None:
