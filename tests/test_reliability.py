@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import os
 import signal
 import subprocess
@@ -202,3 +203,66 @@ def test_bad_rows_name_the_row(tmp_path, reward_file, rows, message):
     config = make_config("not/a/model", reward_file, "grpo", task=None, dataset=str(data), prompts_per_step=1)
     with pytest.raises(DataError, match=message):
         OnlineSession.create(config)
+
+
+def _prompts_file(tmp_path, prompts) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text("".join(json.dumps({"prompt": p}) + "\n" for p in prompts))
+    return str(path)
+
+
+def test_prompts_over_max_prompt_length_are_an_error_naming_the_first(tiny_model_dir, reward_file, tmp_path):
+    """The tiny tokenizer is one token per character, plus <bos>: "1+1=" is 5 tokens, "12+34=" 7."""
+    data = _prompts_file(tmp_path, ["1+1=", "12+34=", "2+2=", "99+99="])
+    config = make_config(tiny_model_dir, reward_file, task=None, dataset=data, prompts_per_step=2, max_prompt_length=6)
+    with pytest.raises(DataError, match=rf"{data}: 2 of 4 prompts are longer than max_prompt_length 6 tokens "
+                                        r"\(the first: row 2, 7 tokens\); raise max_prompt_length, shorten them, "
+                                        r"or set long_prompts drop"):
+        OnlineSession.create(config)
+
+
+def test_long_prompts_drop_leaves_them_out_and_counts_them(tiny_model_dir, reward_file, tmp_path, capsys):
+    data = _prompts_file(tmp_path, ["1+1=", "12+34=", "2+2=", "99+99="])
+    config = make_config(tiny_model_dir, reward_file, task=None, dataset=data, prompts_per_step=2,
+                         max_prompt_length=6, long_prompts="drop")
+    s = OnlineSession.create(config)
+    assert [row["prompt"] for row in s.train_rows] == ["1+1=", "2+2="]
+    assert [len(ids) for ids in s.encoded_prompts] == [5, 5]
+    assert "dropped 2 of 4 prompts longer than max_prompt_length 6 tokens" in capsys.readouterr().err
+    train_step(s)  # trains on what is left
+
+
+@pytest.mark.parametrize("limit, per_step, message", [
+    (4, 1, r"4 of 4 prompts are longer .*; no prompt is left; raise max_prompt_length, shorten them$"),
+    (6, 3, r"2 prompts are left within max_prompt_length, fewer than prompts_per_step 3"),
+])
+def test_dropping_long_prompts_must_leave_a_step(limit, per_step, message, tiny_model_dir, reward_file, tmp_path):
+    data = _prompts_file(tmp_path, ["1+1=", "12+34=", "2+2=", "99+99="])
+    config = make_config(tiny_model_dir, reward_file, task=None, dataset=data, prompts_per_step=per_step,
+                         max_prompt_length=limit, long_prompts="drop")
+    with pytest.raises(DataError, match=message):
+        OnlineSession.create(config)
+
+
+def test_a_tokenizer_without_a_pad_token_trains_online_and_offline(tiny_model_dir, reward_file, tmp_path):
+    """Llama's and Qwen's base tokenizers have no pad token: padding then uses EOS (masked out everywhere)."""
+    import shutil
+
+    from posttrain.training.preference import PreferenceSession
+    from posttrain.training.preference import train_step as preference_step
+
+    model = tmp_path / "no-pad"
+    shutil.copytree(tiny_model_dir, model)
+    settings = json.loads((model / "tokenizer_config.json").read_text())
+    settings.pop("pad_token", None)
+    (model / "tokenizer_config.json").write_text(json.dumps(settings))
+    s = OnlineSession.create(make_config(model, reward_file))
+    assert s.tokenizer.pad_token_id == s.tokenizer.eos_token_id
+    assert math.isfinite(train_step(s)["loss"])
+    pairs = tmp_path / "pairs.jsonl"
+    pairs.write_text("".join(json.dumps({"prompt": f"{i}+{i}=", "chosen": str(2 * i), "rejected": str(2 * i + 1)})
+                             + "\n" for i in range(4)))
+    config = Config.from_flat({"algorithm": "dpo", "model": str(model), "dataset": str(pairs), "pairs_per_step": 2,
+                               "max_steps": 1, "eval_size": 0, "progress": False, "report_to": "none"})
+    p = PreferenceSession.create(config)
+    assert math.isfinite(preference_step(p)["loss"])

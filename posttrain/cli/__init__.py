@@ -41,6 +41,7 @@ from posttrain.config import (
     upgrade_saved_config,
 )
 from posttrain.report import compare as compare_module
+from posttrain.training.lifecycle import PREEMPTED_EXIT_CODE, Preempted
 from posttrain.report.compare import (
     TARGET_HELP,
     compare_command,
@@ -145,9 +146,11 @@ def _resolve(args: argparse.Namespace, read_data: bool = True) -> tuple[Config, 
     their values and, with ``read_data``, the dataset and the tasks, one per line (all that can be known
     before a model loads)."""
     options = {k: v for k, v in vars(args).items() if k not in ("command", "config")}
-    layers = [upgrade_saved_config(load_yaml(_run_config(options["resume"])))] if "resume" in options else []
-    layers += [load_yaml(args.config)] if args.config else []
-    layers.append(options)
+    given = [load_yaml(args.config)] if args.config else []
+    given.append(options)
+    base = options.get("resume") or _auto_resumed(given)
+    layers = [upgrade_saved_config(load_yaml(_run_config(base)))] if base else []
+    layers += given
     flat, notes, problems = _in_posttrain_names(layers)
     resolved = resolve(flat)
     problems += resolved.problems + (_data_problems(resolved.flat) if read_data else [])
@@ -218,6 +221,19 @@ def _task_problems(field_name: str, names: Sequence[str]) -> list[str]:
     return problems
 
 
+def _auto_resumed(layers: list[dict[str, Any]]) -> str | None:
+    """The run directory ``--auto-resume`` continues: ``--output`` (or TRL's ``output_dir``) when it holds a
+    checkpoint. Its saved config is then the base, as for ``--resume``."""
+    from posttrain.training.checkpoint import latest_checkpoint
+
+    merged = {key.replace("-", "_"): value for layer in layers for key, value in layer.items()}
+    auto = merged.get("auto_resume") or str(merged.get("resume_from_checkpoint")).lower() == "true"
+    output = merged.get("output") or merged.get("output_dir")
+    if auto and isinstance(output, str) and latest_checkpoint(output) is not None:
+        return output
+    return None
+
+
 def _run_config(run_dir: str) -> Path:
     """The saved config of the run that ``--resume run_dir`` names; a ConfigError on ``resume`` if none."""
     path = Path(run_dir) / "config.yaml"
@@ -232,11 +248,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that explain a problem with the user's input: printed as one line, no traceback."""
     from posttrain.data.prompts import DataError
     from posttrain.data.scoring import RewardError
-    from posttrain.training.checkpoint import CheckpointError
+    from posttrain.training.checkpoint import CheckpointError, StorageError
     from posttrain.training.guards import NoLearningSignal, WeightsNotUpdated
 
-    return (ConfigError, DataError, RewardError, CheckpointError, NoLearningSignal, WeightsNotUpdated,
-            FileNotFoundError, FileExistsError)
+    return (ConfigError, DataError, RewardError, CheckpointError, StorageError, NoLearningSignal,
+            WeightsNotUpdated, FileNotFoundError, FileExistsError)
 
 
 def _hyphenated(argv: Sequence[str]) -> list[str]:
@@ -346,8 +362,19 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         run(config)
         return 0
+    except Preempted as stopped:
+        print(f"posttrain: {stopped}", file=sys.stderr)
+        return PREEMPTED_EXIT_CODE
     except _user_errors() as error:
         print(_error_text(error), file=sys.stderr)
+        return 2
+    except OSError as error:  # a full disk or a read-only directory under the logs: the path, not a traceback
+        from posttrain.training.checkpoint import STORAGE_ERRNOS
+
+        if error.errno not in STORAGE_ERRNOS:
+            raise
+        print(f"posttrain: error: {error.strerror}: {error.filename or error}; free space or fix the "
+              "permissions, then resume the run (--resume RUN_DIR)", file=sys.stderr)
         return 2
 
 

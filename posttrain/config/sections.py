@@ -165,6 +165,8 @@ class DataConfig:
         "When a reward raises, times out or returns NaN: error (stop, showing the sample) or skip "
         "(drop that sample's group from the update, counted in reward/failures).", "error",
     )
+    long_prompts: str = _help("Online training prompts over max_prompt_length tokens: error (refuse the data, "
+                              "naming the first) or drop (leave them out, counted); never cut.", "error")
     eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation (at most the task's held-out split).", 500)
     eval_tasks: tuple[str, ...] = _help(
         "More tasks (built-in or reasoning-gym:SPEC, repeatable) whose held-out splits are scored at every "
@@ -188,6 +190,7 @@ class DataConfig:
         require = Checks()
         require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
         require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
+        require(self.long_prompts in ("error", "drop"), "long_prompts", f"got {self.long_prompts!r}; use error or drop")
         require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
         require(self.eval_subset >= 0, "eval_subset", f"got {self.eval_subset}; use 0 (all of eval_size) or more")
         require(self.eval_prompt_variants is None or bool(self.eval_tasks), "eval_prompt_variants",
@@ -399,7 +402,8 @@ class PreferenceConfig:
     pairs_per_step: int = _help("Examples per optimizer step: preference pairs (KTO: labelled examples; sft: "
                                 "demonstrations; reward_model: pairs).", 64)
     max_length: int = _help("Token budget of prompt + completion; longer completions keep their start.", 1024)
-    max_prompt_length: int = _help("Token budget of the prompt; longer prompts keep their end.", 512)
+    max_prompt_length: int = _help("Token budget of the prompt. Preference data: longer prompts keep their end "
+                                   "(counted); online: see long_prompts.", 512)
     precompute_reference: bool = _help(
         "Score the whole dataset with the reference model once at the start instead of every step.", False,
     )
@@ -448,6 +452,8 @@ class RunConfig:
     save_every: int = _help("Save a checkpoint every N steps (0 = only at the end).", 50)
     log_samples_every: int = _help("Write sampled completions to samples.jsonl every N steps.", 10)
     resume: str | None = _help("Resume the run in this directory from its latest checkpoint.")
+    auto_resume: bool = _help("Resume the run in output when it has a checkpoint, else start one there: one "
+                              "command line for a job's first submission and every requeue.", False)
     report_to: tuple[str, ...] = _help(
         "Experiment trackers that get the metrics: tensorboard, wandb, mlflow, trackio, or none. Each logs "
         "locally: W&B offline unless WANDB_MODE is set, MLflow to RUN_DIR/mlflow.db unless MLFLOW_TRACKING_URI "
@@ -471,6 +477,8 @@ class RunConfig:
             require(path.endswith(".py") and Path(path).is_file(), "plugin", f"{path!r} is not a Python file")
         if self.resume is not None:
             require(Path(self.resume).is_dir(), "resume", f"run directory {self.resume!r} does not exist")
+        require(not self.auto_resume or bool(self.output), "auto_resume", "needs output: the run directory a "
+                "requeued job resumes")
         require.raise_any()
 
 

@@ -148,6 +148,17 @@ def _vllm_mode(value: Any, context: Context) -> Translation:
     return Translation({}, "vllm_mode colocate: how backend vllm runs")
 
 
+def _resume_from_checkpoint(value: Any, context: Context) -> Translation:
+    """TRL's ``True`` (resume from the output directory's last checkpoint when it has one) is auto_resume;
+    a checkpoint path has no equivalent: posttrain resumes a run directory from its latest checkpoint."""
+    if value is True or str(value).lower() == "true":
+        return Translation({"auto_resume": True}, "resume_from_checkpoint true -> auto_resume")
+    if value is False or value is None or str(value).lower() in ("false", "none"):
+        return Translation({}, "resume_from_checkpoint false: a new run")
+    raise NoEquivalent(f"resume_from_checkpoint {value!r}: posttrain resumes a run directory from its latest "
+                       "checkpoint: --resume RUN_DIR, or --auto-resume with --output RUN_DIR")
+
+
 def _bf16(value: Any, context: Context) -> Translation:
     precision = "bf16" if value else "no"
     return Translation({"mixed_precision": precision}, f"bf16 {value} -> mixed_precision {precision}")
@@ -226,6 +237,7 @@ TRANSLATED: dict[str, Callable[[Any, Context], Translation]] = {
     "use_vllm": _use_vllm,
     "vllm_mode": _vllm_mode,
     "bf16": _bf16,
+    "resume_from_checkpoint": _resume_from_checkpoint,
     "lr_scheduler_type": _lr_scheduler_type,
     "use_peft": _use_peft,
     "torch_dtype": _dtype,

@@ -139,6 +139,23 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], where: str
     return torch.tensor(ids, dtype=torch.long)
 
 
+def within_prompt_budget(prompt_ids: Sequence[Tensor], limit: int, policy: str, source: str) -> list[int]:
+    """Indices of the prompts of at most ``limit`` tokens. A longer prompt is never cut (the question's start
+    or its instruction would go): ``policy`` ``error`` refuses the data, naming how many are longer, the first
+    of them (1-based row) and its length; ``drop`` leaves them out (the caller says how many). No prompt left
+    is an error either way."""
+    long = [i for i, ids in enumerate(prompt_ids) if len(ids) > limit]
+    if not long:
+        return list(range(len(prompt_ids)))
+    first = long[0]
+    what = (f"{source}: {len(long)} of {len(prompt_ids)} prompts are longer than max_prompt_length {limit} tokens "
+            f"(the first: row {first + 1}, {len(prompt_ids[first])} tokens)")
+    if policy == "error" or len(long) == len(prompt_ids):
+        fix = "raise max_prompt_length, shorten them" + ("" if policy == "drop" else ", or set long_prompts drop")
+        raise DataError(f"{what}; {'no prompt is left; ' if policy == 'drop' else ''}{fix}")
+    return [i for i in range(len(prompt_ids)) if len(prompt_ids[i]) <= limit]
+
+
 TOOLS_SYSTEM_PROMPT = (
     "You may call these tools, one call at a time, and read each result before you go on:\n{tools}\n"
     "To call one, write the call and stop; its result comes back in <tool_response></tool_response>. "

@@ -23,6 +23,7 @@ import io
 import os
 import pickle
 import queue
+import signal
 import sys
 import time
 import traceback
@@ -173,7 +174,13 @@ def _load_user_modules(modules: dict[str, str]) -> None:
 
 def _serve(payload: bytes, modules: dict[str, str], threads: int, rng_state: Tensor, parent: int,
            requests: Any, results: Any) -> None:
-    """The worker's loop: answer requests in order until ``None`` arrives or the trainer is gone."""
+    """The worker's loop: answer requests in order until ``None`` arrives or the trainer is gone.
+
+    SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C: both reach every process of the job) are the
+    trainer's to handle: it finishes its step, saves the batches sampled ahead, which this process must
+    still answer, and then stops it."""
+    for number in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(number, signal.SIG_IGN)
     torch.set_num_threads(threads)
     try:
         register_attention_implementations()  # a mixed-precision model names one of posttrain's

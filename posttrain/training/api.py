@@ -34,7 +34,7 @@ from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorith
 from posttrain.config import Config, ConfigError, load_yaml
 from posttrain.parallel.allocator import keep_freed_memory
 from posttrain.training.evaluation import EvalSpec, Evaluation, evaluate_model
-from posttrain.training.runner import Callback, run_training
+from posttrain.training.runner import Callback, completed, run_training
 from posttrain.training.setup import Inputs
 
 
@@ -197,6 +197,9 @@ def run(config: Config, inputs: Inputs = Inputs(), callbacks: Sequence[Callback]
     """Route a config to its trainer (online, preference, SFT or reward model) and run it, watched by
     ``callbacks``."""
     keep_freed_memory()  # about a third less CPU time per step on CPU (posttrain/parallel/allocator.py)
+    done = completed(config)  # a requeued job of a finished run: before any model loads
+    if done is not None:
+        return done
     preset = config.preset()
     if isinstance(preset, SupervisedAlgorithm) and preset.objective == "sft":
         from posttrain.training import sft

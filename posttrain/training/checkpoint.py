@@ -36,6 +36,7 @@ Decisions:
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -62,12 +63,25 @@ TRAINER_STATE = "trainer_state.json"
 EXTRA_STATE = "extra_state.pt"
 _STEP_DIR = re.compile(r"step_(\d+)")
 _HASH_CHUNK = 1 << 20
+_NEARLY_FULL = 1 << 20  # free bytes under which a failed write is taken for a full file system
 
 logger = logging.getLogger(__name__)
 
 
 class CheckpointError(RuntimeError):
     """A checkpoint is incomplete, corrupt, or was made by a different model or algorithm."""
+
+
+STORAGE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EACCES, errno.EPERM, errno.EROFS, errno.EFBIG})
+"""What a file system refuses a write with: full, over quota, not writable, read-only, file too large."""
+
+
+class StorageError(OSError):
+    """A checkpoint or model could not be written; the message names the path, the bytes it needs and the
+    bytes free, and the checkpoint that is still whole."""
+
+    def __str__(self) -> str:
+        return str(self.strerror)
 
 
 def checkpoint_path(run_dir: str | os.PathLike, step: int) -> Path:
@@ -242,20 +256,78 @@ def _write_atomically(final: Path, write: Callable[[Path], None]) -> None:
     """Run ``write`` into a temporary sibling of ``final``, add the manifest, rename into place."""
     tmp = final.with_name(f".tmp-{final.name}-{os.getpid()}")
     replaced = final.with_name(f".tmp-{final.name}-{os.getpid()}-replaced")
-    tmp.mkdir()
+    _check_free_space(final)
     try:
+        tmp.mkdir()
         write(tmp)
         _write_manifest(tmp)
         if final.exists():  # same step saved again: move the old copy aside, never merge into it
             os.rename(final, replaced)
         os.rename(tmp, final)
         _fsync_dir(final.parent)
-    except BaseException:
+    except BaseException as error:
+        written, code = _bytes_under(tmp), _storage_errno(error, final.parent)
         if replaced.exists() and not final.exists():
             os.rename(replaced, final)
         shutil.rmtree(tmp, ignore_errors=True)
+        if code is not None:
+            raise _storage_error(final, code, getattr(error, "filename", None), written) from error
         raise
     shutil.rmtree(replaced, ignore_errors=True)
+
+
+def _storage_errno(error: BaseException, directory: Path) -> int | None:
+    """The file system's refusal behind a failed write, or None for any other failure. torch.save and
+    safetensors do not raise OSError on a full disk (a RuntimeError "unexpected pos", a SafetensorError
+    "... (os error 28)"): their message, then the free space, tell it."""
+    if isinstance(error, OSError):
+        return error.errno if error.errno in STORAGE_ERRNOS else None
+    if not isinstance(error, Exception):
+        return None
+    found = re.search(r"os error (\d+)", str(error))
+    if found and int(found.group(1)) in STORAGE_ERRNOS:
+        return int(found.group(1))
+    try:
+        return errno.ENOSPC if shutil.disk_usage(directory).free < _NEARLY_FULL else None
+    except OSError:
+        return None
+
+
+def _check_free_space(final: Path) -> None:
+    """Refuse, before writing anything, a checkpoint that cannot fit: one as large as the newest checkpoint
+    beside it needs that much free space (older ones are pruned only after the new one is whole)."""
+    if final.parent.name != CHECKPOINTS_DIR:
+        return
+    previous = latest_checkpoint(final.parent.parent)
+    if previous is None:
+        return
+    needed, free = _bytes_under(previous), shutil.disk_usage(final.parent).free
+    if free < needed:
+        raise _storage_error(final, errno.ENOSPC, None, 0)
+
+
+def _storage_error(final: Path, code: int, filename: str | None, written: int) -> StorageError:
+    """What a refused write says: where, why, how many bytes it needs and has, and what is still whole."""
+    previous = latest_checkpoint(final.parent.parent) if final.parent.name == CHECKPOINTS_DIR else None
+    if previous is not None and previous != final:
+        needed = f"about {_size(_bytes_under(previous))} (the size of {previous.name})"
+        kept = f"the previous checkpoint {previous} is whole"
+    else:
+        needed, kept = f"more than the {_size(written)} written before the failure", "nothing was replaced"
+    try:
+        free = f"{_size(shutil.disk_usage(final.parent).free)} free there"
+    except OSError:
+        free = "its free space unknown"
+    return StorageError(code, f"cannot write {final}: {os.strerror(code)} ({filename or final}); it "
+                        f"needs {needed}, {free}. {kept}; free space or fix the permissions, then resume the run")
+
+
+def _bytes_under(directory: Path) -> int:
+    return sum(p.stat().st_size for p in directory.rglob("*") if p.is_file()) if directory.is_dir() else 0
+
+
+def _size(count: int) -> str:
+    return f"{count / 2**30:.2f} GiB" if count >= 2**30 else f"{count / 2**20:.1f} MiB"
 
 
 def _write_manifest(directory: Path) -> None:

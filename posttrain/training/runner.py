@@ -21,6 +21,7 @@ held-out prompt, checkpointed, its final model saved; ``--resume`` continues it.
 
 from __future__ import annotations
 
+import shutil
 import sys
 import time
 from collections.abc import Sequence
@@ -28,11 +29,13 @@ from functools import partial
 from pathlib import Path
 from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
+import torch
+
 from posttrain.config import Config, save_yaml
 from posttrain.models.lora import merged_for_saving
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
-from posttrain.tracking.metrics import MetricsLogger, NullLogger
+from posttrain.tracking.metrics import MetricsLogger, NullLogger, read_metrics
 from posttrain.tracking.plots import plot_run
 from posttrain.training.checkpoint import (
     CheckpointError,
@@ -43,6 +46,7 @@ from posttrain.training.checkpoint import (
     save_checkpoint,
     save_final_model,
 )
+from posttrain.training.lifecycle import Preempted, RunLock, StopSignals, completed_run, resume_dir
 from posttrain.training.setup import Trainer
 
 T = TypeVar("T", bound=Trainer)
@@ -75,38 +79,68 @@ class Callback(Protocol):
         ``before`` and ``after`` (the held-out metrics)."""
 
 
-def open_run_dir(config: Config) -> Path:
-    """The resumed run's directory (its config.yaml rewritten once the resume is known to work), or a
-    new one. Paths in the saved config are absolute, so the run resumes from any directory."""
-    if config.run.resume:
-        run_dir = Path(config.run.resume)
-        check_resumable(run_dir, config.run.max_steps)
+def open_run_dir(config: Config) -> tuple[Path, RunLock]:
+    """The run's directory, locked for this process (:class:`RunLock`): the resumed run's (its config.yaml
+    rewritten once the resume is known to work), or a new one. Paths in the saved config are absolute, so the
+    run resumes from any directory."""
+    resumed = resume_dir(config.run)
+    run_dir = resumed or planned_run_dir(config)
+    lock = RunLock(run_dir).acquire()
+    try:
+        if resumed:
+            check_resumable(run_dir)
+        else:
+            start_run_dir(run_dir, replace_unfinished=config.run.auto_resume)
         save_yaml(config.with_absolute_paths(), run_dir / "config.yaml")
-        return run_dir
-    return new_run_dir(config)
+    except BaseException:
+        lock.release()
+        raise
+    return run_dir, lock
 
 
-def check_resumable(run_dir: Path, max_steps: int) -> None:
-    """Raise CheckpointError unless ``run_dir`` has a complete checkpoint before ``max_steps``."""
-    path = latest_checkpoint(run_dir)
-    if path is None:
+def check_resumable(run_dir: Path) -> None:
+    """Raise CheckpointError unless ``run_dir`` has a complete checkpoint."""
+    if latest_checkpoint(run_dir) is None:
         raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
-    step = checkpoint_step(path)
-    if step >= max_steps:
-        raise CheckpointError(f"max_steps: the run in {run_dir} is at step {step} already, with max_steps "
-                              f"{max_steps} there is nothing to train; resume with --max-steps {step + 1} or more")
 
 
-def new_run_dir(config: Config) -> Path:
-    if config.run.output:
-        path = Path(config.run.output)
-        if (path / "metrics.jsonl").exists():
-            raise FileExistsError(f"output: {path} already holds a run; use --resume {path} or a new --output")
-    else:
-        path = Path("runs") / f"{config.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}"
+def planned_run_dir(config: Config) -> Path:
+    """``output``, or ``runs/<algorithm>-<time>``."""
+    return Path(config.run.output or Path("runs") / f"{config.algorithm}-{time.strftime('%Y%m%d-%H%M%S')}")
+
+
+def start_run_dir(path: Path, replace_unfinished: bool = False) -> None:
+    """Make ``path`` ready for a new run: refused when it holds a run's logs, unless ``replace_unfinished``
+    (auto_resume) and that run never wrote a checkpoint (killed before its first one): its logs go."""
+    if (path / "metrics.jsonl").exists():
+        if not replace_unfinished:
+            raise FileExistsError(f"output: {path} already holds a run; use --resume {path} (or --auto-resume) "
+                                  "or a new --output")
+        _say(f"{path} holds a run that saved no checkpoint: starting it again")
+        for name in ("metrics.jsonl", "samples.jsonl"):
+            (path / name).unlink(missing_ok=True)
+        shutil.rmtree(path / "tensorboard", ignore_errors=True)
     path.mkdir(parents=True, exist_ok=True)
-    save_yaml(config.with_absolute_paths(), path / "config.yaml")
-    return path
+
+
+def completed(config: Config) -> dict[str, Any] | None:
+    """What a run returns when the run it resumes already reached ``max_steps`` and saved its final model: its
+    first and last held-out metrics, read from its log; None when there is something to train. A requeued job
+    (``--auto-resume``) or a repeated ``--resume`` of a finished run ends here, as the first job ended: done."""
+    found = completed_run(config.run)
+    if found is None:
+        return None
+    run_dir, step = found
+    _say(f"the run in {run_dir} is complete: step {step} of max_steps {config.run.max_steps}, its final model in "
+         f"{run_dir / 'final_model'}; to train it further, resume with --max-steps {step + 1} or more")
+    evaluations = [row for row in read_metrics(run_dir) if any(key.startswith("eval/") for key in row)]
+
+    def held_out(row: dict[str, Any]) -> dict[str, float]:
+        return {key: value for key, value in row.items() if key.startswith("eval/")}
+
+    before = held_out(evaluations[0]) if evaluations and evaluations[0]["step"] == 0 else {}
+    return {"run_dir": run_dir, "before": before, "after": held_out(evaluations[-1]) if evaluations else {},
+            "complete": True}
 
 
 def save(session: Trainer, run_dir: Path) -> Path:
@@ -172,68 +206,53 @@ def run_training(session: T, config: Config, train_step: Callable[[T], dict[str,
                  callbacks: Sequence[Callback] = ()) -> dict[str, Any]:
     """Drive ``train_step(session)`` to ``max_steps`` with ``evaluate(session, limit)`` every ``eval_every``
     steps (the first ``limit`` held-out prompts; None: all), logging and checkpoints; ``callbacks`` watch
-    it and may stop it (:class:`Callback`)."""
+    it and may stop it (:class:`Callback`). A run that resumes a completed one returns its result at once
+    (:func:`completed`); SIGTERM or SIGINT ends it after a checkpoint with :class:`Preempted`."""
+    locks: list[RunLock] = []
     try:
-        result = _run(session, config, train_step, evaluate, callbacks)
+        result = distributed.on_main(completed, config) or _run(session, config, train_step, evaluate, callbacks, locks)
     finally:
-        session.close()
+        session.close()  # stops a rollout process
+        for lock in locks:
+            lock.release()
     for callback in callbacks:
         callback.on_train_end(dict(result))
     return result
 
 
 def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
-         evaluate: Callable[[T, int | None], dict[str, float]], callbacks: Sequence[Callback]) -> dict[str, Any]:
+         evaluate: Callable[[T, int | None], dict[str, float]], callbacks: Sequence[Callback],
+         locks: list[RunLock]) -> dict[str, Any]:
+    """Open (and lock) the run directory, restore a resumed run, log the first evaluation, train, save the
+    final model; ``locks`` gets rank 0's lock, for the caller to release."""
     run = config.run
-    run_dir = distributed.on_main(open_run_dir, config)
-    start = restore(session, run_dir) if run.resume else 0
+
+    def open_locked() -> tuple[Path, bool]:
+        resuming = resume_dir(run) is not None
+        run_dir, lock = open_run_dir(config)
+        locks.append(lock)
+        return run_dir, resuming
+
+    run_dir, resuming = distributed.on_main(open_locked)
+    start = restore(session, run_dir) if resuming else 0
     logger = NullLogger()
     if distributed.is_main():
         logger = MetricsLogger.open(run_dir, report_to=run.report_to, project=run.project,
-                                    config=config.to_flat(), resume_step=start if run.resume else None)
+                                    config=config.to_flat(), resume_step=start if resuming else None)
     evaluate = partial(_evaluate_and_tell, evaluate, callbacks)
-    first = {}
-    if not run.resume:
-        first = evaluate(session)
-        logger.log(0, first)
-        _say(f"before training: {_summary(first)}")
-    last_eval: dict[str, float] = {}
-    evaluated_at, saved_at = (None if run.resume else 0), start
-    progress = _progress(run, start)
-    started = time.perf_counter()
-    with logger:
-        while session.step < run.max_steps:
-            if run.max_minutes and distributed.any_true(time.perf_counter() - started > 60 * run.max_minutes):
-                _say(f"stopping at step {session.step}: max_minutes={run.max_minutes} reached")
-                break
-            t0 = time.perf_counter()
-            metrics = train_step(session)
-            session.step += 1
-            step = session.step
-            metrics["time/step"] = time.perf_counter() - t0
-            if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
-                subset = config.data.eval_subset or None if step < run.max_steps else None  # the last: all prompts
-                last_eval, evaluated_at = evaluate(session, limit=subset), (step if subset is None else None)
-                metrics.update(last_eval)
-            logger.log(step, metrics)
-            if run.log_samples_every and step % run.log_samples_every == 0:
-                logger.log_samples(step, session.sample_rows())
-            if (run.save_every and step % run.save_every == 0) or step == run.max_steps:
-                save(session, run_dir)
-                saved_at = step
-            progress.update(1)
-            progress.set_postfix(_postfix(metrics), refresh=False)
-            if _asks_to_stop(callbacks, step, metrics) and step < run.max_steps:
-                _say(f"stopping at step {step}: a callback asked to")
-                break
-        progress.close()
-        if evaluated_at != session.step:  # stopped by max_minutes or a callback (its last evaluation, if any,
-            # scored the subset): the run's result is every held-out prompt, logged like any other
-            last_eval = evaluate(session)
-            if last_eval:
-                logger.log(session.step, last_eval)
-        if saved_at != session.step:  # ... and it can be resumed from where it stopped
-            save(session, run_dir)
+    first: dict[str, float] = {}
+    with logger, StopSignals() as signals:
+        if not resuming:
+            first = evaluate(session)
+            logger.log(0, first)
+            _say(f"before training: {_summary(first)}")
+        evaluated_at = None if resuming else 0
+        if resuming and start >= run.max_steps:  # stopped while saving the final model: its evaluation is logged
+            evaluated_at = start
+        last_eval = _train(session, config, train_step, evaluate, callbacks, logger, signals, run_dir,
+                           evaluated_at=evaluated_at, saved_at=start)
+        if evaluated_at == start and start >= run.max_steps:
+            last_eval = _logged_evaluation(run_dir, start)
     state = fsdp.full_state_dict(session.policy) if fsdp.is_sharded(session.policy) else None
     final_dir = distributed.on_main(lambda: save_final_model(run_dir, merged_for_saving(session.policy),
                                                              session.tokenizer, state))
@@ -241,6 +260,67 @@ def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]]
     _say(f"after {session.step} steps: {_summary(last_eval)}")
     _say(f"run directory: {run_dir}  (model: {final_dir.name}/, curves: {plot.name})")
     return {"run_dir": run_dir, "before": first, "after": last_eval}
+
+
+def _train(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
+           evaluate: Callable[..., dict[str, float]], callbacks: Sequence[Callback], logger: Any,
+           signals: StopSignals, run_dir: Path, *, evaluated_at: int | None, saved_at: int) -> dict[str, float]:
+    """The steps, up to ``max_steps`` or a stop (max_minutes, a callback, a signal); the last full evaluation.
+    A signal's stop checkpoints the step it stopped after and raises :class:`Preempted`."""
+    run = config.run
+    last_eval: dict[str, float] = {}
+    progress = _progress(run, session.step)
+    started = time.perf_counter()
+    while session.step < run.max_steps:
+        # one all-reduce: every process stops after the same step, whichever of them was signalled
+        out_of_time, signalled = distributed.all_sum(torch.tensor(
+            [float(bool(run.max_minutes) and time.perf_counter() - started > 60 * run.max_minutes),
+             float(signals.received is not None)])).tolist()
+        if signalled:
+            progress.close()
+            if saved_at != session.step:
+                save(session, run_dir)
+            raise Preempted(signals.received or "a signal on another process", session.step, run_dir)
+        if out_of_time:
+            _say(f"stopping at step {session.step}: max_minutes={run.max_minutes} reached")
+            break
+        t0 = time.perf_counter()
+        metrics = train_step(session)
+        session.step += 1
+        step = session.step
+        metrics["time/step"] = time.perf_counter() - t0
+        if (run.eval_every and step % run.eval_every == 0) or step == run.max_steps:
+            subset = config.data.eval_subset or None if step < run.max_steps else None  # the last: all prompts
+            last_eval, evaluated_at = evaluate(session, limit=subset), (step if subset is None else None)
+            metrics.update(last_eval)
+        logger.log(step, metrics)
+        if run.log_samples_every and step % run.log_samples_every == 0:
+            logger.log_samples(step, session.sample_rows())
+        if (run.save_every and step % run.save_every == 0) or step == run.max_steps:
+            save(session, run_dir)
+            saved_at = step
+        progress.update(1)
+        progress.set_postfix(_postfix(metrics), refresh=False)
+        if _asks_to_stop(callbacks, step, metrics) and step < run.max_steps:
+            _say(f"stopping at step {step}: a callback asked to")
+            break
+    progress.close()
+    if evaluated_at != session.step:  # stopped by max_minutes or a callback (its last evaluation, if any,
+        # scored the subset), or resumed at max_steps: the result is every held-out prompt, logged like any other
+        last_eval = evaluate(session)
+        if last_eval:
+            logger.log(session.step, last_eval)
+    if saved_at != session.step:  # ... and it can be resumed from where it stopped
+        save(session, run_dir)
+    return last_eval
+
+
+def _logged_evaluation(run_dir: Path, step: int) -> dict[str, float]:
+    """The held-out metrics logged at ``step`` (rank 0 reads them; every process gets them)."""
+    def read() -> dict[str, float]:
+        rows = [row for row in read_metrics(run_dir) if row["step"] == step]
+        return {key: value for row in rows for key, value in row.items() if key.startswith("eval/")}
+    return distributed.on_main(read)
 
 
 def _progress(run: Any, start: int):

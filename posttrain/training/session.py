@@ -22,11 +22,13 @@ from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig
 from posttrain.data.environments import ENVIRONMENT_REWARD, environment_reward
 from posttrain.data.prompts import (
+    DataError,
     PromptSampler,
     as_completion,
     check_prompt_rows,
     encode_prompt,
     read_rows,
+    within_prompt_budget,
 )
 from posttrain.data.prompt_variants import ask, ask_each_differently, resolve_variants
 from posttrain.data.rewards import RewardModel, load_reward, load_reward_function
@@ -75,6 +77,23 @@ class Workload:
     tool_format: str | None = None  # how the task's calls are written
     tool_timeout: float | None = None  # the task's limit per call
     environment: Callable[[], Any] | None = None  # the class whose instances play the episodes
+
+
+def _within_budget(config: Config, work: Workload, prompt_ids: list[Tensor]) -> tuple[Workload, list[Tensor]]:
+    """The workload and encoded prompts without those over ``max_prompt_length`` (``long_prompts``: an error,
+    or dropped and counted); the rows must still fill a step."""
+    source = config.data.dataset or f"task {config.data.task}"
+    kept = within_prompt_budget(prompt_ids, config.preference.max_prompt_length, config.data.long_prompts, source)
+    if len(kept) == len(prompt_ids):
+        return work, prompt_ids
+    distributed.say(f"{source}: dropped {len(prompt_ids) - len(kept)} of {len(prompt_ids)} prompts longer than "
+                    f"max_prompt_length {config.preference.max_prompt_length} tokens (long_prompts drop)")
+    if len(kept) < config.rollout.prompts_per_step:
+        raise DataError(f"{source}: {len(kept)} prompts are left within max_prompt_length, fewer than "
+                        f"prompts_per_step {config.rollout.prompts_per_step}; raise max_prompt_length or lower "
+                        "prompts_per_step")
+    rows = [work.train_rows[i] for i in kept]
+    return dataclasses.replace(work, train_rows=rows), [prompt_ids[i] for i in kept]
 
 
 def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
@@ -309,10 +328,11 @@ class OnlineSession:
                 sampling_copy.to(getattr(torch, config.off_policy.sampler_dtype))
         generator = generator_of(sampling_copy if sampling_copy is not None else policy)
         episodes = generator if isinstance(generator, EpisodeGenerator) else None
+        work, prompt_ids = _within_budget(config, work, [
+            encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
+            for number, row in enumerate(work.train_rows, start=1)])
         return cls(
-            config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator,
-            [encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
-             for number, row in enumerate(work.train_rows, start=1)],
+            config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator, prompt_ids,
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
             eos_ids,
             fingerprint=fingerprint(name, alg.name, policy),
