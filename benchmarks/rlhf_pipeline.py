@@ -64,6 +64,18 @@ def evaluations(path: Path) -> list[dict]:
     return [r for r in rows if any(key.startswith("eval/") for key in r)]
 
 
+def guard_summary(path: Path, evals: list[dict]) -> str:
+    """Where the reward-hacking guard fired and what the model it kept (``best_model/``) scored."""
+    fired = [r["step"] for r in evals if r.get("eval/diverged")]
+    state = path / "divergence.json"
+    if not state.exists():
+        return "reward-hacking guard: not active"
+    best = json.loads(state.read_text())["best"]
+    kept = (f"best_model/ from step {best['step']}" if best["step"] else "the starting model (nothing better)")
+    return (f"reward-hacking guard: {'fired at step ' + str(fired[0]) if fired else 'did not fire'}; best by "
+            f"held-out accuracy: {kept}, accuracy {100 * best['check']:.1f}%, reward-model score {best['proxy']:.2f}")
+
+
 def report(output: Path, figure: Path | None) -> None:
     curves = {}
     for name in ("sft", "reward_model", "ppo", "grpo"):
@@ -82,6 +94,7 @@ def report(output: Path, figure: Path | None) -> None:
                             if "eval/accuracy" in r and "eval/reward" in r]
             print("  step: held-out accuracy / reward-model score  " +
                   ", ".join(f"{s}: {100 * a:.1f}% / {rm:.2f}" for s, a, rm in curves[name]))
+            print("  " + guard_summary(path, evals))
     if figure is not None and curves:
         import matplotlib
 
@@ -98,6 +111,8 @@ def report(output: Path, figure: Path | None) -> None:
             twin = ax.twinx()
             twin.plot(steps, score, color="tab:red", marker="s", markersize=3, label="reward model's score")
             twin.set_ylabel("reward model's mean score", color="tab:red")
+            for step in [r["step"] for r in evaluations(output / name) if r.get("eval/diverged")]:
+                ax.axvline(step, color="tab:red", linestyle="--", linewidth=1, label="the guard fires")
             ax.set_title(f"{name} against the reward model")
             ax.grid(alpha=0.3)
             lines = ax.get_legend_handles_labels()[0] + twin.get_legend_handles_labels()[0]

@@ -26,13 +26,13 @@ from posttrain.algorithms.registry import (  # noqa: E402
 )
 from posttrain.data.rewards import REWARDS, register_reward  # noqa: E402
 
-__all__ = ["ALGORITHMS", "REWARDS", "Callback", "OnlineAlgorithm", "PreferenceAlgorithm", "SupervisedAlgorithm",
+__all__ = ["ALGORITHMS", "REWARDS", "Callback", "OnlineAlgorithm", "PreferenceAlgorithm", "Preempted", "SupervisedAlgorithm",
            "algorithm", "register_advantage", "register_algorithm", "register_policy_loss", "register_preference_loss",
            "register_reward", "evaluate", "train", "__version__"]
 
 
 _LAZY = {"train": "posttrain.training.api", "evaluate": "posttrain.training.api",
-         "Callback": "posttrain.training.runner"}
+         "Callback": "posttrain.training.runner", "Preempted": "posttrain.training.lifecycle"}
 """Names imported on first use: they import the trainers (transformers), which ``import posttrain`` need not."""
 
 

@@ -50,8 +50,9 @@ def training_rows(run_dir: Path) -> list[dict[str, Any]]:
 
 
 def run_figures(run_dir: Path) -> dict[str, Any]:
-    """Per step: seconds, loss, mean reward; and the ``mismatch/`` metrics' means over the steps that have
-    them (a run whose sampler returns log-probs)."""
+    """Per step: seconds, loss, mean reward; and the ``mismatch/`` and ``sync/`` metrics' means over the steps
+    that have them (a run whose sampler returns log-probs; a sampler with weights of its own, whose probe
+    log-probs after each weight sync are checked against the trainer's)."""
     rows = training_rows(run_dir)
     figures: dict[str, Any] = {
         "steps": len(rows),
@@ -59,7 +60,7 @@ def run_figures(run_dir: Path) -> dict[str, Any]:
         "loss": [row["loss"] for row in rows],
         "reward_mean": [row.get("reward/mean") for row in rows],
     }
-    mismatch = sorted({key for row in rows for key in row if key.startswith("mismatch/")})
+    mismatch = sorted({key for row in rows for key in row if key.startswith(("mismatch/", "sync/"))})
     for key in mismatch:
         values = [row[key] for row in rows if key in row]
         figures[key] = sum(values) / len(values)

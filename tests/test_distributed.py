@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import signal
 import socket
 import sys
 from datetime import timedelta
@@ -30,6 +31,8 @@ from posttrain.tracking.metrics import read_metrics
 from posttrain.training.online import train_step
 from posttrain.training.preference import PreferenceSession
 from posttrain.training.preference import train_step as preference_train_step
+from posttrain.training.checkpoint import latest_checkpoint
+from posttrain.training.lifecycle import Preempted
 from posttrain.training.runner import run_training
 from posttrain.training.session import OnlineSession, evaluate
 
@@ -245,6 +248,18 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
     onward = Config.from_flat({**run_config(out, model_dir, reward_file, out / "run-then-fsdp", fsdp=True).to_flat(),
                                "max_steps": STEPS + 1, "resume": str(out / "run-then-fsdp")})
     run_training(fixed_session(onward), onward, train_step, evaluate)
+    # SIGTERM to rank 1 alone, in the middle of step 2: both processes stop after step 2, checkpointed once.
+    config = run_config(out, model_dir, reward_file, out / "run-preempted", max_steps=STEPS + 2, save_every=0)
+
+    def signalled_step(session):
+        if rank == 1 and session.step == 1:
+            os.kill(os.getpid(), signal.SIGTERM)
+        return train_step(session)
+
+    try:
+        run_training(fixed_session(config), config, signalled_step, evaluate)
+    except Preempted as stopped:
+        (out / f"preempted-rank{rank}.txt").write_text(f"{stopped.signal_name} {stopped.step}")
 
 
 def _free_port() -> int:
@@ -440,3 +455,10 @@ def test_fsdp_in_one_process_is_the_plain_run(tiny_model_dir, reward_file, tmp_p
     plain = trained(tmp_path, tiny_model_dir, reward_file, "grpo")
     sharded = trained(tmp_path, tiny_model_dir, reward_file, "grpo", fsdp=True)
     assert_same_weights(plain["weights"], sharded["weights"], atol=0)
+
+
+def test_a_signal_to_one_process_stops_every_process_after_the_same_step(two_processes):
+    out, _ = two_processes
+    stopped = [(out / f"preempted-rank{rank}.txt").read_text() for rank in (0, 1)]
+    assert stopped == [f"a signal on another process {STEPS}", f"SIGTERM {STEPS}"]
+    assert latest_checkpoint(out / "run-preempted").name == f"step_{STEPS:06d}"

@@ -78,14 +78,15 @@ def test_a_run_stopped_by_max_minutes_logs_its_result_and_resumes(tiny_model_dir
     assert [row["step"] for row in read_metrics(run) if "eval/accuracy" in row] == [0, 1, 5]
 
 
-def test_resuming_past_max_steps_is_an_error_that_leaves_the_run_as_it_was(tiny_model_dir, reward_file, tmp_path):
+def test_resuming_a_finished_run_with_fewer_steps_trains_nothing_and_leaves_it_as_it_was(tiny_model_dir, reward_file,
+                                                                                          tmp_path, capsys):
     run = tmp_path / "run"
     _train(make_config(tiny_model_dir, reward_file, max_steps=2, eval_every=0, save_every=1, output=str(run)))
-    saved = (run / "config.yaml").read_text()
+    saved, logged = (run / "config.yaml").read_text(), (run / "metrics.jsonl").read_text()
     shorter = make_config(tiny_model_dir, reward_file, max_steps=1, eval_every=0, resume=str(run))
-    with pytest.raises(CheckpointError, match="at step 2 already.*resume with --max-steps 3 or more"):
-        _train(shorter)
-    assert (run / "config.yaml").read_text() == saved
+    assert _train(shorter)["complete"]
+    assert "complete: step 2 of max_steps 1" in capsys.readouterr().err
+    assert (run / "config.yaml").read_text() == saved and (run / "metrics.jsonl").read_text() == logged
 
 
 @pytest.mark.parametrize("make, message", [

@@ -41,7 +41,6 @@ from posttrain.config import (
     upgrade_saved_config,
 )
 from posttrain.report import compare as compare_module
-from posttrain.training.lifecycle import PREEMPTED_EXIT_CODE, Preempted
 from posttrain.report.compare import (
     TARGET_HELP,
     compare_command,
@@ -49,6 +48,7 @@ from posttrain.report.compare import (
     parse_seeds,
     report_command,
 )
+from posttrain.training.lifecycle import PREEMPTED_EXIT_CODE, Preempted
 
 __all__ = ["COMMON_FLAGS", "build_parser", "main", "resolve_config"]
 

@@ -459,6 +459,14 @@ class RunConfig:
         "locally: W&B offline unless WANDB_MODE is set, MLflow to RUN_DIR/mlflow.db unless MLFLOW_TRACKING_URI "
         "is set.", ("tensorboard",),
     )
+    divergence_check: str = _help(
+        "The reward-hacking guard's check against the proxy (eval/reward): auto (held-out accuracy, when the "
+        "reward is not the task's own check), none (off), a logged eval/ metric, or a reward function's name "
+        "(give it weight 0 to keep it out of the proxy).", "auto")
+    divergence_evals: int = _help("Evaluations in a row with the check below its best and the proxy above its "
+                                  "value then, before the guard warns (or stops).", 2)
+    stop_on_divergence: bool = _help("Stop the run when the guard fires (best_model/ holds the best by the "
+                                     "check).", False)
     project: str = _help("Tracker project (W&B, trackio) and MLflow experiment name.", "posttrain")
     plugin: tuple[str, ...] = _help(
         "Python file(s) imported before anything else (repeatable): where a run's own presets, advantage "
@@ -470,6 +478,7 @@ class RunConfig:
         require = Checks()
         require(self.max_steps >= 1, "max_steps", f"got {self.max_steps}; use 1 or more (posttrain eval scores a "
                  "model without training it)")
+        require(self.divergence_evals >= 1, "divergence_evals", f"got {self.divergence_evals}; use 1 or more")
         for name in ("eval_every", "save_every", "log_samples_every"):
             require(getattr(self, name) >= 0, name, f"got {getattr(self, name)}; use 0 (off) or more")
         _check_report_to(require, self.report_to)

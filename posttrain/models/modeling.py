@@ -451,3 +451,12 @@ def batched_logprobs(
         if values is not None:
             values[rows, :t] = out.values.float().cpu()
     return logprobs * mask, (values * mask if values is not None else None)
+
+
+@torch.no_grad()
+def probe_logprobs(model: nn.Module, probe_ids: Tensor) -> Tensor:
+    """[T] token ids -> [T - 1] float32 log-probs of tokens 1.. under ``model`` (a causal LM), on the CPU: what
+    a sampler and the trainer compare after a weight sync (``posttrain.training.guards.SyncCheck``)."""
+    ids = probe_ids.to(next(model.parameters()).device).unsqueeze(0)
+    logits = model(input_ids=ids).logits[0, :-1].float()
+    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()

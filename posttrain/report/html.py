@@ -202,10 +202,14 @@ def runs_html(groups: Mapping[str, Sequence[Run]], output: Path) -> str:
             total = run.config.get("max_steps", "?")
             status = "finished" if last == total else ("stopped early" if run.resources else "incomplete")
             where = os.path.relpath(run.run_dir, output)
+            fired = sorted(run.values("eval/diverged"))  # the reward-hacking guard's firings
+            warning = f"reward hacking suspected at step {', '.join(map(str, fired))}" if fired else ""
             rows.append(f"<tr><td>{_e(name)}</td><td>{run.seed}</td><td>{last} / {_e(total)}</td>"
-                        f"<td>{status}</td><td>{_e(final_with_interval(run))}</td><td>{_e(where)}</td></tr>")
+                        f"<td>{status}</td><td>{_e(final_with_interval(run))}</td><td>{_e(warning)}</td>"
+                        f"<td>{_e(where)}</td></tr>")
     return ("<table><tr><th>algorithm</th><th>seed</th><th>steps</th><th>status</th>"
-            "<th>final held-out accuracy (95% CI)</th><th>run directory</th></tr>" + "".join(rows) + "</table>")
+            "<th>final held-out accuracy (95% CI)</th><th>warnings</th><th>run directory</th></tr>"
+            + "".join(rows) + "</table>")
 
 
 def final_with_interval(run: Run, key: str = "eval/accuracy") -> str:

@@ -28,6 +28,7 @@ import torch
 from torch import Tensor
 
 from posttrain.models.lora import forget_kept_casts
+from posttrain.models.modeling import probe_logprobs
 from posttrain.rollout.completions import Completions, SamplingParams, completion_mask
 
 VLLM_INSTALL = "pip install 'posttrain[vllm]'  (vLLM needs a CUDA GPU)"
@@ -79,6 +80,8 @@ class VLLMGenerator:
         self.llm = LLM(model=model_path, dtype=dtype, gpu_memory_utilization=gpu_memory_utilization,
                        max_model_len=max_model_len, seed=seed, enable_prefix_caching=True,
                        logprobs_mode="processed_logprobs")
+        self.sync_check: Any = None  # guards.SyncCheck, set by the session: each sync is checked with it
+        self.syncs = 0
 
     def sync_weights(self) -> None:
         """Push the policy's current weights into the engine (merging LoRA adapters first)."""
@@ -93,6 +96,21 @@ class VLLMGenerator:
                 self.model.unmerge_adapter()
                 forget_kept_casts(self.model)  # unmerging is not exact: W + d - d
         self.llm.reset_prefix_cache()
+        self.syncs += 1
+        if self.sync_check is not None:
+            probe = self.sync_check.probe_ids
+            self.sync_check.verify(probe_logprobs(self.model, probe), self.engine_logprobs(probe), "the vLLM engine",
+                                   f"rollout {self.syncs}")
+
+    def engine_logprobs(self, token_ids: Tensor) -> Tensor:
+        """[T] ids -> [T - 1] the engine's log-probs of tokens 1.. (its prompt log-probs, unscaled: temperature
+        1, no top-k/top-p, so the processed values are the raw ones)."""
+        from vllm import SamplingParams as VLLMSampling
+
+        ids = token_ids.tolist()
+        probe = VLLMSampling(max_tokens=1, prompt_logprobs=0, temperature=1.0, top_p=1.0, top_k=-1)
+        entries = self.llm.generate([{"prompt_token_ids": ids}], sampling_params=probe, use_tqdm=False)[0].prompt_logprobs
+        return torch.tensor([entry[token].logprob for entry, token in zip(entries[1:], ids[1:])])
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,

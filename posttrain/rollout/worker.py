@@ -37,7 +37,7 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from posttrain.data.rewards import USER_MODULE_PREFIX
-from posttrain.models.modeling import register_attention_implementations
+from posttrain.models.modeling import probe_logprobs, register_attention_implementations
 from posttrain.rollout.completions import Completions
 
 POLL_SECONDS = 1.0  # how often a waiting side checks that the other is still alive
@@ -55,6 +55,7 @@ class Request:
     greedy: bool = False
     rows: list[dict[str, Any]] | None = None
     weights: dict[str, Tensor] | None = None
+    probe_ids: Tensor | None = None  # [T]: answer their log-probs under the new weights (the sync check)
 
 
 @dataclass
@@ -65,6 +66,7 @@ class Result:
     completions: Completions
     seconds: float
     episode_counts: dict[str, int] = field(default_factory=dict)  # multi-turn episodes: turns, tool calls, ...
+    probe_logprobs: Tensor | None = None  # [T - 1], when the request sent probe_ids
 
 
 class RolloutWorkerError(RuntimeError):
@@ -204,21 +206,23 @@ def _serve(payload: bytes, modules: dict[str, str], threads: int, rng_state: Ten
             results.put(("rng_state", torch.get_rng_state()))
             continue
         try:
-            results.put(("result", _generate(generator, parameters, request)))
+            results.put(("result", _generate(generator, model, parameters, request)))
         except BaseException as error:
             results.put(("error", (_picklable(error), traceback.format_exc())))
 
 
 @torch.no_grad()
-def _generate(generator: Any, parameters: dict[str, torch.nn.Parameter], request: Request) -> Result:
+def _generate(generator: Any, model: torch.nn.Module, parameters: dict[str, torch.nn.Parameter],
+              request: Request) -> Result:
     for name, weight in (request.weights or {}).items():
         parameters[name].copy_(weight)
+    probe = probe_logprobs(model, request.probe_ids) if request.probe_ids is not None else None
     start = time.perf_counter()
     completions = generator.generate(request.prompt_ids, num_samples=request.num_samples, greedy=request.greedy,
                                      rows=request.rows)
     stats = getattr(generator, "stats", None)  # an EpisodeGenerator's counts of this call's episodes
     return Result(request.request_id, completions, time.perf_counter() - start,
-                  stats.counts() if stats is not None else {})
+                  stats.counts() if stats is not None else {}, probe)
 
 
 def _picklable(error: BaseException) -> BaseException | None:

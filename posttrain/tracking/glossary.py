@@ -97,6 +97,15 @@ GLOSSARY: tuple[MetricEntry, ...] = (
                 ONLINE),
     MetricEntry("staleness/max", "The largest such gap in the step (never above `max_staleness`).", EVERY_STEP,
                 ONLINE),
+    MetricEntry("eval/divergence_streak", "The reward-hacking guard: evaluations in a row with the check (held-out "
+                "accuracy, or `divergence_check`) below its best beyond its interval while the proxy (`eval/reward`) "
+                "stands above its value at that best.", "at evaluations, when the reward is a proxy", ONLINE),
+    MetricEntry("eval/diverged", "1 at the evaluation where the guard's streak reached `divergence_evals`: it warned, "
+                "and with `stop_on_divergence` stopped the run.", "when the guard fires", ONLINE),
+    MetricEntry("sync/logprob_gap", "Mean absolute gap between the sampler's and the trainer's log-probs of a fixed "
+                "probe sequence after the last weight sync (a sampling copy, the asynchronous rollout process, a vLLM "
+                "engine): about 0 in float32; over the dtype's tolerance the run stops.",
+                "every step, when a sampler holds its own weights", ONLINE),
     MetricEntry("time/generation", "Seconds spent sampling (the rollout process's own time when asynchronous).",
                 EVERY_STEP, ONLINE),
     MetricEntry("time/rollout_wait", "Seconds the trainer waited for the samples (all of generation when "

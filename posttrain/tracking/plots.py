@@ -9,7 +9,8 @@ other, with ``MIN_POINTS_TO_SMOOTH`` points or more. Any other (held-out evaluat
 ``eval_every`` steps, a short run) is joined point to point: each evaluation is already an average
 over the held-out prompts, and averaging them again would only make the line lag behind them (at 11
 evaluations of the default run, it ended 5 points under the last one). NaN and infinite values are
-left out of the curves (they are in ``metrics.jsonl``). The figure is drawn with matplotlib's Agg
+left out of the curves (they are in ``metrics.jsonl``). A red dashed line on the held-out panels marks
+where the reward-hacking guard fired (``eval/diverged``). The figure is drawn with matplotlib's Agg
 canvas directly, without ``pyplot``: no display, no global figure state.
 """
 
@@ -58,9 +59,11 @@ def with_eval_tasks(panels: tuple[tuple[str, tuple[str, ...]], ...],
 
 def without_repeated_held_out_reward(panels: tuple[tuple[str, tuple[str, ...]], ...],
                                      rows: Sequence[dict]) -> tuple[tuple[str, tuple[str, ...]], ...]:
-    """``panels`` without the held-out reward panel when the run logged held-out accuracy: a built-in task's
-    reward is its accuracy, while a ``--dataset`` run (no answer check) has only the reward to show."""
-    if any("eval/accuracy" in row for row in rows):
+    """``panels`` without the held-out reward panel when it repeats the held-out accuracy: a built-in task's
+    reward is its accuracy. A ``--dataset`` run (no answer check) has only the reward to show, and a run
+    against a proxy (a reward model) shows both: reward hacking is the one rising as the other falls."""
+    both = [row for row in rows if "eval/accuracy" in row and "eval/reward" in row]
+    if both and all(row["eval/accuracy"] == row["eval/reward"] for row in both):
         return tuple(panel for panel in panels if panel[1] != ("eval/reward",))
     return panels
 
@@ -81,6 +84,7 @@ def plot_run(
         wanted = sorted({key for _, panel_keys in panels for key in panel_keys})
         raise ValueError(f"{run_dir} has logged none of {wanted}: nothing to plot")
 
+    diverged = [row["step"] for row in rows if row.get("eval/diverged")]  # the reward-hacking guard fired
     ncols = min(3, len(drawn))
     nrows = math.ceil(len(drawn) / ncols)
     figure = Figure(figsize=(5 * ncols, 3.4 * nrows), layout="constrained")
@@ -90,6 +94,9 @@ def plot_run(
         for color, (key, (steps, values)) in enumerate(series.items()):
             ax.plot(steps, values, "o", color=f"C{color}", alpha=0.25, markersize=3)
             ax.plot(steps, line_through(steps, values), "-", color=f"C{color}", linewidth=1.5, label=key)
+        if any(key.startswith("eval/") for key in series):
+            for step in diverged:
+                ax.axvline(step, color="red", linestyle="--", linewidth=1)
         ax.set_title(title, fontsize=10)
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)

@@ -134,12 +134,12 @@ def save_checkpoint(
 
 
 def save_final_model(run_dir: str | os.PathLike, model: nn.Module, tokenizer: Any | None = None,
-                     model_state: Mapping[str, Tensor] | None = None) -> Path:
-    """Write ``run_dir/final_model/`` (``from_pretrained``-loadable, with a manifest) atomically;
-    ``model_state`` as in :func:`save_checkpoint`."""
-    final = Path(run_dir) / FINAL_MODEL_DIR
+                     model_state: Mapping[str, Tensor] | None = None, name: str = FINAL_MODEL_DIR) -> Path:
+    """Write ``run_dir/final_model/`` (or ``run_dir/NAME/``: ``from_pretrained``-loadable, with a manifest)
+    atomically, replacing an older one; ``model_state`` as in :func:`save_checkpoint`."""
+    final = Path(run_dir) / name
     final.parent.mkdir(parents=True, exist_ok=True)
-    _remove_dirs(final.parent.glob(f".tmp-{FINAL_MODEL_DIR}-*"))
+    _remove_dirs(final.parent.glob(f".tmp-{name}-*"))
     _write_atomically(final, lambda directory: _save_model(directory, model, tokenizer, model_state))
     return final
 

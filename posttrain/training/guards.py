@@ -18,6 +18,21 @@ guard here watches one such failure and makes it loud:
 - ``RewardWatch``: a reward function whose values have been one constant over the whole run
   so far, or that failed (NaN, inf, an exception) on many of its samples under
   ``reward_errors=skip``. Each gets one warning per run.
+- ``DivergenceWatch``: reward hacking. A run optimises a proxy (a reward model, any reward that is
+  not the task's own answer check) and can evaluate a check (held-out accuracy, or a reward function
+  the user names). When the check has fallen below its best beyond its noise (the interval's upper
+  end under the best value; for a check without an interval, any fall) while the proxy stands above
+  its value at that best evaluation, for ``divergence_evals`` evaluations in a row, the run warns with
+  both curves' numbers; with ``stop_on_divergence`` it stops. Whenever the check reaches a new best the
+  model is kept in ``best_model/``.
+- ``SyncCheck``: a sampler that holds its own copy of the weights (the asynchronous rollout
+  process, a sampling copy in another dtype, a vLLM engine) must sample with the weights being
+  trained. After every weight sync the sampler's log-probs of a fixed probe sequence (the first
+  training prompt's first ``PROBE_TOKENS`` tokens) are compared with the trainer's; a mean gap
+  over the tolerance its dtype allows stops the run (``WeightSyncError``). A sync that silently
+  keeps old weights (verl's LoRA sync kept the initial policy) shows once the policy has moved
+  past that tolerance on the probe: at once in float32, after some steps in bfloat16. A
+  sampling copy with ``sampler_noise`` is different on purpose and is not checked.
 """
 
 from __future__ import annotations
@@ -39,6 +54,19 @@ REWARD_WARN_SAMPLES = 256
 
 REWARD_FAILURE_SHARE = 0.1
 """Share of failed samples (over at least ``REWARD_WARN_SAMPLES``) that draws the failure warning."""
+
+
+PROBE_TOKENS = 32
+"""Tokens of the probe sequence whose log-probs the weight-sync check compares."""
+
+SYNC_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+"""Mean absolute gap of per-token log-probs allowed between a sampler and the trainer computing in this dtype
+(the coarser of the two): float32 differs by summation order only (another thread count, another kernel);
+bfloat16 keeps 8 bits of mantissa, float16 11."""
+
+
+class WeightSyncError(RuntimeError):
+    """A sampler's log-probs of the probe sequence differ from the trainer's: it samples other weights."""
 
 
 class NoLearningSignal(RuntimeError):
@@ -191,3 +219,69 @@ def _fingerprint(param: Tensor) -> tuple[float, float]:
     local = _local(param)
     with torch.no_grad():
         return float(local.sum(dtype=torch.float64)), float(torch.linalg.vector_norm(local, dtype=torch.float64))
+
+
+class SyncCheck:
+    """Compares a sampler's probe log-probs with the trainer's after each weight sync (module docstring)."""
+
+    def __init__(self, probe_ids: Tensor, *dtypes: torch.dtype) -> None:
+        self.probe_ids = probe_ids[:PROBE_TOKENS]
+        self.tolerance = max(SYNC_TOLERANCE.get(dtype, SYNC_TOLERANCE[torch.float16]) for dtype in dtypes)
+        self.last_gap = 0.0
+
+    def verify(self, trainer: Tensor, sampler: Tensor, what: str, when: str) -> float:
+        """[T - 1] log-probs from each side -> their mean absolute gap; raise WeightSyncError over the tolerance.
+        ``what``: the sampler; ``when``: which sync (``step 12``)."""
+        gap = float((trainer - sampler.to(trainer)).abs().mean()) if trainer.shape == sampler.shape else math.inf
+        self.last_gap = gap
+        if not gap <= self.tolerance:
+            raise WeightSyncError(
+                f"{what}: after the weight sync for {when} its log-probs of the probe sequence differ from the "
+                f"trainer's by {gap:.3g} per token on average (tolerance {self.tolerance:g}): it is not sampling with "
+                "the weights being trained, so the run would train on another policy's samples. The weight "
+                "transfer misses or misnames some tensors (LoRA adapters not merged, a renamed layer)")
+        return gap
+
+
+@dataclass
+class Divergence:
+    """What a :class:`DivergenceWatch` found at one evaluation."""
+
+    streak: int  # evaluations in a row with the check down and the proxy up
+    fired: bool  # the streak reached the limit at this evaluation (once per episode)
+    new_best: bool  # the check reached a new best (keep this model)
+
+
+class DivergenceWatch:
+    """The check against the proxy at every evaluation (module docstring); its state is JSON-able for a resume."""
+
+    def __init__(self, check: str, proxy: str = "eval/reward", limit: int = 2) -> None:
+        self.check, self.proxy, self.limit = check, proxy, limit
+        self.best: dict[str, float] | None = None  # {"step", "check", "proxy"} at the check's best evaluation
+        self.streak = 0
+
+    def update(self, step: int, metrics: dict[str, float]) -> Divergence | None:
+        """Record one evaluation's metrics; None when it logged neither the check nor the proxy."""
+        if self.check not in metrics or self.proxy not in metrics:
+            return None
+        check, proxy = metrics[self.check], metrics[self.proxy]
+        if self.best is None or check > self.best["check"]:
+            self.best, self.streak = {"step": step, "check": check, "proxy": proxy}, 0
+            return Divergence(0, False, new_best=step > 0)
+        upper = metrics.get(f"{self.check}_high", check)  # the fall must be beyond the check's own noise
+        diverging = upper < self.best["check"] and proxy > self.best["proxy"]
+        self.streak = self.streak + 1 if diverging else 0
+        return Divergence(self.streak, self.streak == self.limit, new_best=False)
+
+    def warning(self, step: int, metrics: dict[str, float]) -> str:
+        best = self.best or {}
+        return (f"possible reward hacking: {self.proxy} rose from {best.get('proxy', math.nan):.4g} to "
+                f"{metrics[self.proxy]:.4g} while {self.check} fell from {best.get('check', math.nan):.4g} "
+                f"(step {int(best.get('step', 0))}) to {metrics[self.check]:.4g} (step {step}), "
+                f"{self.streak} evaluations in a row: the policy is learning what the reward scores, not the task")
+
+    def state_dict(self) -> dict[str, object]:
+        return {"best": self.best, "streak": self.streak}
+
+    def load_state_dict(self, state: dict[str, object]) -> None:
+        self.best, self.streak = state.get("best"), int(state.get("streak", 0))

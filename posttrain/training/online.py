@@ -450,6 +450,8 @@ def train_step(s: OnlineSession) -> dict[str, float]:
     t2 = time.perf_counter()  # training = the reference/greedy passes + the update (forward, backward, steps)
     metrics.update(distributed.reduce_values({"time/training": t2 - t0, "time/update": t2 - t1}, max))
     metrics["lr"] = lr
+    if s.sync_check is not None:  # the last weight sync's probe gap (guards.SyncCheck)
+        metrics["sync/logprob_gap"] = s.sync_check.last_gap
     maybe_refresh_reference(s)
     s.last_groups = groups
     return metrics

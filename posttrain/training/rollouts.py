@@ -26,6 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from posttrain.config import ConfigError
+from posttrain.models.modeling import probe_logprobs
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.worker import Request, RolloutWorker
@@ -42,6 +43,7 @@ class RolloutSession(Protocol):
     episodes: Any  # the generator again when it plays multi-turn episodes, else None
     policy: torch.nn.Module
     sampling_copy: torch.nn.Module | None
+    sync_check: Any  # guards.SyncCheck, or None where nothing is checked (a sampling copy with noise)
 
     @property
     def train_rows(self) -> list[dict[str, Any]]: ...
@@ -117,6 +119,7 @@ class AsyncRollouts:
         self.sent_version: int | None = None  # the weights the worker holds
         self.rng_state: torch.Tensor | None = None  # a resumed worker's random generator
         self.trainer_threads: int | None = None  # the trainer's torch threads before it shared them
+        self.expected: dict[int, tuple[torch.Tensor, Any, int]] = {}  # request id -> the trainer's probe log-probs
 
     def first_round(self, s: RolloutSession) -> Round:
         self.start(s)
@@ -163,9 +166,14 @@ class AsyncRollouts:
             weights = {name: p.detach().clone() for name, p in s.policy.named_parameters() if p.requires_grad}
         self.sent_version = s.step
         request_id, self.next_id = self.next_id, self.next_id + 1
+        probe = None
+        if weights is not None and s.sync_check is not None:  # what the worker must compute with these weights
+            sender = s.sampling_copy if s.sampling_copy is not None else s.policy
+            probe = s.sync_check.probe_ids
+            self.expected[request_id] = (probe_logprobs(sender, probe), s.sync_check, for_step)
         self.worker.submit(Request(request_id, s.step, [s.encoded_prompts[i] for i in indices],
                                    s.config.rollout.group_size, rows=[s.train_rows[i] for i in indices],
-                                   weights=weights))
+                                   weights=weights, probe_ids=probe))
         self.in_flight.append((request_id, indices, s.step))
         return request_id
 
@@ -175,6 +183,9 @@ class AsyncRollouts:
             result = self.worker.receive()
             expected, indices, version = self.in_flight.popleft()
             assert result.request_id == expected, "the rollout process answers in order"
+            if expected in self.expected:
+                trainer, check, step = self.expected.pop(expected)
+                check.verify(trainer, result.probe_logprobs, "the rollout process", f"step {step}")
             self.answered[expected] = Round(indices, tagged(result.completions, version), result.seconds,
                                             episode_counts=result.episode_counts)
         return dataclasses.replace(self.answered.pop(request_id), waited=time.perf_counter() - start)

@@ -13,6 +13,12 @@ log nothing. A checkpoint holds the model once, every process's surplus groups
 and rank 0's random generators, so a run resumes with any process count (the
 other processes' generators are re-seeded from the seed, the step and their rank).
 
+The run directory is locked for the run's life, and a cluster's requeue, SIGTERM and a finished run's
+resume are handled as :mod:`posttrain.training.lifecycle` describes. Where the reward is a proxy of a
+check the run can evaluate, every evaluation goes through the reward-hacking guard
+(``guards.DivergenceWatch``): its streak is logged, the best model by the check is kept in
+``best_model/``, and with ``stop_on_divergence`` it stops the run as a callback would.
+
 A Python caller watches the run, and may stop it, with :class:`Callback` objects
 (``posttrain.train(..., callbacks=[...])``): they see every step's logged metrics and every
 evaluation's. A run a callback stops ends as one that reached ``max_steps`` does: evaluated on every
@@ -21,6 +27,7 @@ held-out prompt, checkpointed, its final model saved; ``--resume`` continues it.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -31,7 +38,7 @@ from typing import Any, Callable, Protocol, TypeVar, runtime_checkable
 
 import torch
 
-from posttrain.config import Config, save_yaml
+from posttrain.config import Config, ConfigError, save_yaml
 from posttrain.models.lora import merged_for_saving
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
@@ -46,8 +53,12 @@ from posttrain.training.checkpoint import (
     save_checkpoint,
     save_final_model,
 )
+from posttrain.training.guards import DivergenceWatch
 from posttrain.training.lifecycle import Preempted, RunLock, StopSignals, completed_run, resume_dir
 from posttrain.training.setup import Trainer
+
+BEST_MODEL_DIR = "best_model"
+DIVERGENCE_FILE = "divergence.json"
 
 T = TypeVar("T", bound=Trainer)
 
@@ -143,8 +154,9 @@ def completed(config: Config) -> dict[str, Any] | None:
             "complete": True}
 
 
-def save(session: Trainer, run_dir: Path) -> Path:
-    """Rank 0 writes the checkpoint; every process calls this (it gathers their surplus groups)."""
+def save(session: Trainer, run_dir: Path, watch: DivergenceWatch | None = None) -> Path:
+    """Rank 0 writes the checkpoint; every process calls this (it gathers their surplus groups). The
+    reward-hacking guard's state goes with it, so a resumed run's guard is the uninterrupted run's."""
     extra_state = session.extra_state()
     sharded = fsdp.is_sharded(session.policy)  # FSDP: every process gathers the full tensors for rank 0
     modules = session.checkpoint_modules()
@@ -152,7 +164,8 @@ def save(session: Trainer, run_dir: Path) -> Path:
         return distributed.on_main(
             save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
             optimizer=session.optimizer, scheduler=session.scheduler,
-            trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state()},
+            trainer_state={"step": session.step, "fingerprint": session.fingerprint, **session.trainer_state(),
+                           **({"divergence": {"check": watch.check, **watch.state_dict()}} if watch else {})},
             extra_modules=modules, extra_state=extra_state,
             model_state=fsdp.full_state_dict(session.policy) if sharded else None,
             optimizer_state=fsdp.full_optimizer_state(session.optimizer) if sharded else None,
@@ -183,9 +196,10 @@ def _asks_to_stop(callbacks: Sequence[Callback], step: int, metrics: dict[str, f
     return distributed.any_true(any(answer is True for answer in answers))
 
 
-def restore(session: Trainer, run_dir: Path) -> int:
-    """Load the latest intact checkpoint of ``run_dir`` into the session; return its step. A checkpoint whose
-    files fail their sha256 (a disk error, a copy cut short) is skipped with a warning for the one before it."""
+def restore(session: Trainer, run_dir: Path) -> tuple[int, dict[str, Any] | None]:
+    """Load the latest intact checkpoint of ``run_dir`` into the session; return its step and the reward-hacking
+    guard's saved state (None: the run had no guard). A checkpoint whose files fail their sha256 (a disk error,
+    a copy cut short) is skipped with a warning for the one before it."""
     path = latest_checkpoint(run_dir, verify=True)
     if path is None:
         raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
@@ -198,7 +212,7 @@ def restore(session: Trainer, run_dir: Path) -> int:
     session.load_trainer_state(state, load_extra_state(path))
     if not distributed.is_main():  # the checkpoint holds rank 0's generators: the others start new streams
         distributed.seed(session.config.run.seed + 1_000_003 * session.step)
-    return session.step
+    return session.step, state.get("divergence")
 
 
 def run_training(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
@@ -234,7 +248,7 @@ def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]]
         return run_dir, resuming
 
     run_dir, resuming = distributed.on_main(open_locked)
-    start = restore(session, run_dir) if resuming else 0
+    start, guard_state = restore(session, run_dir) if resuming else (0, None)
     logger = NullLogger()
     if distributed.is_main():
         logger = MetricsLogger.open(run_dir, report_to=run.report_to, project=run.project,
@@ -244,12 +258,16 @@ def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]]
     with logger, StopSignals() as signals:
         if not resuming:
             first = evaluate(session)
+        watch = distributed.on_main(divergence_watch, config, first, guard_state) if first or guard_state else None
+        if not resuming:
+            if watch is not None:
+                _watch(watch, session, run_dir, 0, first)
             logger.log(0, first)
             _say(f"before training: {_summary(first)}")
         evaluated_at = None if resuming else 0
         if resuming and start >= run.max_steps:  # stopped while saving the final model: its evaluation is logged
             evaluated_at = start
-        last_eval = _train(session, config, train_step, evaluate, callbacks, logger, signals, run_dir,
+        last_eval = _train(session, config, train_step, evaluate, callbacks, logger, signals, run_dir, watch,
                            evaluated_at=evaluated_at, saved_at=start)
         if evaluated_at == start and start >= run.max_steps:
             last_eval = _logged_evaluation(run_dir, start)
@@ -264,9 +282,11 @@ def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]]
 
 def _train(session: T, config: Config, train_step: Callable[[T], dict[str, float]],
            evaluate: Callable[..., dict[str, float]], callbacks: Sequence[Callback], logger: Any,
-           signals: StopSignals, run_dir: Path, *, evaluated_at: int | None, saved_at: int) -> dict[str, float]:
-    """The steps, up to ``max_steps`` or a stop (max_minutes, a callback, a signal); the last full evaluation.
-    A signal's stop checkpoints the step it stopped after and raises :class:`Preempted`."""
+           signals: StopSignals, run_dir: Path, watch: DivergenceWatch | None, *, evaluated_at: int | None,
+           saved_at: int) -> dict[str, float]:
+    """The steps, up to ``max_steps`` or a stop (max_minutes, a callback, a signal, the reward-hacking guard);
+    the last full evaluation. A signal's stop checkpoints the step it stopped after and raises
+    :class:`Preempted`."""
     run = config.run
     last_eval: dict[str, float] = {}
     progress = _progress(run, session.step)
@@ -279,12 +299,12 @@ def _train(session: T, config: Config, train_step: Callable[[T], dict[str, float
         if signalled:
             progress.close()
             if saved_at != session.step:
-                save(session, run_dir)
+                save(session, run_dir, watch)
             raise Preempted(signals.received or "a signal on another process", session.step, run_dir)
         if out_of_time:
             _say(f"stopping at step {session.step}: max_minutes={run.max_minutes} reached")
             break
-        t0 = time.perf_counter()
+        t0, diverged = time.perf_counter(), False
         metrics = train_step(session)
         session.step += 1
         step = session.step
@@ -293,16 +313,21 @@ def _train(session: T, config: Config, train_step: Callable[[T], dict[str, float
             subset = config.data.eval_subset or None if step < run.max_steps else None  # the last: all prompts
             last_eval, evaluated_at = evaluate(session, limit=subset), (step if subset is None else None)
             metrics.update(last_eval)
+            diverged = watch is not None and _watch(watch, session, run_dir, step, metrics)
         logger.log(step, metrics)
         if run.log_samples_every and step % run.log_samples_every == 0:
             logger.log_samples(step, session.sample_rows())
         if (run.save_every and step % run.save_every == 0) or step == run.max_steps:
-            save(session, run_dir)
+            save(session, run_dir, watch)
             saved_at = step
         progress.update(1)
         progress.set_postfix(_postfix(metrics), refresh=False)
         if _asks_to_stop(callbacks, step, metrics) and step < run.max_steps:
             _say(f"stopping at step {step}: a callback asked to")
+            break
+        if diverged and run.stop_on_divergence and step < run.max_steps:
+            _say(f"stopping at step {step}: stop_on_divergence; the best model by {watch.check} is in "
+                 f"{run_dir / BEST_MODEL_DIR if watch.best and watch.best['step'] else 'the model the run started from'}")
             break
     progress.close()
     if evaluated_at != session.step:  # stopped by max_minutes or a callback (its last evaluation, if any,
@@ -311,8 +336,56 @@ def _train(session: T, config: Config, train_step: Callable[[T], dict[str, float
         if last_eval:
             logger.log(session.step, last_eval)
     if saved_at != session.step:  # ... and it can be resumed from where it stopped
-        save(session, run_dir)
+        save(session, run_dir, watch)
     return last_eval
+
+
+def divergence_watch(config: Config, first: dict[str, float], saved: dict[str, Any] | None = None) -> DivergenceWatch | None:
+    """The reward-hacking guard of this run (``guards.DivergenceWatch``), or None where it has nothing to
+    compare: ``divergence_check`` none, no held-out evaluation, or (auto) a reward that is the task's own check
+    (held-out reward equal to held-out accuracy). A resumed run takes the state its checkpoint ``saved``."""
+    run = config.run
+    if run.divergence_check == "none":
+        return None
+    if saved is not None:  # a resume: the guard as the run had it at its checkpoint
+        watch = DivergenceWatch(saved["check"], limit=run.divergence_evals)
+        watch.load_state_dict(saved)
+        return watch
+    if not first:
+        return None
+    if run.divergence_check == "auto":
+        if "eval/accuracy" not in first or first.get("eval/reward") == first["eval/accuracy"]:
+            return None
+        check = "eval/accuracy"
+    else:
+        check = run.divergence_check if run.divergence_check.startswith("eval/") else f"eval/reward/{run.divergence_check}"
+        if check not in first:
+            logged = ", ".join(sorted(key for key in first if not key.endswith(("_low", "_high"))))
+            raise ConfigError(f"divergence_check: {check} is not logged at the evaluations (they log {logged}); "
+                              "name one of them, or a reward function of the run")
+    return DivergenceWatch(check, limit=run.divergence_evals)
+
+
+def _watch(watch: DivergenceWatch, session: Trainer, run_dir: Path, step: int, metrics: dict[str, float]) -> bool:
+    """Give the guard one evaluation: log its streak into ``metrics``, keep a new best model, warn when it fires;
+    whether it fired."""
+    found = watch.update(step, metrics)
+    if found is None:
+        return False
+    metrics["eval/divergence_streak"] = found.streak
+    if found.new_best:
+        state = fsdp.full_state_dict(session.policy) if fsdp.is_sharded(session.policy) else None
+        distributed.on_main(lambda: save_final_model(run_dir, merged_for_saving(session.policy), session.tokenizer,
+                                                     state, name=BEST_MODEL_DIR))
+    if found.fired:
+        metrics["eval/diverged"] = 1.0
+        _say(f"warning: {watch.warning(step, metrics)}; the best model by {watch.check} so far is "
+             + (f"in {run_dir / BEST_MODEL_DIR} (step {watch.best['step']})" if watch.best and watch.best["step"]
+                else "the one the run started from")
+             + ("" if session.config.run.stop_on_divergence else " (stop_on_divergence stops the run here)"))
+    distributed.on_main(lambda: (run_dir / DIVERGENCE_FILE).write_text(
+        json.dumps({"check": watch.check, **watch.state_dict()})))
+    return found.fired
 
 
 def _logged_evaluation(run_dir: Path, step: int) -> dict[str, float]:

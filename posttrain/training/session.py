@@ -35,7 +35,7 @@ from posttrain.data.rewards import RewardModel, load_reward, load_reward_functio
 from posttrain.data.scoring import RewardPolicy, Scores, score
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import REASONING_GYM_PREFIX
-from posttrain.models.modeling import ValueHead, resolve_device
+from posttrain.models.modeling import ValueHead, probe_logprobs, resolve_device
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import (
@@ -48,7 +48,7 @@ from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.tracking.metrics import VARIANT_SEPARATOR
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.groups import Groups
-from posttrain.training.guards import RewardWatch, SignalWatch, UpdateCheck
+from posttrain.training.guards import RewardWatch, SignalWatch, SyncCheck, UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.training.rollouts import AsyncRollouts, SyncRollouts
 from posttrain.training.setup import (
@@ -77,6 +77,13 @@ class Workload:
     tool_format: str | None = None  # how the task's calls are written
     tool_timeout: float | None = None  # the task's limit per call
     environment: Callable[[], Any] | None = None  # the class whose instances play the episodes
+
+
+def _compute_dtypes(config: Config, policy: torch.nn.Module, sampler: torch.nn.Module | None) -> list[torch.dtype]:
+    """The dtypes the trainer and the sampler compute log-probs in: their weights', and bfloat16 under
+    mixed_precision bf16."""
+    dtypes = [next(model.parameters()).dtype for model in (policy, sampler) if model is not None]
+    return dtypes + ([torch.bfloat16] if config.model.mixed_precision == "bf16" else [])
 
 
 def _within_budget(config: Config, work: Workload, prompt_ids: list[Tensor]) -> tuple[Workload, list[Tensor]]:
@@ -267,6 +274,7 @@ class OnlineSession:
     episodes: EpisodeGenerator | None = None  # with tools or an environment: the generator, whose stats the step logs
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
     sampling_copy: Any | None = None  # sampler_noise/_dtype: the copy of the policy that samples the rollouts
+    sync_check: SyncCheck | None = None  # a sampler with weights of its own samples the trained ones (guards)
     eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
     rollouts: SyncRollouts | AsyncRollouts = field(default_factory=SyncRollouts)  # where each round comes from
     # the guards against runs that learn nothing (posttrain.training.guards)
@@ -331,6 +339,13 @@ class OnlineSession:
         work, prompt_ids = _within_budget(config, work, [
             encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
             for number, row in enumerate(work.train_rows, start=1)])
+        checks_sync = sampling_copy is not None or config.off_policy.async_rollout or r.backend == "vllm"
+        if checks_sync and not config.off_policy.sampler_noise:  # noise makes the sampler differ on purpose
+            sync_check = SyncCheck(prompt_ids[0], *_compute_dtypes(config, policy, sampling_copy))
+            if hasattr(generator, "sync_weights"):  # an engine with its own weights (vLLM) checks each of its syncs
+                generator.sync_check = sync_check
+        else:
+            sync_check = None
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator, prompt_ids,
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
@@ -343,6 +358,7 @@ class OnlineSession:
             eval_generator=None if sampling_copy is None else generator_of(policy),
             rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads)
             if config.off_policy.async_rollout else SyncRollouts(),
+            sync_check=sync_check,
         )
 
     # -- what the loop asks ------------------------------------------------------------------
@@ -389,6 +405,10 @@ class OnlineSession:
                     copy_.copy_(weight * factor.to(weight.device, weight.dtype))  # cast to the copy's dtype
                 else:
                     copy_.copy_(weight)
+        if self.sync_check is not None:
+            probe = self.sync_check.probe_ids
+            self.sync_check.verify(probe_logprobs(self.policy, probe), probe_logprobs(self.sampling_copy, probe),
+                                   "the sampling copy", f"step {step}")
 
     def optimizer_step(self) -> float:
         """Clip and apply the accumulated gradient; a non-finite one is dropped, not applied."""
@@ -496,4 +516,7 @@ def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, pref
     if correct is not None:
         out[f"{prefix}accuracy"] = correct.float().mean().item()
         out[f"{prefix}accuracy_low"], out[f"{prefix}accuracy_high"] = wilson_interval(int(correct.sum()), len(correct))
+    check = s.config.run.divergence_check  # a reward function the user named as the check: its own mean
+    if check in scores.terms:
+        out[f"{prefix}reward/{check}"] = scores.terms[check].nanmean().item()
     return out
