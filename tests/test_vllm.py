@@ -130,3 +130,58 @@ def test_an_engines_samples_get_the_same_correction_and_version_bookkeeping(tiny
         assert metrics["mismatch/kl_k1"] == pytest.approx(-0.3, abs=1e-4)
         assert metrics["mismatch/truncated_fraction"] > 0.99
         s.step += 1
+
+
+class _FakeEngine:
+    """Stands in for vLLM's engine: its model loads weights (or, ``broken``, drops them, as a sync that misnames
+    every tensor would), and its prompt log-probs are those of a torch model holding what it loaded."""
+
+    def __init__(self, model, broken: bool):
+        self.model, self.broken = model, broken
+        runner = SimpleNamespace(model=SimpleNamespace(load_weights=self.load_weights))
+        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
+
+    def load_weights(self, weights):
+        loaded = {name: tensor.detach().clone() for name, tensor in weights}
+        if not self.broken:
+            self.model.load_state_dict(loaded, strict=False)
+
+    def reset_prefix_cache(self):
+        pass
+
+    def generate(self, requests, sampling_params, use_tqdm):
+        from posttrain.models.modeling import probe_logprobs
+
+        assert sampling_params.kwargs == dict(max_tokens=1, prompt_logprobs=0, temperature=1.0, top_p=1.0, top_k=-1)
+        ids = requests[0]["prompt_token_ids"]
+        values = probe_logprobs(self.model, torch.tensor(ids)).tolist()
+        entries = [None] + [{token: SimpleNamespace(logprob=value), 99: SimpleNamespace(logprob=-9.0)}
+                            for token, value in zip(ids[1:], values)]
+        return [SimpleNamespace(prompt_logprobs=entries)]
+
+
+@pytest.mark.parametrize("broken", [False, True])
+def test_each_vllm_weight_sync_is_checked_on_the_engines_prompt_logprobs(broken, tiny_model_dir, monkeypatch):
+    """Without vLLM: the engine is a fake whose prompt log-probs come from its own copy of the weights; the
+    parsing of vLLM's prompt_logprobs and the check after each sync are what is tested."""
+    import sys
+
+    from posttrain.rollout.vllm import VLLMGenerator
+    from posttrain.training.guards import SyncCheck, WeightSyncError
+
+    monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kwargs: SimpleNamespace(kwargs=kwargs)))
+    policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
+    generator = object.__new__(VLLMGenerator)
+    generator.model, generator.syncs = policy, 0
+    generator.llm = _FakeEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), broken)
+    generator.sync_check = SyncCheck(torch.tensor([1, 5, 6, 7, 8, 9]), torch.float32)
+    generator.sync_weights()  # the policy is the engine's starting point: both pass
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.05 * torch.randn_like(p))  # a training step moved it
+    if broken:
+        with pytest.raises(WeightSyncError, match="the vLLM engine: after the weight sync for rollout 2"):
+            generator.sync_weights()
+    else:
+        generator.sync_weights()
+        assert generator.sync_check.last_gap < 1e-5
