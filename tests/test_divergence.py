@@ -23,22 +23,22 @@ def _eval(accuracy: float, reward: float, half_width: float = 0.05) -> dict[str,
             "eval/accuracy_high": accuracy + half_width, "eval/reward": reward}
 
 
-def test_the_streak_counts_evaluations_with_the_check_down_beyond_noise_and_the_proxy_up():
+def test_the_streak_counts_evaluations_with_the_check_down_beyond_noise_and_the_proxy_climbing():
     watch = DivergenceWatch("eval/accuracy", limit=2)
     seen = [watch.update(step, _eval(acc, reward)) for step, acc, reward in [
         (0, 0.80, 1.0),   # the first best: the model the run started from
         (10, 0.85, 1.1),  # a new best: kept
-        (20, 0.50, 1.3),  # down (upper end 0.55 < 0.85) while the proxy is up: 1
+        (20, 0.50, 1.3),  # down (upper end 0.55 < 0.85) while the proxy is above its low since the best: 1
         (30, 0.82, 1.5),  # 0.87 reaches 0.85: within noise, the streak ends
         (40, 0.30, 1.6),  # 1
         (50, 0.20, 1.7),  # 2: fires
         (60, 0.10, 1.8),  # 3: fired already in this episode
-        (70, 0.10, 1.0),  # the proxy under its value at the best: not hacking, a collapse
+        (70, 0.10, 1.0),  # the proxy at a new low: falling with the check, a collapse rather than hacking
     ]]
     assert [(d.streak, d.fired, d.new_best) for d in seen] == [
         (0, False, False), (0, False, True), (1, False, False), (0, False, False),
         (1, False, False), (2, True, False), (3, False, False), (0, False, False)]
-    assert watch.best == {"step": 10, "check": 0.85, "proxy": 1.1}
+    assert watch.best == {"step": 10, "check": 0.85, "proxy": 1.1, "proxy_low": 1.0}
     assert watch.update(80, {"eval/reward": 1.0}) is None  # no check logged: nothing to compare
 
 
@@ -73,8 +73,8 @@ def test_the_guard_warns_stops_and_keeps_the_best_model(tiny_model_dir, reward_f
     config = _config(tiny_model_dir, reward_file, run, stop_on_divergence=True)
     result = run_training(OnlineSession.create(config), config, step, scripted)
     err = capsys.readouterr().err
-    assert ("possible reward hacking: eval/reward rose from 1.1 to 1.8 while eval/accuracy fell from 0.9 (step 2) "
-            "to 0.2 (step 6), 2 evaluations in a row") in err
+    assert ("possible reward hacking: eval/reward rose to 1.8 from its low of 1.1 while eval/accuracy fell from 0.9 "
+            "(step 2) to 0.2 (step 6), 2 evaluations in a row") in err
     assert f"stopping at step 6: stop_on_divergence; the best model by eval/accuracy is in {run / 'best_model'}" in err
     rows = {row["step"]: row for row in read_metrics(run)}
     assert [rows[s]["eval/divergence_streak"] for s in (0, 2, 4, 6)] == [0, 0, 1, 2]
@@ -82,7 +82,8 @@ def test_the_guard_warns_stops_and_keeps_the_best_model(tiny_model_dir, reward_f
     assert max(rows) == 6 and result["after"]["eval/accuracy"] == 0.2
     best = load_file(run / "best_model" / "model.safetensors")
     assert all(torch.equal(best[k], weights_at[2][k]) for k in best)
-    assert json.loads((run / "divergence.json").read_text())["best"] == {"step": 2, "check": 0.9, "proxy": 1.1}
+    assert json.loads((run / "divergence.json").read_text())["best"] == {"step": 2, "check": 0.9, "proxy": 1.1,
+                                                                        "proxy_low": 1.1}
     from posttrain.report.html import build_report
 
     assert "reward hacking suspected at step 6" in build_report([run], tmp_path / "report").read_text()

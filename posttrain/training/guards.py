@@ -21,10 +21,10 @@ guard here watches one such failure and makes it loud:
 - ``DivergenceWatch``: reward hacking. A run optimises a proxy (a reward model, any reward that is
   not the task's own answer check) and can evaluate a check (held-out accuracy, or a reward function
   the user names). When the check has fallen below its best beyond its noise (the interval's upper
-  end under the best value; for a check without an interval, any fall) while the proxy stands above
-  its value at that best evaluation, for ``divergence_evals`` evaluations in a row, the run warns with
-  both curves' numbers; with ``stop_on_divergence`` it stops. Whenever the check reaches a new best the
-  model is kept in ``best_model/``.
+  end under the best value; for a check without an interval, any fall) while the proxy has risen
+  above the lowest it has been since that best, for ``divergence_evals`` evaluations in a row, the
+  run warns with both curves' numbers; with ``stop_on_divergence`` it stops. Whenever the check
+  reaches a new best the model is kept in ``best_model/``.
 - ``SyncCheck``: a sampler that holds its own copy of the weights (the asynchronous rollout
   process, a sampling copy in another dtype, a vLLM engine) must sample with the weights being
   trained. After every weight sync the sampler's log-probs of a fixed probe sequence (the first
@@ -266,17 +266,20 @@ class DivergenceWatch:
             return None
         check, proxy = metrics[self.check], metrics[self.proxy]
         if self.best is None or check > self.best["check"]:
-            self.best, self.streak = {"step": step, "check": check, "proxy": proxy}, 0
+            self.best, self.streak = {"step": step, "check": check, "proxy": proxy, "proxy_low": proxy}, 0
             return Divergence(0, False, new_best=step > 0)
         upper = metrics.get(f"{self.check}_high", check)  # the fall must be beyond the check's own noise
-        diverging = upper < self.best["check"] and proxy > self.best["proxy"]
+        # rising: above the lowest the proxy has been since the check's best (a policy that leaves the reward
+        # model's data often scores lower first, then climbs as it learns what the reward model pays for)
+        diverging = upper < self.best["check"] and proxy > self.best["proxy_low"]
+        self.best["proxy_low"] = min(self.best["proxy_low"], proxy)
         self.streak = self.streak + 1 if diverging else 0
         return Divergence(self.streak, self.streak == self.limit, new_best=False)
 
     def warning(self, step: int, metrics: dict[str, float]) -> str:
         best = self.best or {}
-        return (f"possible reward hacking: {self.proxy} rose from {best.get('proxy', math.nan):.4g} to "
-                f"{metrics[self.proxy]:.4g} while {self.check} fell from {best.get('check', math.nan):.4g} "
+        return (f"possible reward hacking: {self.proxy} rose to {metrics[self.proxy]:.4g} from its low of "
+                f"{best.get('proxy_low', math.nan):.4g} while {self.check} fell from {best.get('check', math.nan):.4g} "
                 f"(step {int(best.get('step', 0))}) to {metrics[self.check]:.4g} (step {step}), "
                 f"{self.streak} evaluations in a row: the policy is learning what the reward scores, not the task")
 
