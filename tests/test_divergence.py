@@ -38,8 +38,17 @@ def test_the_streak_counts_evaluations_with_the_check_down_beyond_noise_and_the_
     assert [(d.streak, d.fired, d.new_best) for d in seen] == [
         (0, False, False), (0, False, True), (1, False, False), (0, False, False),
         (1, False, False), (2, True, False), (3, False, False), (0, False, False)]
-    assert watch.best == {"step": 10, "check": 0.85, "proxy": 1.1, "proxy_low": 1.0}
+    assert watch.best == {"step": 10, "check": 0.85, "proxy": 1.1, "check_low": 0.10, "proxy_low": 1.0}
     assert watch.update(80, {"eval/reward": 1.0}) is None  # no check logged: nothing to compare
+
+
+def test_a_check_that_climbs_back_with_the_proxy_is_learning_not_hacking():
+    """The RLHF pipeline's GRPO with partial credit: both fall at the first evaluation, then climb together."""
+    watch = DivergenceWatch("eval/accuracy", limit=1)
+    watch.update(0, _eval(0.88, 1.35))
+    assert watch.update(5, _eval(0.60, 1.00)).streak == 0  # both fell: a collapse, not hacking
+    assert watch.update(10, _eval(0.68, 1.06)).streak == 0  # 0.63 > 0.60: the check climbs with the proxy
+    assert watch.update(15, _eval(0.64, 1.10)).streak == 1  # 0.59: back within the noise of its low
 
 
 def test_a_check_without_an_interval_counts_any_fall():
@@ -83,7 +92,7 @@ def test_the_guard_warns_stops_and_keeps_the_best_model(tiny_model_dir, reward_f
     best = load_file(run / "best_model" / "model.safetensors")
     assert all(torch.equal(best[k], weights_at[2][k]) for k in best)
     assert json.loads((run / "divergence.json").read_text())["best"] == {"step": 2, "check": 0.9, "proxy": 1.1,
-                                                                        "proxy_low": 1.1}
+                                                                        "check_low": 0.2, "proxy_low": 1.1}
     from posttrain.report.html import build_report
 
     assert "reward hacking suspected at step 6" in build_report([run], tmp_path / "report").read_text()

@@ -21,10 +21,11 @@ guard here watches one such failure and makes it loud:
 - ``DivergenceWatch``: reward hacking. A run optimises a proxy (a reward model, any reward that is
   not the task's own answer check) and can evaluate a check (held-out accuracy, or a reward function
   the user names). When the check has fallen below its best beyond its noise (the interval's upper
-  end under the best value; for a check without an interval, any fall) while the proxy has risen
-  above the lowest it has been since that best, for ``divergence_evals`` evaluations in a row, the
-  run warns with both curves' numbers; with ``stop_on_divergence`` it stops. Whenever the check
-  reaches a new best the model is kept in ``best_model/``.
+  end under the best value; for a check without an interval, any fall) and is not climbing back
+  (its interval's lower end not above its lowest since the best), while the proxy has risen above
+  the lowest it has been since that best, for ``divergence_evals`` evaluations in a row, the run
+  warns with both curves' numbers; with ``stop_on_divergence`` it stops. Whenever the check reaches
+  a new best the model is kept in ``best_model/``.
 - ``SyncCheck``: a sampler that holds its own copy of the weights (the asynchronous rollout
   process, a sampling copy in another dtype, a vLLM engine) must sample with the weights being
   trained. After every weight sync the sampler's log-probs of a fixed probe sequence (the first
@@ -265,14 +266,19 @@ class DivergenceWatch:
         if self.check not in metrics or self.proxy not in metrics:
             return None
         check, proxy = metrics[self.check], metrics[self.proxy]
-        if self.best is None or check > self.best["check"]:
-            self.best, self.streak = {"step": step, "check": check, "proxy": proxy, "proxy_low": proxy}, 0
+        best = self.best
+        if best is None or check > best["check"]:
+            self.best = {"step": step, "check": check, "proxy": proxy, "check_low": check, "proxy_low": proxy}
+            self.streak = 0
             return Divergence(0, False, new_best=step > 0)
-        upper = metrics.get(f"{self.check}_high", check)  # the fall must be beyond the check's own noise
-        # rising: above the lowest the proxy has been since the check's best (a policy that leaves the reward
-        # model's data often scores lower first, then climbs as it learns what the reward model pays for)
-        diverging = upper < self.best["check"] and proxy > self.best["proxy_low"]
-        self.best["proxy_low"] = min(self.best["proxy_low"], proxy)
+        # beyond the check's own noise (its interval; a check without one: any change)
+        upper, lower = metrics.get(f"{self.check}_high", check), metrics.get(f"{self.check}_low", check)
+        fallen = upper < best["check"]
+        recovering = lower > best["check_low"]  # the check climbs back: with the proxy, that is learning
+        # the proxy climbs: above its lowest since the best (a policy that leaves a reward model's data often
+        # scores lower on it first, then climbs as it learns what the reward model pays for)
+        diverging = fallen and not recovering and proxy > best["proxy_low"]
+        best["check_low"], best["proxy_low"] = min(best["check_low"], check), min(best["proxy_low"], proxy)
         self.streak = self.streak + 1 if diverging else 0
         return Divergence(self.streak, self.streak == self.limit, new_best=False)
 
