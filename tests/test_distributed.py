@@ -249,7 +249,8 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
                                "max_steps": STEPS + 1, "resume": str(out / "run-then-fsdp")})
     run_training(fixed_session(onward), onward, train_step, evaluate)
     # SIGTERM to rank 1 alone, in the middle of step 2: both processes stop after step 2, checkpointed once.
-    config = run_config(out, model_dir, reward_file, out / "run-preempted", max_steps=STEPS + 2, save_every=0)
+    config = Config.from_flat({**run_config(out, model_dir, reward_file, out / "run-preempted").to_flat(),
+                               "max_steps": STEPS + 2, "save_every": 0})
 
     def signalled_step(session):
         if rank == 1 and session.step == 1:
