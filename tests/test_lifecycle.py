@@ -105,6 +105,29 @@ def test_sigterm_mid_step_checkpoints_that_step_and_the_same_command_resumes_to_
     assert [row["step"] for row in read_metrics(run)] == list(range(STEPS + 1))
 
 
+def test_an_asynchronous_run_saves_its_batches_ahead_and_stops_its_rollout_process(tiny_model_dir, signalling_reward,
+                                                                                   tmp_path):
+    """SIGTERM reaches the trainer mid-step (the reward is scored there) while the rollout process samples
+    ahead: the checkpoint holds the batch sampled ahead, the trainer exits (it would wait on a rollout process
+    still running: it is not a daemon), and the requeued command ends where an uninterrupted asynchronous run
+    ends."""
+    from posttrain.training.checkpoint import load_extra_state
+
+    flags = ("--async-rollout", "--max-staleness", "1")
+    whole = tmp_path / "whole"
+    assert _run(_command(tiny_model_dir, signalling_reward, whole, *flags)).returncode == 0
+    run = tmp_path / "run"
+    command = _command(tiny_model_dir, signalling_reward, run, *flags)
+    stopped = _run(command, SIGNAL_AT="4")
+    assert stopped.returncode == PREEMPTED_EXIT_CODE, stopped.stderr[-3000:]
+
+    saved = load_extra_state(latest_checkpoint(run))
+    assert len(saved["rollouts"]["rounds"]) == 1  # the next step's batch, sampled ahead
+    assert _run(command).returncode == 0
+    a, b = _weights(whole), _weights(run)
+    assert all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_a_second_signal_stops_at_once_without_a_checkpoint(tiny_model_dir, signalling_reward, tmp_path):
     run = tmp_path / "run"
     result = _run(_command(tiny_model_dir, signalling_reward, run), SIGNAL_AT="4", SIGNALS="2")
