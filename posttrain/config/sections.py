@@ -165,8 +165,7 @@ class DataConfig:
         "When a reward raises, times out or returns NaN: error (stop, showing the sample) or skip "
         "(drop that sample's group from the update, counted in reward/failures).", "error",
     )
-    long_prompts: str = _help("Online training prompts over max_prompt_length tokens: error (refuse the data, "
-                              "naming the first) or drop (leave them out, counted); never cut.", "error")
+    long_prompts: str = _help("Online prompts over max_prompt_length: error (naming the first) or drop (counted).", "error")
     eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation (at most the task's held-out split).", 500)
     eval_tasks: tuple[str, ...] = _help(
         "More tasks (built-in or reasoning-gym:SPEC, repeatable) whose held-out splits are scored at every "
@@ -402,8 +401,7 @@ class PreferenceConfig:
     pairs_per_step: int = _help("Examples per optimizer step: preference pairs (KTO: labelled examples; sft: "
                                 "demonstrations; reward_model: pairs).", 64)
     max_length: int = _help("Token budget of prompt + completion; longer completions keep their start.", 1024)
-    max_prompt_length: int = _help("Token budget of the prompt. Preference data: longer prompts keep their end "
-                                   "(counted); online: see long_prompts.", 512)
+    max_prompt_length: int = _help("Prompt token budget: preference data keeps a longer one's end; online: long_prompts.", 512)
     precompute_reference: bool = _help(
         "Score the whole dataset with the reference model once at the start instead of every step.", False,
     )
@@ -452,21 +450,17 @@ class RunConfig:
     save_every: int = _help("Save a checkpoint every N steps (0 = only at the end).", 50)
     log_samples_every: int = _help("Write sampled completions to samples.jsonl every N steps.", 10)
     resume: str | None = _help("Resume the run in this directory from its latest checkpoint.")
-    auto_resume: bool = _help("Resume the run in output when it has a checkpoint, else start one there: one "
-                              "command line for a job's first submission and every requeue.", False)
+    auto_resume: bool = _help("Resume the run in output if it has a checkpoint, else start it: one command for "
+                              "a job and its requeues.", False)
     report_to: tuple[str, ...] = _help(
         "Experiment trackers that get the metrics: tensorboard, wandb, mlflow, trackio, or none. Each logs "
         "locally: W&B offline unless WANDB_MODE is set, MLflow to RUN_DIR/mlflow.db unless MLFLOW_TRACKING_URI "
         "is set.", ("tensorboard",),
     )
-    divergence_check: str = _help(
-        "The reward-hacking guard's check against the proxy (eval/reward): auto (held-out accuracy, when the "
-        "reward is not the task's own check), none (off), a logged eval/ metric, or a reward function's name "
-        "(give it weight 0 to keep it out of the proxy).", "auto")
-    divergence_evals: int = _help("Evaluations in a row with the check below its best and the proxy above its "
-                                  "value then, before the guard warns (or stops).", 2)
-    stop_on_divergence: bool = _help("Stop the run when the guard fires (best_model/ holds the best by the "
-                                     "check).", False)
+    divergence_check: str = _help("The reward-hacking guard's check on eval/reward: auto (held-out accuracy, where "
+                                  "the reward differs), none, an eval/ metric, or a reward function's name.", "auto")
+    divergence_evals: int = _help("Evaluations in a row of a falling check and a climbing proxy before it warns.", 2)
+    stop_on_divergence: bool = _help("Stop when the guard warns; best_model/ holds the best by the check.", False)
     project: str = _help("Tracker project (W&B, trackio) and MLflow experiment name.", "posttrain")
     plugin: tuple[str, ...] = _help(
         "Python file(s) imported before anything else (repeatable): where a run's own presets, advantage "

@@ -139,11 +139,12 @@ def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], where: str
     return torch.tensor(ids, dtype=torch.long)
 
 
-def within_prompt_budget(prompt_ids: Sequence[Tensor], limit: int, policy: str, source: str) -> list[int]:
+def within_prompt_budget(prompt_ids: Sequence[Tensor], limit: int, policy: str, source: str,
+                         per_step: int = 1) -> list[int]:
     """Indices of the prompts of at most ``limit`` tokens. A longer prompt is never cut (the question's start
     or its instruction would go): ``policy`` ``error`` refuses the data, naming how many are longer, the first
-    of them (1-based row) and its length; ``drop`` leaves them out (the caller says how many). No prompt left
-    is an error either way."""
+    of them (1-based row) and its length; ``drop`` leaves them out (the caller says how many). Fewer than
+    ``per_step`` prompts left is an error either way."""
     long = [i for i, ids in enumerate(prompt_ids) if len(ids) > limit]
     if not long:
         return list(range(len(prompt_ids)))
@@ -153,6 +154,9 @@ def within_prompt_budget(prompt_ids: Sequence[Tensor], limit: int, policy: str, 
     if policy == "error" or len(long) == len(prompt_ids):
         fix = "raise max_prompt_length, shorten them" + ("" if policy == "drop" else ", or set long_prompts drop")
         raise DataError(f"{what}; {'no prompt is left; ' if policy == 'drop' else ''}{fix}")
+    if len(prompt_ids) - len(long) < per_step:
+        raise DataError(f"{source}: {len(prompt_ids) - len(long)} prompts are left within max_prompt_length, fewer "
+                        f"than prompts_per_step {per_step}; raise max_prompt_length or lower prompts_per_step")
     return [i for i in range(len(prompt_ids)) if len(prompt_ids[i]) <= limit]
 
 

@@ -230,6 +230,20 @@ class SyncCheck:
         self.tolerance = max(SYNC_TOLERANCE.get(dtype, SYNC_TOLERANCE[torch.float16]) for dtype in dtypes)
         self.last_gap = 0.0
 
+    @classmethod
+    def of(cls, probe_ids: Tensor, policy: nn.Module, sampler: nn.Module | None, generator: object,
+           mixed_precision: str, checked: bool) -> SyncCheck | None:
+        """The check of a session's sampler (None unless ``checked``), in the dtypes the trainer and the sampler
+        compute in (bfloat16 too under mixed_precision bf16); an engine that syncs its own weights (vLLM) gets
+        it to check each of its syncs."""
+        if not checked:
+            return None
+        dtypes = [next(model.parameters()).dtype for model in (policy, sampler) if model is not None]
+        check = cls(probe_ids, *dtypes, *([torch.bfloat16] if mixed_precision == "bf16" else []))
+        if hasattr(generator, "sync_weights"):
+            generator.sync_check = check
+        return check
+
     def verify(self, trainer: Tensor, sampler: Tensor, what: str, when: str) -> float:
         """[T - 1] log-probs from each side -> their mean absolute gap; raise WeightSyncError over the tolerance.
         ``what``: the sampler; ``when``: which sync (``step 12``)."""

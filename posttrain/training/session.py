@@ -22,7 +22,6 @@ from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig
 from posttrain.data.environments import ENVIRONMENT_REWARD, environment_reward
 from posttrain.data.prompts import (
-    DataError,
     PromptSampler,
     as_completion,
     check_prompt_rows,
@@ -79,28 +78,15 @@ class Workload:
     environment: Callable[[], Any] | None = None  # the class whose instances play the episodes
 
 
-def _compute_dtypes(config: Config, policy: torch.nn.Module, sampler: torch.nn.Module | None) -> list[torch.dtype]:
-    """The dtypes the trainer and the sampler compute log-probs in: their weights', and bfloat16 under
-    mixed_precision bf16."""
-    dtypes = [next(model.parameters()).dtype for model in (policy, sampler) if model is not None]
-    return dtypes + ([torch.bfloat16] if config.model.mixed_precision == "bf16" else [])
-
-
 def _within_budget(config: Config, work: Workload, prompt_ids: list[Tensor]) -> tuple[Workload, list[Tensor]]:
-    """The workload and encoded prompts without those over ``max_prompt_length`` (``long_prompts``: an error,
-    or dropped and counted); the rows must still fill a step."""
-    source = config.data.dataset or f"task {config.data.task}"
-    kept = within_prompt_budget(prompt_ids, config.preference.max_prompt_length, config.data.long_prompts, source)
+    """The workload and encoded prompts without those over ``max_prompt_length`` (``long_prompts``)."""
+    source, limit = config.data.dataset or f"task {config.data.task}", config.preference.max_prompt_length
+    kept = within_prompt_budget(prompt_ids, limit, config.data.long_prompts, source, config.rollout.prompts_per_step)
     if len(kept) == len(prompt_ids):
         return work, prompt_ids
     distributed.say(f"{source}: dropped {len(prompt_ids) - len(kept)} of {len(prompt_ids)} prompts longer than "
-                    f"max_prompt_length {config.preference.max_prompt_length} tokens (long_prompts drop)")
-    if len(kept) < config.rollout.prompts_per_step:
-        raise DataError(f"{source}: {len(kept)} prompts are left within max_prompt_length, fewer than "
-                        f"prompts_per_step {config.rollout.prompts_per_step}; raise max_prompt_length or lower "
-                        "prompts_per_step")
-    rows = [work.train_rows[i] for i in kept]
-    return dataclasses.replace(work, train_rows=rows), [prompt_ids[i] for i in kept]
+                    f"max_prompt_length {limit} tokens (long_prompts drop)")
+    return dataclasses.replace(work, train_rows=[work.train_rows[i] for i in kept]), [prompt_ids[i] for i in kept]
 
 
 def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
@@ -339,13 +325,9 @@ class OnlineSession:
         work, prompt_ids = _within_budget(config, work, [
             encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
             for number, row in enumerate(work.train_rows, start=1)])
-        checks_sync = sampling_copy is not None or config.off_policy.async_rollout or r.backend == "vllm"
-        if checks_sync and not config.off_policy.sampler_noise:  # noise makes the sampler differ on purpose
-            sync_check = SyncCheck(prompt_ids[0], *_compute_dtypes(config, policy, sampling_copy))
-            if hasattr(generator, "sync_weights"):  # an engine with its own weights (vLLM) checks each of its syncs
-                generator.sync_check = sync_check
-        else:
-            sync_check = None
+        separate = sampling_copy is not None or config.off_policy.async_rollout or r.backend == "vllm"
+        sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator, config.model.mixed_precision,
+                                  separate and not config.off_policy.sampler_noise)  # noise: different on purpose
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator, prompt_ids,
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
