@@ -64,16 +64,17 @@ def evaluations(path: Path) -> list[dict]:
     return [r for r in rows if any(key.startswith("eval/") for key in r)]
 
 
-def guard_summary(path: Path, evals: list[dict]) -> str:
-    """Where the reward-hacking guard fired and what the model it kept (``best_model/``) scored."""
-    fired = [r["step"] for r in evals if r.get("eval/diverged")]
-    state = path / "divergence.json"
-    if not state.exists():
+def guard_summary(evals: list[dict]) -> str:
+    """Where the reward-hacking guard fired and the best evaluation by held-out accuracy, the model it keeps
+    (``best_model/``, or the starting model when nothing beat it)."""
+    if not any("eval/divergence_streak" in r for r in evals):
         return "reward-hacking guard: not active"
-    best = json.loads(state.read_text())["best"]
-    kept = (f"best_model/ from step {best['step']}" if best["step"] else "the starting model (nothing better)")
+    fired = [r["step"] for r in evals if r.get("eval/diverged")]
+    best = max(evals, key=lambda r: r["eval/accuracy"])  # the first of equals, as the guard keeps it
+    kept = f"best_model/ from step {best['step']}" if best["step"] else "the starting model (nothing better)"
     return (f"reward-hacking guard: {'fired at step ' + str(fired[0]) if fired else 'did not fire'}; best by "
-            f"held-out accuracy: {kept}, accuracy {100 * best['check']:.1f}%, reward-model score {best['proxy']:.2f}")
+            f"held-out accuracy: {kept}, accuracy {100 * best['eval/accuracy']:.1f}%, reward-model score "
+            f"{best['eval/reward']:.2f}")
 
 
 def report(output: Path, figure: Path | None) -> None:
@@ -94,7 +95,7 @@ def report(output: Path, figure: Path | None) -> None:
                             if "eval/accuracy" in r and "eval/reward" in r]
             print("  step: held-out accuracy / reward-model score  " +
                   ", ".join(f"{s}: {100 * a:.1f}% / {rm:.2f}" for s, a, rm in curves[name]))
-            print("  " + guard_summary(path, evals))
+            print("  " + guard_summary(evals))
     if figure is not None and curves:
         import matplotlib
 

@@ -91,8 +91,9 @@ def test_the_guard_warns_stops_and_keeps_the_best_model(tiny_model_dir, reward_f
     assert max(rows) == 6 and result["after"]["eval/accuracy"] == 0.2
     best = load_file(run / "best_model" / "model.safetensors")
     assert all(torch.equal(best[k], weights_at[2][k]) for k in best)
-    assert json.loads((run / "divergence.json").read_text())["best"] == {"step": 2, "check": 0.9, "proxy": 1.1,
-                                                                        "check_low": 0.2, "proxy_low": 1.1}
+    saved = json.loads((run / "checkpoints" / "step_000006" / "trainer_state.json").read_text())["divergence"]
+    assert saved == {"check": "eval/accuracy", "streak": 2,
+                     "best": {"step": 2, "check": 0.9, "proxy": 1.1, "check_low": 0.2, "proxy_low": 1.1}}
     from posttrain.report.html import build_report
 
     assert "reward hacking suspected at step 6" in build_report([run], tmp_path / "report").read_text()
@@ -118,7 +119,8 @@ def test_a_reward_that_is_the_tasks_check_has_no_guard(tiny_model_dir, reward_fi
     config = Config.from_flat({**config.to_flat(), "reward": []})
     run_training(OnlineSession.create(config), config, train_step, lambda s, limit=None: _eval(0.5, 0.5))
     assert not any("eval/divergence_streak" in row for row in read_metrics(run))
-    assert not (run / "divergence.json").exists()
+    state = json.loads((run / "checkpoints" / "step_000001" / "trainer_state.json").read_text())
+    assert "divergence" not in state
 
 
 def test_a_named_check_must_be_logged(tiny_model_dir, reward_file, tmp_path):

@@ -272,7 +272,8 @@ class DivergenceWatch:
 
     def __init__(self, check: str, proxy: str = "eval/reward", limit: int = 2) -> None:
         self.check, self.proxy, self.limit = check, proxy, limit
-        self.best: dict[str, float] | None = None  # {"step", "check", "proxy"} at the check's best evaluation
+        # at the check's best evaluation: its step, check and proxy; then the lowest of each since
+        self.best: dict[str, float] | None = None  # {"step", "check", "proxy", "check_low", "proxy_low"}
         self.streak = 0
 
     def update(self, step: int, metrics: dict[str, float]) -> Divergence | None:

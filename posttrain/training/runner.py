@@ -27,7 +27,6 @@ held-out prompt, checkpointed, its final model saved; ``--resume`` continues it.
 
 from __future__ import annotations
 
-import json
 import shutil
 import sys
 import time
@@ -58,7 +57,6 @@ from posttrain.training.lifecycle import Preempted, RunLock, StopSignals, comple
 from posttrain.training.setup import Trainer
 
 BEST_MODEL_DIR = "best_model"
-DIVERGENCE_FILE = "divergence.json"
 
 T = TypeVar("T", bound=Trainer)
 
@@ -383,8 +381,6 @@ def _watch(watch: DivergenceWatch, session: Trainer, run_dir: Path, step: int, m
              + (f"in {run_dir / BEST_MODEL_DIR} (step {watch.best['step']})" if watch.best and watch.best["step"]
                 else "the one the run started from")
              + ("" if session.config.run.stop_on_divergence else " (stop_on_divergence stops the run here)"))
-    distributed.on_main(lambda: (run_dir / DIVERGENCE_FILE).write_text(
-        json.dumps({"check": watch.check, **watch.state_dict()})))
     return found.fired
 
 
