@@ -12,7 +12,9 @@ import torch
 
 import posttrain
 import posttrain.functional as F
+from posttrain.functional._policy import CLIP_OPTIONS
 from posttrain.algorithms.presets import (
+    AFTER_THE_SEED,
     ALGORITHMS,
     DESCRIPTIVE_FIELDS,
     OnlineAlgorithm,
@@ -44,14 +46,27 @@ ONLINE_TABLE = {
     "gspo": ("group", "sequence", "ppo", 3e-4, 4e-4, "sequence_mean", "policy", "none", None, 0.0, 1, 4),
     "gspo_token": ("group", "sequence_token", "ppo", 3e-4, 4e-4, "sequence_mean", "policy", "none", None, 0.0, 1, 4),
     "best_of_n": ("best_of_n", "token", "none", None, None, "token_mean", "nll", "none", None, 0.0, 1, 1),
+    "sapo": ("group", "token", "sapo", None, None, "sequence_mean", "policy", "none", None, 0.0, 1, 4),
+    "dppo": ("group", "token", "dppo_tv", None, None, "constant", "policy", "none", None, 0.0, 1, 8),
+    "gmpo": ("group", "token", "geometric", 1 - math.exp(-0.4), math.exp(0.4) - 1, "sequence_mean", "policy", "none",
+             None, 0.0, 1, 8),
+    "lite_ppo": ("group_batch_std", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "none", None, 0.0, 1, 1),
+    "clip_cov": ("group", "token", "clip_cov", None, 1.0, "token_mean", "policy", "none", None, 0.0, 1, 8),
+    "kl_cov": ("group", "token", "kl_cov", None, None, "token_mean", "policy", "none", None, 0.0, 1, 8),
 }
 ONLINE_DEFAULTS = dict(dual_clip=None, value_clip=None, gamma=None, lam=None, reward_clip=None, binary_reward=None,
                        dynamic_sampling=False, max_generation_rounds=3, overlong_buffer_ratio=None,
-                       overlong_filter=False, history_resampling=False, min_reward=None, skip_ties=False, eps=1e-6)
+                       overlong_filter=False, history_resampling=False, min_reward=None, skip_ties=False, eps=1e-6,
+                       tau_pos=None, tau_neg=None, divergence_bound=None, cov_fraction=None, cov_bounds=None,
+                       kl_cov_coef=None)
 ONLINE_EXTRAS = {
     "ppo": dict(value_clip=0.2, gamma=1.0, lam=0.95),
     "reinforce_pp": dict(reward_clip=10.0),
     "dapo": dict(dynamic_sampling=True, overlong_buffer_ratio=4096 / 20480, binary_reward=(-1.0, 1.0)),
+    "sapo": dict(tau_pos=1.0, tau_neg=1.05),
+    "dppo": dict(divergence_bound=0.15),
+    "clip_cov": dict(cov_fraction=2e-4, cov_bounds=(1.0, 5.0)),
+    "kl_cov": dict(cov_fraction=2e-3, kl_cov_coef=1.0),
     "best_of_n": dict(skip_ties=True),  # not in ALGORITHMS.md: without it a group with no right answer trains on a wrong one
 }
 PREFERENCE_COLUMNS = ("loss", "beta", "label_smoothing", "alpha", "gamma", "lam", "desirable_weight",
@@ -71,14 +86,16 @@ ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347",
          "reinforce_pp": "2501.03262", "reinforce_pp_baseline": "2501.03262", "dapo": "2503.14476",
          "dr_grpo": "2503.20783", "cispo": "2506.13585", "gspo": "2507.18071", "gspo_token": "2507.18071",
          "best_of_n": "2304.06767", "dpo": "2305.18290", "odpo": "2402.10571", "simpo": "2405.14734",
-         "orpo": "2403.07691", "kto": "2402.01306"}
+         "orpo": "2403.07691", "kto": "2402.01306", "sapo": "2511.20347", "dppo": "2602.04879",
+         "gmpo": "2507.20673", "lite_ppo": "2508.08221", "clip_cov": "2505.22617", "kl_cov": "2505.22617"}
 
 
 # --- the registry ------------------------------------------------------------------------
 
 
 def test_registry_holds_exactly_the_presets_of_the_table():
-    assert list(ALGORITHMS) == [*ONLINE_TABLE, *PREFERENCE_TABLE, *SUPERVISED_TABLE]
+    seed = [name for name in ONLINE_TABLE if name not in AFTER_THE_SEED]
+    assert list(ALGORITHMS) == [*seed, *AFTER_THE_SEED, *PREFERENCE_TABLE, *SUPERVISED_TABLE]
     assert all(name == preset.name for name, preset in ALGORITHMS.items())
     assert posttrain.algorithm is algorithm and posttrain.ALGORITHMS is ALGORITHMS
 
@@ -397,11 +414,14 @@ def test_policy_loss_is_f_policy_loss_with_the_table_pieces(name):
     logp, old, ref, mask, advantages = _policy_batch()
     row = dict(zip(ONLINE_COLUMNS, ONLINE_TABLE[name]))
     kl_in_loss = row["kl_placement"] == "loss"
+    torch.manual_seed(0)  # Clip-Cov draws its tokens
     loss, metrics = ALGORITHMS[name].policy_loss(logp, old, advantages, mask, ref, normalizer=3, max_tokens=8)
+    torch.manual_seed(0)
     expected, _ = F.policy_loss(
         logp, old, advantages, mask, ratio=row["ratio"], clip=row["clip"], eps_low=row["eps_low"],
         eps_high=row["eps_high"], aggregation=row["aggregation"], max_tokens=8, normalizer=3,
-        ref_logprobs=ref if kl_in_loss else None, kl_coef=row["beta"] if kl_in_loss else 0.0, kl_estimator="k3")
+        ref_logprobs=ref if kl_in_loss else None, kl_coef=row["beta"] if kl_in_loss else 0.0, kl_estimator="k3",
+        clip_options={k: v for k, v in ONLINE_EXTRAS.get(name, {}).items() if k in CLIP_OPTIONS.get(row["clip"], ())})
     torch.testing.assert_close(loss, expected)
     assert "clip_fraction" in metrics
 

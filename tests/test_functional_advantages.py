@@ -52,7 +52,7 @@ def test_group_of_one_is_a_clear_error(estimator):
 
 
 def test_advantages_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="'group', 'group_mean', 'rloo', 'greedy_baseline'"):
+    with pytest.raises(ValueError, match="'group', 'group_mean', 'group_batch_std', 'rloo', 'greedy_baseline'"):
         F.advantages("grpo", torch.zeros(2, 2))
     with pytest.raises(ValueError, match="baseline="):
         F.advantages("greedy_baseline", torch.zeros(2, 2))
@@ -185,3 +185,31 @@ def test_reinforce_pp_rejects_bad_group_arguments():
         F.reinforce_pp_advantages(torch.zeros(4), z, z, z, kl_coef=0.0, group_size=2)
     with pytest.raises(ValueError, match="kl_coef=-0.1 is negative"):
         F.reinforce_pp_advantages(torch.zeros(4), z, z, z, kl_coef=-0.1)
+
+
+def test_group_batch_std_by_hand():
+    # Lite PPO: group means 1 and 2.5; the batch's unbiased std of [0, 2, 1, 4] is sqrt(35/12)
+    rewards = torch.tensor([[0.0, 2.0], [1.0, 4.0]], dtype=torch.float64)
+    std = math.sqrt(35 / 12)
+    expected = torch.tensor([[-1.0, 1.0], [-1.5, 1.5]], dtype=torch.float64) / (std + 1e-6)
+    torch.testing.assert_close(F.advantages("group_batch_std", rewards, eps=1e-6), expected)
+
+
+def test_group_batch_std_is_trls_scale_rewards_batch():
+    """TRL's GRPOTrainer with scale_rewards='batch': (r - group mean) / (nanstd of every reward + eps), with TRL's
+    own nanstd."""
+    nanstd = pytest.importorskip("trl.trainer.utils").nanstd
+    torch.manual_seed(0)
+    rewards = torch.randn(5, 4, dtype=torch.float64)
+    flat = rewards.flatten()
+    trl_style = (flat - rewards.mean(1).repeat_interleave(4)) / (nanstd(flat) + 1e-4)
+    ours = F.advantages("group_batch_std", rewards, eps=1e-4)
+    torch.testing.assert_close(ours.flatten(), trl_style)
+
+
+def test_group_batch_std_keeps_a_constant_group_at_zero_and_only_scales_grpo_s_centring():
+    rewards = torch.tensor([[1.0, 1.0, 1.0], [0.0, 1.0, 5.0]])
+    out = F.advantages("group_batch_std", rewards)
+    assert (out[0] == 0).all()
+    centred = F.advantages("group_mean", rewards)
+    torch.testing.assert_close(out, centred / (rewards.std() + 1e-6))

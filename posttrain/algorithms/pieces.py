@@ -53,6 +53,7 @@ _GROUP_ESTIMATORS = {
     "group_mean": "Dr.GRPO: r - mean within each prompt's group, with no std division; with step rewards, "
                   "process supervision centred only.",
     "rloo": "RLOO: r minus the mean reward of the prompt's other G - 1 completions (leave-one-out).",
+    "group_batch_std": "Lite PPO: r minus the group's mean, divided by the std of every reward in the step's batch.",
 }
 """The group estimators' one-line accounts, for the registry's listing (docs/reference/registries.md)."""
 
@@ -71,6 +72,7 @@ def process_supervision(rewards: Tensor, preset: OnlineAlgorithm, mask: Tensor, 
 for _name in ("group", "group_mean"):  # GRPO, Dr.GRPO: [B, G] -> [B, G] within each group
     register_advantage(_name, compares_group=True, takes_step_rewards=True)(_group_estimator(_name))
 register_advantage("rloo", compares_group=True)(_group_estimator("rloo"))  # RLOO: leave-one-out
+register_advantage("group_batch_std", compares_group=True)(_group_estimator("group_batch_std"))  # Lite PPO
 
 
 @register_advantage("greedy_baseline", needs_baseline=True)
@@ -128,7 +130,8 @@ def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
         logprobs, old_logprobs, advantages, mask, ratio=preset.ratio, clip=preset.clip, eps_low=preset.eps_low,
         eps_high=preset.eps_high, dual_clip=preset.dual_clip, aggregation=preset.aggregation, max_tokens=max_tokens,
         normalizer=normalizer, ref_logprobs=ref_logprobs if kl_in_loss else None,
-        kl_coef=preset.beta if kl_in_loss else 0.0, kl_estimator=preset.kl_estimator if kl_in_loss else "k3")
+        kl_coef=preset.beta if kl_in_loss else 0.0, kl_estimator=preset.kl_estimator if kl_in_loss else "k3",
+        clip_options=preset.clip_options)
 
 
 @register_policy_loss("nll")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import math
 from collections.abc import Sequence
 from typing import Any
 
@@ -21,7 +22,7 @@ from posttrain.algorithms.records import (
     setting_names,
 )
 
-__all__ = ["ALGORITHMS", "DESCRIPTIVE_FIELDS", "OnlineAlgorithm", "POLICY_PAIRS_RPO_ALPHA", "Preset",
+__all__ = ["AFTER_THE_SEED", "ALGORITHMS", "DESCRIPTIVE_FIELDS", "OnlineAlgorithm", "POLICY_PAIRS_RPO_ALPHA", "Preset",
            "PreferenceAlgorithm", "SupervisedAlgorithm", "algorithm", "field_help", "register_algorithm",
            "setting_names"]
 
@@ -122,6 +123,53 @@ _ONLINE = [
         update_structure="one update per rollout: RAFT fine-tunes on each round's selected samples and states no "
         "mini-batch count here; the NLL of the best sample has no ratio to go off-policy with"),
 ]
+_AFTER_THE_SEED = [
+    OnlineAlgorithm(
+        "sapo", "Soft Adaptive Policy Optimization (Gao et al., 2025) https://arxiv.org/abs/2511.20347",
+        "GRPO with the hard clip replaced by a soft gate (4/tau) sigmoid(tau (r - 1)), steeper for A < 0.",
+        **_GROUP_NO_KL, clip="sapo", eps_low=None, eps_high=None, tau_pos=1.0, tau_neg=1.05,
+        aggregation="sequence_mean", mini_batches=4,
+        update_structure="GSPO's four minibatches: SAPO (arXiv:2511.20347) is measured against GSPO and GRPO by the "
+        "same team in GSPO's setting, and the text read here states no count of its own"),
+    OnlineAlgorithm(
+        "dppo", "Rethinking the Trust Region in LLM Reinforcement Learning (Qi et al., 2026) "
+        "https://arxiv.org/abs/2602.04879",
+        "PPO's ratio band replaced by a bound on how far each token's probability moves from the sampler's (TV).",
+        **_GROUP_NO_KL, clip="dppo_tv", eps_low=None, eps_high=None, divergence_bound=0.15, aggregation="constant",
+        mini_batches=8,
+        update_structure="Dr.GRPO's 8 updates per rollout (sail-sg/understand-r1-zero, the same authors' code base): "
+        "DPPO is a trust region for off-policy updates and states no count in the text read here"),
+    OnlineAlgorithm(
+        "gmpo", "Geometric-Mean Policy Optimization (Zhao et al., 2025) https://arxiv.org/abs/2507.20673",
+        "GRPO maximising the geometric mean of the token ratios, clipped per token in log space to (e^-0.4, e^0.4).",
+        **_GROUP_NO_KL, clip="geometric", eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1,
+        aggregation="sequence_mean", mini_batches=8,
+        update_structure="GMPO (arXiv:2507.20673) sec. 4.1: 1,024 rollouts per round, 8 updates of batch 128"),
+    OnlineAlgorithm(
+        "lite_ppo", "Part I: Tricks or Traps? A Deep Dive into RL for LLM Reasoning (Liu et al., 2025) "
+        "https://arxiv.org/abs/2508.08221",
+        "GRPO's critic-free PPO with two tricks only: group-mean, batch-std advantages and a token-level loss.",
+        **{**_GROUP_NO_KL, "advantage": "group_batch_std"}, aggregation="token_mean",
+        update_structure="one update per rollout, GRPO's: Lite PPO (arXiv:2508.08221) changes only the advantage's "
+        "normalisation and the loss's aggregation"),
+    OnlineAlgorithm(
+        "clip_cov", "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Cui et al., 2025) "
+        "https://arxiv.org/abs/2505.22617",
+        "GRPO whose few tokens of highest advantage x log-prob covariance get no gradient, holding entropy up.",
+        **_GROUP_NO_KL, clip="clip_cov", eps_low=None, eps_high=1.0, cov_fraction=2e-4, cov_bounds=(1.0, 5.0),
+        aggregation="token_mean", mini_batches=8,
+        update_structure="8 updates per rollout: Cui et al. (arXiv:2505.22617) train several mini-batches per "
+        "rollout (the count here is Dr.GRPO's, not read from their recipe); their clip band [0, 2] (no lower bound) "
+        "leaves Clip-Cov as the main clip"),
+    OnlineAlgorithm(
+        "kl_cov", "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Cui et al., 2025) "
+        "https://arxiv.org/abs/2505.22617",
+        "GRPO without a clip whose tokens of highest advantage x log-prob covariance get a |log r| penalty.",
+        **_GROUP_NO_KL, clip="kl_cov", eps_low=None, eps_high=None, cov_fraction=2e-3, kl_cov_coef=1.0,
+        aggregation="token_mean", mini_batches=8,
+        update_structure="8 updates per rollout, as clip_cov (arXiv:2505.22617): the penalty |log r| acts only once "
+        "updates have moved the policy off the sampler"),
+]
 _PREFERENCE = [
     PreferenceAlgorithm(
         "dpo", "Direct Preference Optimization: Your Language Model is Secretly a Reward Model "
@@ -162,7 +210,9 @@ _SUPERVISED = [
         # at 1e-4, 0.876 at 3e-4 and 0.736 at 1e-3, still rising at the end at the two lower rates (decision 88)
         default_learning_rate=3e-4),
 ]
-ALGORITHMS: dict[str, Preset] = {a.name: a for a in [*_ONLINE, *_PREFERENCE, *_SUPERVISED]}
+ALGORITHMS: dict[str, Preset] = {a.name: a for a in [*_ONLINE, *_AFTER_THE_SEED, *_PREFERENCE, *_SUPERVISED]}
+AFTER_THE_SEED = tuple(a.name for a in _AFTER_THE_SEED)
+"""The online presets that came after the seed's lineage (GSPO, CISPO): listed in a section of their own."""
 
 POLICY_PAIRS_RPO_ALPHA = 1.0
 """The ``rpo_alpha`` a preference run on a built-in task gets when its pairs are sampled from the policy

@@ -34,6 +34,7 @@ import torch
 from torch import Tensor
 
 import posttrain.functional as F
+from posttrain.functional._policy import CLIP_OPTIONS, check_clip_options
 from posttrain.algorithms import pieces  # noqa: F401  (registers the built-in pieces before any preset is built)
 from posttrain.algorithms.registry import (
     ADVANTAGES,
@@ -44,7 +45,7 @@ from posttrain.algorithms.registry import (
 )
 
 Ratio = Literal["token", "sequence", "sequence_token"]
-Clip = Literal["ppo", "is_weight", "none"]
+Clip = Literal["ppo", "is_weight", "none", "sapo", "dppo_tv", "dppo_kl", "geometric", "clip_cov", "kl_cov"]
 Aggregation = Literal["sequence_mean", "token_mean", "constant"]
 KLPlacement = Literal["loss", "token_reward", "sequence_reward", "none"]
 KLEstimator = Literal["k1", "k2", "k3"]
@@ -114,10 +115,23 @@ class OnlineAlgorithm:
     advantage: str = _field("Advantage estimator (a registered one; posttrain.register_advantage adds one): gae, greedy_baseline (ReMax), rloo, group (GRPO), group_mean "
                                   "(Dr.GRPO), reinforce_pp, reinforce_pp_baseline, best_of_n.", _REQUIRED)
     ratio: Ratio = _field("Importance ratio: token (PPO), sequence (GSPO) or sequence_token (GSPO-token).", "token")
-    clip: Clip = _field("ppo (clipped surrogate), is_weight (CISPO: clip the detached IS weight) or none.", "ppo")
+    clip: Clip = _field("ppo (clipped surrogate), is_weight (CISPO: clip the detached IS weight), none, sapo (SAPO's "
+                        "soft gate), dppo_tv / dppo_kl (DPPO's divergence mask), geometric (GMPO), clip_cov or "
+                        "kl_cov (Cui et al. 2025).", "ppo")
     eps_low: float | None = _field("Lower clip bound 1 - eps_low; None = unbounded below.", 0.2)
     eps_high: float | None = _field("Upper clip bound 1 + eps_high (DAPO's clip-higher: 0.28); None = unbounded.", 0.2)
     dual_clip: float | None = _field("Dual-clip c > 1 bounding losses of negative advantages (verl: 3); None = off.")
+    tau_pos: float | None = _field("SAPO's gate temperature for A > 0 (paper: 1.0); clip='sapo' only.")
+    tau_neg: float | None = _field("SAPO's gate temperature for A <= 0 (paper: 1.05; above tau_pos it damps them "
+                                   "faster); clip='sapo' only.")
+    divergence_bound: float | None = _field("DPPO: how far a token's probability may move from the sampler's in "
+                                            "its advantage's direction and keep its gradient (Binary-TV: 0.15, "
+                                            "Binary-KL: 0.05); clip='dppo_tv'/'dppo_kl' only.")
+    cov_fraction: float | None = _field("Clip-Cov / KL-Cov: share of tokens picked by their advantage x log-prob "
+                                        "covariance (Cui et al. 2025: 2e-4 / 2e-3).")
+    cov_bounds: tuple[float, float] | None = _field("Clip-Cov: the covariance band (lower, upper) its tokens are "
+                                                    "drawn from (paper: (1, 5)).")
+    kl_cov_coef: float | None = _field("KL-Cov: weight of |log r| on its picked tokens (paper: 1).")
     aggregation: Aggregation = _field("Token losses to one number: sequence_mean, token_mean (over the optimizer "
                                       "step) or constant (sum / max_tokens, Dr.GRPO).", "sequence_mean")
     loss: str = _field("Policy loss (a registered one; posttrain.register_policy_loss adds one): policy (the "
@@ -193,8 +207,9 @@ class OnlineAlgorithm:
         return self.advantage == "best_of_n"
 
     def __post_init__(self) -> None:
-        if isinstance(self.binary_reward, list):  # YAML gives lists
-            object.__setattr__(self, "binary_reward", tuple(self.binary_reward))
+        for name in ("binary_reward", "cov_bounds"):
+            if isinstance(getattr(self, name), list):  # YAML gives lists
+                object.__setattr__(self, name, tuple(getattr(self, name)))
         choices = {"advantage": tuple(ADVANTAGES), "ratio": get_args(Ratio), "clip": get_args(Clip),
                    "aggregation": get_args(Aggregation), "loss": tuple(POLICY_LOSSES),
                    "kl_placement": get_args(KLPlacement), "kl_estimator": (*get_args(KLEstimator), None)}
@@ -246,7 +261,26 @@ class OnlineAlgorithm:
             (self.dynamic_sampling and a not in group, "dynamic_sampling drops groups with equal rewards, "
              f"which carry no signal only for a group estimator ({', '.join(group)})"),
         ]
-        return [message for broken, message in rules if broken]
+        return [message for broken, message in rules if broken] + self._clip_problems()
+
+    @property
+    def clip_options(self) -> dict[str, Any]:
+        """The settings this preset's clip scheme takes (``F.policy_loss``'s ``clip_options``)."""
+        return {name: getattr(self, name) for name in CLIP_OPTIONS.get(self.clip, ())}
+
+    def _clip_problems(self) -> list[str]:
+        needed = CLIP_OPTIONS.get(self.clip, ())
+        owners = {name: [c for c, names in CLIP_OPTIONS.items() if name in names]
+                  for names in CLIP_OPTIONS.values() for name in names}
+        problems = [f"{name} belongs to clip={' or '.join(map(repr, clips))}; set it to None for clip={self.clip!r}"
+                    for name, clips in owners.items() if name not in needed and getattr(self, name) is not None]
+        problems += [f"clip={self.clip!r} needs {name}" for name in needed if getattr(self, name) is None]
+        if not problems and needed:
+            try:
+                check_clip_options(self.clip, self.clip_options)
+            except ValueError as e:
+                problems.append(str(e))
+        return sorted(set(problems), key=problems.index)
 
     def advantages_and_returns(
         self, rewards: Tensor, *, mask: Tensor | None = None, logprobs: Tensor | None = None,

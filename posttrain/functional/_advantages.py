@@ -7,6 +7,7 @@ registry (`ADVANTAGE_ESTIMATORS`), so a preset names one by string:
 |---|---|---|
 | `group` | `(r_i - mean(r)) / (std(r) + eps)`, unbiased std | GRPO (Shao et al. 2024) Sec. 4.1.2 |
 | `group_mean` | `r_i - mean(r)` | Dr.GRPO (Liu et al. 2025) |
+| `group_batch_std` | `(r_i - mean(r)) / (std(R) + eps)`, R every reward of the batch, unbiased | Lite PPO (Liu et al. 2025, arXiv:2508.08221) Sec. 4.1 |
 | `rloo` | `r_i - sum_{j!=i} r_j / (G - 1)` | RLOO (Kool et al. 2019; Ahmadian et al. 2024) |
 | `greedy_baseline` | `r_i - r_greedy` | ReMax (Li et al. 2023) |
 
@@ -58,6 +59,12 @@ def _group_mean(rewards_BG: Tensor, eps: float) -> Tensor:
     return _group_centered(rewards_BG)  # Dr.GRPO: no division by the std
 
 
+def _group_batch_std(rewards_BG: Tensor, eps: float) -> Tensor:
+    if rewards_BG.numel() < 2:
+        return _group_centered(rewards_BG)
+    return _group_centered(rewards_BG) / (rewards_BG.std() + eps)  # Lite PPO: group mean, batch std
+
+
 def _rloo(rewards_BG: Tensor, eps: float) -> Tensor:
     others_mean_BG = (rewards_BG.sum(dim=1, keepdim=True) - rewards_BG) / (rewards_BG.shape[1] - 1)
     return rewards_BG - others_mean_BG  # RLOO (Kool et al. 2019): leave-one-out baseline
@@ -66,6 +73,7 @@ def _rloo(rewards_BG: Tensor, eps: float) -> Tensor:
 GROUP_ESTIMATORS: dict[str, Callable[[Tensor, float], Tensor]] = {
     "group": _group,
     "group_mean": _group_mean,
+    "group_batch_std": _group_batch_std,
     "rloo": _rloo,
 }
 ADVANTAGE_ESTIMATORS = (*GROUP_ESTIMATORS, "greedy_baseline")
@@ -90,7 +98,7 @@ def advantages(
     """Sequence-level advantages from grouped rewards.
 
     Args:
-        estimator: "group" | "group_mean" | "rloo" | "greedy_baseline".
+        estimator: "group" | "group_mean" | "group_batch_std" | "rloo" | "greedy_baseline".
         rewards: [B, G] rewards of G completions for each of B prompts.
         baseline: [B] reward of each prompt's greedy decode; "greedy_baseline" only.
         eps: added to the group std ("group"), >= 0.

@@ -10,7 +10,9 @@ A policy loss is a choice of three pieces, each a small registry:
   (Schulman et al. 2017 eq. (7); decoupled eps_low/eps_high = DAPO's
   Clip-Higher, Sec. 3.1), optionally dual-clipped for A < 0 (Ye et al. 2020);
   `is_weight` -sg(clip(w)) * A * logp (CISPO, MiniMax-M1 2025 Sec. 3.1);
-  `none` -w*A.
+  `none` -w*A; and the trust regions that replace the clip (`_surrogates`): `sapo`
+  (SAPO's soft gate), `dppo_tv`/`dppo_kl` (DPPO's divergence mask), `geometric` (GMPO),
+  `clip_cov`/`kl_cov` (Cui et al. 2025), whose settings come in `clip_options`.
 - aggregation (`posttrain.functional.aggregate`), with an optional KL-in-loss
   term `kl_coef * kl_estimate(logp, ref)` per token (GRPO eq. (3)).
 
@@ -41,6 +43,13 @@ from ._checks import (
     compute_dtype,
 )
 from ._kl import KL_ESTIMATORS, kl_estimate
+from ._surrogates import (
+    _clip_cov_surrogate,
+    _dppo_surrogate,
+    _geometric_surrogate,
+    _kl_cov_surrogate,
+    _sapo_surrogate,
+)
 
 
 def _sequence_log_ratio(logp_NT: Tensor, old_NT: Tensor, valid_NT: Tensor) -> Tensor:
@@ -68,7 +77,8 @@ RATIOS: dict[str, Callable[[Tensor, Tensor, Tensor], Tensor]] = {
 }
 
 Bound = float | None
-Surrogate = Callable[[Tensor, Tensor, Tensor, Bound, Bound], tuple[Tensor, Tensor]]
+Surrogate = Callable[..., tuple[Tensor, Tensor]]
+"""``fn(ratio_NT, logp_NT, adv_NT, low, high, *, old_NT, valid_NT, **clip_options) -> (loss_NT, clipped_NT)``."""
 
 
 def _clamp(ratio_NT: Tensor, low: Bound, high: Bound) -> Tensor:
@@ -86,7 +96,7 @@ def _below(ratio_NT: Tensor, bound: Bound) -> Tensor:
 
 
 def _ppo_surrogate(
-    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound
+    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound, **_: object
 ) -> tuple[Tensor, Tensor]:
     surrogate_NT = torch.minimum(ratio_NT * adv_NT, _clamp(ratio_NT, low, high) * adv_NT)
     clipped_NT = ((adv_NT > 0) & _above(ratio_NT, high)) | ((adv_NT < 0) & _below(ratio_NT, low))
@@ -94,7 +104,7 @@ def _ppo_surrogate(
 
 
 def _is_weight_surrogate(
-    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound
+    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound, **_: object
 ) -> tuple[Tensor, Tensor]:
     weight_NT = _clamp(ratio_NT, low, high).detach()
     clipped_NT = _above(ratio_NT, high) | _below(ratio_NT, low)
@@ -102,7 +112,7 @@ def _is_weight_surrogate(
 
 
 def _unclipped_surrogate(
-    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound
+    ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound, **_: object
 ) -> tuple[Tensor, Tensor]:
     return -ratio_NT * adv_NT, torch.zeros_like(ratio_NT, dtype=torch.bool)  # importance-weighted PG
 
@@ -111,7 +121,36 @@ CLIPS: dict[str, Surrogate] = {
     "ppo": _ppo_surrogate,
     "is_weight": _is_weight_surrogate,
     "none": _unclipped_surrogate,
+    "sapo": _sapo_surrogate,
+    "dppo_tv": _dppo_surrogate("tv"),
+    "dppo_kl": _dppo_surrogate("kl"),
+    "geometric": _geometric_surrogate,
+    "clip_cov": _clip_cov_surrogate,
+    "kl_cov": _kl_cov_surrogate,
 }
+CLIP_OPTIONS: dict[str, tuple[str, ...]] = {
+    "sapo": ("tau_pos", "tau_neg"),
+    "dppo_tv": ("divergence_bound",),
+    "dppo_kl": ("divergence_bound",),
+    "clip_cov": ("cov_fraction", "cov_bounds"),
+    "kl_cov": ("cov_fraction", "kl_cov_coef"),
+}
+"""The `clip_options` each clip scheme needs (the others need none)."""
+
+
+def check_clip_options(clip: str, options: dict[str, object]) -> None:
+    needed = CLIP_OPTIONS.get(clip, ())
+    missing, unused = [k for k in needed if k not in options], [k for k in options if k not in needed]
+    if missing or unused:
+        raise ValueError(f"clip={clip!r} needs clip_options {', '.join(needed) or '(none)'}; "
+                         + (f"missing {', '.join(missing)}" if missing else f"{', '.join(unused)} not used"))
+    for key in ("tau_pos", "tau_neg", "cov_fraction"):
+        if key in options and not options[key] > 0:
+            raise ValueError(f"clip_options {key}={options[key]} must be > 0")
+    for key in ("divergence_bound", "kl_cov_coef"):
+        check_nonnegative(key, options.get(key))
+    if "cov_bounds" in options and not (len(options["cov_bounds"]) == 2 and options["cov_bounds"][0] < options["cov_bounds"][1]):
+        raise ValueError(f"clip_options cov_bounds={options['cov_bounds']} must be (lower, upper) with lower < upper")
 
 
 def _check_policy_args(
@@ -127,6 +166,7 @@ def _check_policy_args(
     dual_clip: float | None,
     kl_coef: float,
     kl_estimator: str,
+    clip_options: dict[str, object],
 ) -> None:
     check_ndim("logprobs", logprobs, 2, "[N, T]")
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
@@ -141,6 +181,9 @@ def _check_policy_args(
     check_nonnegative("eps_low", eps_low)
     check_nonnegative("eps_high", eps_high)
     check_nonnegative("kl_coef", kl_coef)
+    check_clip_options(clip, clip_options)
+    if ratio != "token" and clip == "geometric":
+        raise ValueError(f"clip='geometric' (GMPO) builds its own sequence ratio from the token ratios; use ratio='token'")
     if dual_clip is not None and (clip != "ppo" or dual_clip <= 1):
         raise ValueError(f"dual_clip={dual_clip} needs clip='ppo' and a value > 1 (verl uses 3.0), or None")
     if kl_coef > 0 and ref_logprobs is None:
@@ -164,8 +207,9 @@ def policy_loss(
     kl_coef: float = 0.0,
     kl_estimator: str = "k3",
     normalizer: float | Tensor | None = None,
+    clip_options: dict[str, object] | None = None,
 ) -> tuple[Tensor, dict[str, Tensor]]:
-    """Clipped policy-gradient loss (PPO, GRPO, DAPO, CISPO, GSPO, ...), minimised.
+    """Clipped policy-gradient loss (PPO, GRPO, DAPO, CISPO, GSPO, SAPO, DPPO, GMPO, ...), minimised.
 
     Args:
         logprobs: [N, T] log-probs of the sampled tokens under the policy (with grad).
@@ -173,7 +217,8 @@ def policy_loss(
         advantages: [N] per completion (broadcast to its tokens) or [N, T] per token.
         mask: [N, T] 1 for completion tokens, 0 for padding.
         ratio: "token" | "sequence" (GSPO) | "sequence_token" (GSPO-token).
-        clip: "ppo" | "is_weight" (CISPO) | "none".
+        clip: "ppo" | "is_weight" (CISPO) | "none" | "sapo" | "dppo_tv" | "dppo_kl" (DPPO's weight is
+            bounded like CISPO's) | "geometric" (GMPO) | "clip_cov" | "kl_cov" (see `_surrogates`).
         eps_low, eps_high: clip range [1 - eps_low, 1 + eps_high]; None = unbounded side.
         dual_clip: c > 1, for A < 0 bound the loss by -c*A (clip="ppo" only).
         aggregation: "sequence_mean" | "token_mean" | "constant" (see `aggregate`).
@@ -182,6 +227,9 @@ def policy_loss(
         kl_coef: beta of the KL-in-loss term.
         kl_estimator: "k1" | "k2" | "k3".
         normalizer: the optimizer step's denominator (see `aggregate`); None = this batch.
+        clip_options: the scheme's settings (`CLIP_OPTIONS`): sapo `tau_pos`, `tau_neg` (> 0);
+            dppo_tv/dppo_kl `divergence_bound` (delta); clip_cov `cov_fraction`, `cov_bounds`
+            (lower, upper); kl_cov `cov_fraction`, `kl_cov_coef`.
 
     Returns:
         (loss 0-dim, metrics): `policy_loss` (the policy term alone), `clip_fraction`
@@ -192,8 +240,9 @@ def policy_loss(
         log-prob: PPO's clipped tokens, never CISPO's, whose clip bounds only a weight; only
         when `logprobs` requires grad). All 0-dim and detached.
     """
+    clip_options = dict(clip_options or {})
     _check_policy_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, ratio, clip,
-                       eps_low, eps_high, dual_clip, kl_coef, kl_estimator)
+                       eps_low, eps_high, dual_clip, kl_coef, kl_estimator, clip_options)
     check_aggregation(aggregation, max_tokens, normalizer)
     valid_NT = mask.bool()
     dtype = compute_dtype(logprobs, old_logprobs, advantages, ref_logprobs)
@@ -206,7 +255,8 @@ def policy_loss(
     low = None if eps_low is None else 1.0 - eps_low
     high = None if eps_high is None else 1.0 + eps_high
     ratio_NT = RATIOS[ratio](logp_NT, old_NT, valid_NT)
-    loss_NT, clipped_NT = CLIPS[clip](ratio_NT, logp_NT, adv_NT, low, high)
+    loss_NT, clipped_NT = CLIPS[clip](ratio_NT, logp_NT, adv_NT, low, high, old_NT=old_NT, valid_NT=valid_NT,
+                                      **clip_options)
     metrics: dict[str, Tensor] = {}
     if dual_clip is not None:
         loss_NT, dual_clipped_NT = _dual_clip(loss_NT, adv_NT, dual_clip)

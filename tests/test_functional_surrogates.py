@@ -1,0 +1,256 @@
+"""The trust regions after the clip (SAPO, DPPO, GMPO, Clip-Cov, KL-Cov): hand-computed values, the
+properties that define each, and verl's own code on random cases."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import posttrain.functional as F
+from peers import verl_config, verl_core_algos
+from posttrain.functional._surrogates import binary_divergence, sapo_gate, token_covariance
+
+f64 = torch.float64
+SAPO = dict(tau_pos=1.0, tau_neg=1.05)
+
+
+def loss_and_grad(logp, old, adv, mask, **kwargs):
+    logp = logp.clone().requires_grad_(True)
+    loss, metrics = F.policy_loss(logp, old, adv, mask, **kwargs)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.detach(), grad, metrics
+
+
+# --- SAPO -------------------------------------------------------------------------------
+
+
+def test_sapo_by_hand():
+    # one token, r = e^0.5, A = 2 (tau_pos = 1): loss = -(4/1) sigmoid(e^0.5 - 1) * 2
+    logp, old = torch.tensor([[math.log(0.5)]], dtype=f64), torch.tensor([[math.log(0.5) - 0.5]], dtype=f64)
+    loss, grad, _ = loss_and_grad(logp, old, torch.tensor([2.0], dtype=f64), torch.ones(1, 1), clip="sapo",
+                                  eps_low=None, eps_high=None, clip_options=SAPO)
+    r = math.exp(0.5)
+    s = 1 / (1 + math.exp(-(r - 1)))
+    assert loss.item() == pytest.approx(-4 * s * 2, rel=1e-12)
+    assert grad.item() == pytest.approx(-2 * 4 * s * (1 - s) * r, rel=1e-12)  # d/dlogp of -A f(r), dr/dlogp = r
+
+
+def test_sapo_on_policy_gradient_is_the_policy_gradient():
+    # at r = 1 the gate's slope is 1: the gradient is -A, as the unclipped surrogate's, for either tau
+    logp = torch.log(torch.tensor([[0.3, 0.6], [0.2, 0.9]], dtype=f64))
+    adv = torch.tensor([1.5, -0.7], dtype=f64)
+    _, grad, _ = loss_and_grad(logp, logp, adv, torch.ones(2, 2), clip="sapo", eps_low=None, eps_high=None,
+                               aggregation="token_mean", clip_options=dict(tau_pos=3.0, tau_neg=7.0))
+    assert torch.allclose(grad, -adv[:, None].expand(2, 2) / 4)
+
+
+def test_sapo_gate_tends_to_the_unclipped_surrogate_as_tau_shrinks_and_shuts_off_as_it_grows():
+    r = torch.tensor([0.5, 0.9, 1.1, 2.0], dtype=f64, requires_grad=True)
+
+    def slope(tau):
+        (g,) = torch.autograd.grad(sapo_gate(r, torch.full_like(r, tau)).sum(), r)
+        return g
+
+    assert torch.allclose(slope(1e-4), torch.ones(4, dtype=f64), atol=1e-6)  # tau -> 0: -r A, no trust region
+    assert (slope(100.0) < 1e-3).all()  # tau large: no gradient away from r = 1, a trust region of width -> 0
+    assert (slope(10.0) < slope(1.0)).all()
+
+
+def test_sapo_damps_negative_advantages_faster():
+    r = torch.tensor([1.5], dtype=f64, requires_grad=True)
+    slopes = [torch.autograd.grad(sapo_gate(r, torch.tensor([tau], dtype=f64)).sum(), r)[0].item() for tau in (1.0, 1.05)]
+    assert slopes[1] < slopes[0]
+
+
+# --- DPPO -------------------------------------------------------------------------------
+
+
+def test_dppo_tv_masks_by_probability_moved_in_the_advantage_direction():
+    old = torch.log(torch.tensor([[0.5, 0.5, 0.5, 0.5]], dtype=f64))
+    new = torch.log(torch.tensor([[0.7, 0.6, 0.3, 0.4]], dtype=f64))  # moved +0.2, +0.1, -0.2, -0.1
+    adv = torch.tensor([[1.0, 1.0, -1.0, -1.0]], dtype=f64)
+    loss, grad, metrics = loss_and_grad(new, old, adv, torch.ones(1, 4), clip="dppo_tv", eps_low=None,
+                                        eps_high=None, aggregation="token_mean",
+                                        clip_options=dict(divergence_bound=0.15))
+    ratio = (new - old).exp()
+    assert torch.allclose(grad, torch.tensor([[0.0, -ratio[0, 1] / 4, 0.0, ratio[0, 3] / 4]], dtype=f64))
+    assert metrics["clip_fraction"].item() == 0.5
+    # a rise with A < 0 (or a fall with A > 0) is a move back towards the sampler: never masked
+    _, grad, _ = loss_and_grad(new, old, -adv, torch.ones(1, 4), clip="dppo_tv", eps_low=None, eps_high=None,
+                               clip_options=dict(divergence_bound=0.15))
+    assert (grad != 0).all()
+
+
+def test_dppo_with_a_zero_bound_masks_every_moved_token_and_no_unmoved_one():
+    torch.manual_seed(0)
+    old = torch.log(torch.rand(4, 6, dtype=f64) * 0.9 + 0.05)
+    new = old.clone()
+    new[:, :3] += 0.3 * torch.randn(4, 3, dtype=f64).sign()  # moved; the last three are not
+    adv = torch.randn(4, 6, dtype=f64)
+    for clip in ("dppo_tv", "dppo_kl"):
+        _, grad, _ = loss_and_grad(new, old, adv, torch.ones(4, 6), clip=clip, eps_low=None, eps_high=None,
+                                   clip_options=dict(divergence_bound=0.0))
+        moved_with_a = ((new - old).sign() == adv.sign())[:, :3]
+        assert (grad[:, :3][moved_with_a] == 0).all()
+        assert (grad[:, 3:] != 0).all()
+
+
+def test_binary_kl_by_hand():
+    p, q = 0.6, 0.5  # KL(Bernoulli(old = 0.5) || Bernoulli(new = 0.6))
+    expected = q * math.log(q / p) + (1 - q) * math.log((1 - q) / (1 - p))
+    got = binary_divergence(torch.tensor([math.log(p)], dtype=f64), torch.tensor([math.log(q)], dtype=f64), "kl")
+    assert got.item() == pytest.approx(expected, abs=1e-7)
+
+
+# --- GMPO -------------------------------------------------------------------------------
+
+
+def test_gmpo_is_the_geometric_mean_of_the_token_ratios():
+    old = torch.zeros(1, 3, dtype=f64)
+    logr = torch.tensor([[0.1, -0.2, 0.05]], dtype=f64)
+    loss, grad, _ = loss_and_grad(old + logr, old, torch.tensor([2.0], dtype=f64), torch.ones(1, 3),
+                                  clip="geometric", eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1)
+    geometric = math.exp(logr.mean().item())
+    assert loss.item() == pytest.approx(-2 * geometric, rel=1e-12)
+    assert torch.allclose(grad, torch.full((1, 3), -2 * geometric / 3, dtype=f64))
+
+
+def test_gmpo_clips_in_log_space_on_the_side_the_advantage_pushes():
+    old = torch.zeros(1, 2, dtype=f64)
+    logr = torch.tensor([[0.6, -0.6]], dtype=f64)  # both outside (-0.4, 0.4)
+    bounds = dict(eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1)
+    loss, grad, metrics = loss_and_grad(old + logr, old, torch.tensor([1.0], dtype=f64), torch.ones(1, 2),
+                                        clip="geometric", **bounds)
+    # A > 0: the rise is clipped to 0.4 (no gradient), the fall stays -0.6
+    assert loss.item() == pytest.approx(-math.exp((0.4 - 0.6) / 2), rel=1e-12)
+    assert grad[0, 0] == 0 and grad[0, 1] != 0
+    loss, grad, _ = loss_and_grad(old + logr, old, torch.tensor([-1.0], dtype=f64), torch.ones(1, 2),
+                                  clip="geometric", **bounds)
+    assert loss.item() == pytest.approx(math.exp((0.6 - 0.4) / 2), rel=1e-12)
+    assert grad[0, 0] != 0 and grad[0, 1] == 0
+
+
+# --- Clip-Cov, KL-Cov --------------------------------------------------------------------
+
+
+def test_token_covariance_by_hand():
+    adv = torch.tensor([[1.0, 1.0], [-1.0, 0.0]], dtype=f64)
+    logp = torch.tensor([[-1.0, -2.0], [-3.0, 9.0]], dtype=f64)
+    valid = torch.tensor([[True, True], [True, False]])
+    cov = token_covariance(adv, logp, valid)  # means over the 3 valid tokens: A 1/3, logp -2
+    assert torch.allclose(cov, torch.tensor([[(2 / 3) * 1.0, 0.0], [(-4 / 3) * -1.0, 0.0]], dtype=f64))
+
+
+def test_kl_cov_penalises_the_highest_covariance_tokens_only():
+    adv = torch.tensor([[1.0, 1.0], [-1.0, -1.0]], dtype=f64)
+    old = torch.tensor([[-1.0, -2.0], [-3.0, -0.5]], dtype=f64)
+    new = old + 0.1
+    loss, grad, metrics = loss_and_grad(new, old, adv, torch.ones(2, 2), clip="kl_cov", eps_low=None,
+                                        eps_high=None, aggregation="token_mean",
+                                        clip_options=dict(cov_fraction=0.25, kl_cov_coef=1.0))
+    # covariances: A - 0 = +-1; logp - mean(-1.65): +0.75, -0.25, -1.25, +1.25 -> [0.75, -0.25, 1.25, -1.25]
+    ratio = math.exp(0.1)
+    expected = (-ratio * 1 - ratio * 1 + ratio + ratio) / 4 + 1.0 * 0.1 / 4  # token (1, 0) penalised
+    assert loss.item() == pytest.approx(expected, rel=1e-12)
+    assert metrics["clip_fraction"].item() == 0.25
+
+
+def test_clip_cov_detaches_the_chosen_tokens_and_only_those():
+    torch.manual_seed(1)
+    logp = torch.log(torch.rand(8, 16, dtype=f64) * 0.9 + 0.05)
+    adv = torch.randn(8, dtype=f64) * 3
+    opts = dict(clip="clip_cov", eps_low=0.2, eps_high=0.2, aggregation="token_mean")
+    torch.manual_seed(2)
+    _, grad, metrics = loss_and_grad(logp, logp, adv, torch.ones(8, 16),
+                                     clip_options=dict(cov_fraction=0.05, cov_bounds=(1.0, 5.0)), **opts)
+    cov = token_covariance(adv[:, None].expand(8, 16), logp, torch.ones(8, 16, dtype=torch.bool))
+    eligible = (cov > 1) & (cov < 5)
+    zero = grad == 0
+    assert zero.sum().item() == min(max(int(0.05 * 128), 1), int(eligible.sum()))
+    assert eligible[zero].all()
+    assert metrics["zero_gradient_fraction"].item() == zero.float().mean().item()
+
+
+@pytest.mark.parametrize("clip, options, bounds", [
+    ("sapo", dict(tau_pos=1.0), (None, None)),
+    ("dppo_tv", dict(), (None, None)),
+    ("clip_cov", dict(cov_fraction=0.1, cov_bounds=(5.0, 1.0)), (0.2, 0.2)),
+    ("ppo", dict(tau_pos=1.0), (0.2, 0.2)),
+])
+def test_bad_clip_options_name_the_problem(clip, options, bounds):
+    with pytest.raises(ValueError, match="clip"):
+        F.policy_loss(torch.zeros(1, 2), torch.zeros(1, 2), torch.ones(1), torch.ones(1, 2), clip=clip,
+                      eps_low=bounds[0], eps_high=bounds[1], clip_options=options)
+
+
+# --- against verl's own code -------------------------------------------------------------
+
+VERL_AGGREGATIONS = {"token-mean": "token_mean", "seq-mean-token-mean": "sequence_mean"}
+
+
+def random_case(seed: int, n: int = 6, t: int = 9, spread: float = 0.3):
+    g = torch.Generator().manual_seed(seed)
+    old = torch.log(torch.rand(n, t, generator=g, dtype=f64) * 0.95 + 0.02)
+    logp = (old + spread * torch.randn(n, t, generator=g, dtype=f64)).clamp(max=-1e-3)
+    adv = torch.randn(n, generator=g, dtype=f64)
+    lengths = torch.randint(1, t + 1, (n,), generator=g)
+    mask = (torch.arange(t)[None, :] < lengths[:, None]).to(f64)
+    return logp, old, adv, mask
+
+
+def verl_loss_and_grad(name, logp, old, adv, mask, config, aggregation):
+    core = verl_core_algos()
+    logp = logp.clone().requires_grad_(True)
+    loss, _ = core.get_policy_loss_fn(name)(old_log_prob=old, log_prob=logp, advantages=adv[:, None].expand_as(logp),
+                                            response_mask=mask, loss_agg_mode=aggregation, config=config)
+    (grad,) = torch.autograd.grad(loss, logp)
+    return loss.detach(), grad
+
+
+def ours(logp, old, adv, mask, **kwargs):
+    loss, grad, _ = loss_and_grad(logp, old, adv, mask, **kwargs)
+    return loss, grad
+
+
+CASES = {
+    "sapo": (dict(tau_pos=1.0, tau_neg=1.05), dict(clip="sapo", eps_low=None, eps_high=None,
+                                                   clip_options=dict(tau_pos=1.0, tau_neg=1.05)),
+             "seq-mean-token-mean"),
+    "dppo_tv": (dict(eps_low=0.15, eps_high=0.15, clip_ratio_c=1e4),
+                dict(clip="dppo_tv", eps_low=None, eps_high=1e4 - 1, clip_options=dict(divergence_bound=0.15)),
+                "token-mean"),
+    "dppo_kl": (dict(eps_low=0.05, eps_high=0.05, clip_ratio_c=1.5),
+                dict(clip="dppo_kl", eps_low=None, eps_high=0.5, clip_options=dict(divergence_bound=0.05)),
+                "token-mean"),
+    "geo_mean": (dict(eps_low=0.4, eps_high=0.4),
+                 dict(clip="geometric", eps_low=1 - math.exp(-0.4), eps_high=math.exp(0.4) - 1),
+                 "seq-mean-token-mean"),
+    "kl_cov": (dict(kl_cov_ratio=0.05, ppo_kl_coef=1.0),
+               dict(clip="kl_cov", eps_low=None, eps_high=None, clip_options=dict(cov_fraction=0.05, kl_cov_coef=1.0)),
+               "token-mean"),
+}
+
+
+@pytest.mark.skipif(verl_core_algos() is None, reason="verl not installed (scripts/setup.sh installs it with --no-deps)")
+@pytest.mark.parametrize("seed", range(4))
+@pytest.mark.parametrize("name", [*CASES, "clip_cov"])
+def test_matches_verl(name, seed):
+    logp, old, adv, mask = random_case(seed)
+    if name == "clip_cov":  # a wide covariance band and fraction so that the random draw has candidates
+        verl_kwargs = dict(clip_cov_ratio=0.1, clip_cov_lb=0.01, clip_cov_ub=5.0)
+        kwargs = dict(clip="clip_cov", eps_low=0.2, eps_high=0.28,
+                      clip_options=dict(cov_fraction=0.1, cov_bounds=(0.01, 5.0)))
+        aggregation, config = "token-mean", verl_config(eps_low=0.2, eps_high=0.28, **verl_kwargs)
+    else:
+        verl_kwargs, kwargs, aggregation = CASES[name]
+        config = verl_config(**verl_kwargs)
+    if name == "geo_mean":
+        mask = torch.ones_like(mask)  # verl averages over every row, ours over non-empty ones: all non-empty
+    torch.manual_seed(seed)
+    theirs_loss, theirs_grad = verl_loss_and_grad(name, logp, old, adv, mask, config, aggregation)
+    torch.manual_seed(seed)
+    our_loss, our_grad = ours(logp, old, adv, mask, aggregation=VERL_AGGREGATIONS[aggregation], **kwargs)
+    assert torch.allclose(our_loss, theirs_loss, rtol=1e-7, atol=1e-7)  # verl divides by lengths + 1e-8
+    assert torch.allclose(our_grad * mask, theirs_grad * mask, rtol=1e-7, atol=1e-7)  # verl divides by lengths + 1e-8
