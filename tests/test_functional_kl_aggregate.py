@@ -149,3 +149,23 @@ def test_micro_batches_of_value_and_nll_losses_equal_the_whole_step(aggregation)
         summed.backward()
         torch.testing.assert_close(summed.detach(), whole_loss.detach(), rtol=1e-12, atol=1e-12)
         torch.testing.assert_close(parts.grad, whole.grad, rtol=1e-12, atol=1e-12)
+
+
+def test_entropy_bonus_is_minus_c_times_the_aggregated_entropy():
+    entropy = torch.tensor([[0.5, 1.5, 9.0], [2.0, 0.0, 0.0]], requires_grad=True)
+    mask = torch.tensor([[1, 1, 0], [1, 0, 0]])
+    bonus = F.entropy_bonus(entropy, mask, coef=0.1, aggregation="token_mean")
+    assert bonus.item() == pytest.approx(-0.1 * (0.5 + 1.5 + 2.0) / 3)
+    (grad,) = torch.autograd.grad(bonus, entropy)
+    assert torch.equal(grad == 0, mask == 0)  # padding gets no gradient; minimising raises the entropy
+    assert (grad[mask.bool()] < 0).all()
+
+
+def test_adaptive_entropy_coef_follows_skywork_or1():
+    # below the target: c rises and the bonus acts; above: c falls (never below 0) and the bonus is off
+    assert F.adaptive_entropy_coef(0.0, 0.1, target=0.2, step=0.005) == (0.005, True)
+    assert F.adaptive_entropy_coef(0.01, 0.3, target=0.2, step=0.005) == (pytest.approx(0.005), False)
+    assert F.adaptive_entropy_coef(0.002, 0.3, target=0.2, step=0.005) == (0.0, False)
+    assert F.adaptive_entropy_coef(0.01, 0.2, target=0.2, step=0.005) == (pytest.approx(0.005), True)
+    with pytest.raises(ValueError, match="step"):
+        F.adaptive_entropy_coef(0.0, 0.1, target=0.2, step=0.0)

@@ -102,7 +102,7 @@ def test_linear_log_softmax_equals_the_unfused_head(chunk_size, with_bias, tempe
 
     torch.testing.assert_close(ours, direct, rtol=1e-12, atol=1e-12)
     torch.testing.assert_close(entropy, F.entropy_from_logits(logits.detach()[None])[0], rtol=1e-12, atol=1e-12)
-    assert not entropy.requires_grad
+    assert entropy.requires_grad  # an entropy bonus trains through it (tested below)
     for mine, theirs in zip(leaves, others):
         torch.testing.assert_close(mine.grad, theirs.grad, rtol=1e-10, atol=1e-12)
 
@@ -126,3 +126,25 @@ def test_linear_log_softmax_rejects_bad_inputs():
         F.linear_log_softmax(hidden, torch.randn(10, 5), torch.zeros(3, dtype=torch.long))
     with pytest.raises(ValueError, match="temperature must be > 0"):
         F.linear_log_softmax(hidden, weight, torch.zeros(3, dtype=torch.long), temperature=0.0)
+
+
+@pytest.mark.parametrize("recompute", [True, False])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_linear_log_softmax_entropy_gradient_is_autograd_s(recompute, temperature):
+    """dH/dz_j = -p_j (log p_j + H), built blockwise: an entropy bonus trains through the fused head."""
+    torch.manual_seed(0)
+    f64 = torch.float64
+    hidden, weight, bias = (torch.randn(*shape, dtype=f64, requires_grad=True) for shape in ((5, 8), (13, 8), (13,)))
+    tokens = torch.randint(0, 13, (5,))
+    logp_weights, entropy_weights = torch.randn(5, dtype=f64), torch.randn(5, dtype=f64)
+    for use_logp in (True, False):
+        logp, entropy = F.linear_log_softmax(hidden, weight, tokens, bias=bias, temperature=temperature,
+                                             with_entropy=True, chunk_size=4, recompute=recompute)
+        objective = (entropy * entropy_weights).sum() + (logp * logp_weights).sum() * use_logp
+        grads = torch.autograd.grad(objective, (hidden, weight, bias))
+        log_probs = ((hidden @ weight.T + bias) / temperature).log_softmax(-1)
+        expected_entropy = -(log_probs.exp() * log_probs).sum(-1)
+        expected = ((expected_entropy * entropy_weights).sum()
+                    + (log_probs.gather(-1, tokens[:, None])[:, 0] * logp_weights).sum() * use_logp)
+        for got, want in zip(grads, torch.autograd.grad(expected, (hidden, weight, bias))):
+            torch.testing.assert_close(got, want, rtol=1e-10, atol=1e-12)

@@ -292,3 +292,30 @@ def test_several_mini_batches_move_the_ratio_off_one_and_clip(name, mini_batches
         assert metrics["ratio_mean"] == 1.0 and metrics["clip_fraction"] == 0.0
     else:
         assert metrics["ratio_mean"] != 1.0 and metrics["clip_fraction"] > 0.0
+
+
+def test_the_entropy_bonus_enters_the_loss_exactly(tiny_model_dir, reward_file):
+    """A fixed entropy_coef adds -c * the aggregated token entropy (its gradient through the fused head)."""
+    import posttrain.functional as F
+
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", entropy_coef=0.05, micro_batch_size=5))
+    policy, head = copy.deepcopy(s.policy), copy.deepcopy(s.value_head)
+    metrics = train_step(s)
+    comp = s.last_groups.completions
+    batch = collate(s.last_groups.prompt_ids, comp.completion_ids, comp.mask, s.pad_id, s.device)
+    with torch.no_grad():
+        entropy = forward(policy, batch, with_entropy=True).entropy
+    bonus = F.entropy_bonus(entropy, batch.mask, coef=0.05, aggregation="sequence_mean")
+    assert metrics["loss"] == pytest.approx(float(recompute_loss(s, policy, head) + bonus), abs=1e-5)
+    assert metrics["entropy_coef"] == 0.05 and bonus < 0
+
+
+def test_adaptive_entropy_control_moves_its_coefficient_and_resumes_exactly(tiny_model_dir, reward_file, tmp_path):
+    s = OnlineSession.create(make_config(tiny_model_dir, reward_file, "entropy_control", entropy_target=50.0,
+                                         entropy_coef_step=0.01, max_steps=3))
+    coefs = [train_step(s)["entropy_coef"] for _ in range(3)]
+    assert coefs == pytest.approx([0.0, 0.01, 0.02])  # the entropy (a few nats) stays below the target: c rises
+    assert s.trainer_state()["entropy_control"]["coef"] == pytest.approx(0.02)
+    assert_online_resume_is_exact(lambda output: make_config(
+        tiny_model_dir, reward_file, "entropy_control", entropy_target=50.0, entropy_coef_step=0.01, max_steps=4,
+        eval_every=2, save_every=2, log_samples_every=0, output=output), tmp_path)

@@ -38,6 +38,9 @@ def test_grpo_loss_settings_translate_to_the_pieces():
     preset = Config.from_flat({"loss_type": "grpo", "epsilon": 0.2, "epsilon_high": 0.28}).preset()
     assert (preset.aggregation, preset.eps_low, preset.eps_high) == ("sequence_mean", 0.2, 0.28)
     assert Config.from_flat({"loss_type": "dapo", "scale_rewards": "group"}).preset().aggregation == "token_mean"
+    assert Config.from_flat({"scale_rewards": "batch"}).preset().advantage == "group_batch_std"  # Lite PPO's
+    sapo = Config.from_flat({"algorithm": "sapo", "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2}).preset()
+    assert (sapo.tau_pos, sapo.tau_neg) == (0.9, 1.2)
 
 
 def test_training_arguments_translate():
@@ -62,7 +65,7 @@ def test_dpo_batch_counts_pairs_and_micro_batches_count_sequences():
 @pytest.mark.parametrize("flat, message", [
     ({"num_train_epochs": 3}, "num_train_epochs: TRL's name, no posttrain equivalent: passes over the training set"),
     ({"loss_type": "bnpo"}, "aggregation token_mean normalises over the optimizer step's tokens"),
-    ({"scale_rewards": "batch"}, "scale_rewards 'batch': posttrain's nearest is advantage reinforce_pp_baseline"),
+    ({"scale_rewards": "median"}, "scale_rewards 'median': use group, batch, none"),
     ({"algorithm": "ppo", "scale_rewards": "group"}, "ppo uses advantage 'gae'"),
     ({"algorithm": "dpo", "loss_type": "ipo"}, "--algorithm dpo (TRL's sigmoid), odpo, simpo, orpo or kto"),
     ({"per_device_train_batch_size": 3, "num_generations": 8}, "3 completions per generation is no whole number"),

@@ -169,6 +169,12 @@ _AFTER_THE_SEED = [
         aggregation="token_mean", mini_batches=8,
         update_structure="8 updates per rollout, as clip_cov (arXiv:2505.22617): the penalty |log r| acts only once "
         "updates have moved the policy off the sampler"),
+    OnlineAlgorithm(
+        "entropy_control", "Skywork Open Reasoner 1 Technical Report (He et al., 2025) https://arxiv.org/abs/2505.22312",
+        "GRPO without KL plus an entropy bonus whose weight is adapted to hold the entropy at a target (0.2).",
+        **_GROUP_NO_KL, aggregation="token_mean", entropy_coef=0.0, entropy_target=0.2, entropy_coef_step=0.005,
+        update_structure="one update per rollout: Skywork-OR1 (arXiv:2505.22312) finds that more updates per "
+        "rollout speed up entropy collapse, and trains on-policy"),
 ]
 _PREFERENCE = [
     PreferenceAlgorithm(

@@ -164,6 +164,13 @@ class OnlineAlgorithm:
                              "than another; with a 0/1 reward, a group without a right answer would train on a "
                              "wrong one).", False)
     eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
+    entropy_coef: float = _field("Weight c of the entropy bonus -c * H in the loss (aggregated like the policy term); "
+                                 "with entropy_target, its starting value. 0 = no bonus.", 0.0)
+    entropy_target: float | None = _field("Adaptive entropy control (Skywork-OR1, arXiv:2505.22312): c rises by "
+                                          "entropy_coef_step while the entropy is below this target and falls while "
+                                          "above, and the bonus acts only below it. None = c fixed.")
+    entropy_coef_step: float | None = _field("The adaptive control's step for c (Skywork-OR1: 0.005); with "
+                                             "entropy_target only.")
     update_structure: str = _field("Where mini_batches x num_epochs come from: the paper's words, or why another "
                                    "paper's when it states none.", "")
     default_learning_rate: float | None = _field(
@@ -258,6 +265,13 @@ class OnlineAlgorithm:
             (self.value_clip is not None and not self.value_clip > 0, f"value_clip={self.value_clip} must be > 0"),
             (self.min_reward is not None and a != "best_of_n", "min_reward applies to advantage='best_of_n' only"),
             (self.skip_ties and a != "best_of_n", "skip_ties applies to advantage='best_of_n' only"),
+            (self.entropy_coef < 0, f"entropy_coef={self.entropy_coef} must be >= 0"),
+            ((self.entropy_target is None) != (self.entropy_coef_step is None),
+             "entropy_target and entropy_coef_step go together (adaptive entropy control), or both None"),
+            (self.entropy_target is not None and not self.entropy_target > 0,
+             f"entropy_target={self.entropy_target} must be > 0 (nats per token)"),
+            (self.entropy_coef_step is not None and not self.entropy_coef_step > 0,
+             f"entropy_coef_step={self.entropy_coef_step} must be > 0"),
             (self.dynamic_sampling and a not in group, "dynamic_sampling drops groups with equal rewards, "
              f"which carry no signal only for a group estimator ({', '.join(group)})"),
         ]

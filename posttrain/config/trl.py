@@ -40,6 +40,8 @@ RENAMED: dict[str, str] = {
     "mask_truncated_completions": "overlong_filter",
     "precompute_ref_log_probs": "precompute_reference",
     "delta": "dual_clip",
+    "sapo_temperature_pos": "tau_pos",
+    "sapo_temperature_neg": "tau_neg",
     "model_name_or_path": "model",
     "dataset_name": "dataset",
     "dataset_train_split": "dataset_split",
@@ -101,6 +103,8 @@ def _loss_type(value: Any, context: Context) -> Translation:
                 "not normalise per micro-batch as bnpo does",
         "cispo": "use --algorithm cispo (clip is_weight, aggregation token_mean); its eps_high is TRL's "
                  "epsilon_high - 1 (the weight's cap is 1 + eps_high)",
+        "sapo": "use --algorithm sapo (clip sapo, aggregation sequence_mean, TRL's loss for it); "
+                "sapo_temperature_pos/neg are its tau_pos/tau_neg",
     }
     raise NoEquivalent(f"loss_type {value!r}: " + nearest.get(
         value, "posttrain's aggregations are sequence_mean (TRL's grpo), token_mean (dapo) and constant (dr_grpo)"))
@@ -110,15 +114,12 @@ def _scale_rewards(value: Any, context: Context) -> Translation:
     """True/group: divide by the group's std (advantage group); False/none: do not (group_mean, Dr.GRPO)."""
     scale = {True: "group", False: "none"}.get(value, value)
     advantage = context.setting("advantage")
-    if context.kind != "online" or advantage not in ("group", "group_mean"):
+    if context.kind != "online" or advantage not in ("group", "group_mean", "group_batch_std"):
         raise NoEquivalent(f"scale_rewards {value!r}: it chooses between the group estimators (advantage group "
                            f"or group_mean); {context.preset.name} uses advantage {advantage!r}")
-    if scale == "batch":
-        raise NoEquivalent("scale_rewards 'batch': posttrain's nearest is advantage reinforce_pp_baseline (the group "
-                           "mean subtracted, then whitened over the batch's tokens), which is not the same")
-    targets = {"group": "group", "none": "group_mean"}
+    targets = {"group": "group", "none": "group_mean", "batch": "group_batch_std"}  # batch: Lite PPO's
     if scale not in targets:
-        raise NoEquivalent(f"scale_rewards {value!r}: use group, none (or true, false)")
+        raise NoEquivalent(f"scale_rewards {value!r}: use group, batch, none (or true, false)")
     return Translation({"advantage": targets[scale]}, f"scale_rewards {value} -> advantage {targets[scale]}")
 
 
@@ -281,7 +282,6 @@ NO_EQUIVALENT: dict[str, str] = {
     "vllm_importance_sampling_cap": "correction_high",
     "vllm_importance_sampling_clip_max": "correction_high",
     "vllm_importance_sampling_clip_min": "correction_low",
-    "entropy_coef": "posttrain's losses have no entropy bonus",
     "top_entropy_quantile": "posttrain's losses train every token",
     "min_p": "sampling takes temperature, top_p and top_k",
     "repetition_penalty": "sampling takes temperature, top_p and top_k",

@@ -17,12 +17,14 @@ Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
 (group estimators, REINFORCE++, GRPO's process supervision), `_returns` (token rewards, returns, GAE,
 whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
 `_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_reward_model` (the Bradley-Terry loss), `_shaping` (overlong penalty,
-best-of-N), `_mismatch` (importance weights for a sampler that is not the trained policy), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
+best-of-N), `_entropy` (the entropy bonus and its adaptive coefficient), `_surrogates` (SAPO, DPPO,
+GMPO, Clip-Cov, KL-Cov), `_mismatch` (importance weights for a sampler that is not the trained policy), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
 from ._advantages import advantages, process_advantages, reinforce_pp_advantages
 from ._aggregate import aggregate
+from ._entropy import adaptive_entropy_coef, entropy_bonus
 from ._kl import kl_estimate
 from ._logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
 from ._mismatch import rollout_correction
@@ -41,12 +43,14 @@ from ._shaping import best_of_n, overlong_penalty
 from ._value import value_loss
 
 __all__ = [
+    "adaptive_entropy_coef",
     "advantages",
     "aggregate",
     "best_of_n",
     "bradley_terry_loss",
     "discounted_returns",
     "dpo_loss",
+    "entropy_bonus",
     "entropy_from_logits",
     "gae",
     "linear_log_softmax",

@@ -10,7 +10,8 @@ Plain autograd over chunks would save a float32 copy of every bfloat16 chunk
 and allocate a full-size gradient per chunk.
 
 `entropy_from_logits` is the token entropy of softmax(logits), a diagnostic
-(no gradient), chunked the same way.
+(no gradient), chunked the same way. `linear_log_softmax`'s entropies are differentiable (an
+entropy bonus trains on them): dH/dz_j = -p_j (log p_j + H), built in the same block loop.
 
 Blocks are views over (N, T), so a non-contiguous input such as
 `logits[:, :-1]` is never copied whole. The chunk loops are over memory
@@ -140,7 +141,8 @@ def linear_log_softmax(
         weight: [V, D] the output embedding (LM head); bias: [V] or None.
         tokens: [M] long, token ids in [0, V).
         temperature: > 0, divides the logits (the sampling temperature).
-        with_entropy: also return the entropy of each row's distribution (no gradient).
+        with_entropy: also return the entropy of each row's distribution, differentiable like the log-probs
+            (a backward that does not use it costs nothing extra).
         chunk_size: vocabulary entries per block, > 0.
         recompute: whether the backward recomputes each block's logits (True) or keeps them from the
             forward (False); None recomputes only when the ``[M, V]`` logits would exceed
@@ -228,33 +230,35 @@ class _LinearLogSoftmax(torch.autograd.Function):
             peak = new_peak
         log_total = total.log()
         lse_M = peak + log_total
-        ctx.save_for_backward(hidden, weight, bias, tokens, lse_M)
-        ctx.temperature, ctx.chunk_size, ctx.kept = temperature, chunk_size, kept
         entropy_M = log_total - moment / total if with_entropy else None  # H = log Z - E_p[z - peak]
-        if entropy_M is not None:
-            ctx.mark_non_differentiable(entropy_M)
+        ctx.save_for_backward(hidden, weight, bias, tokens, lse_M, entropy_M)
+        ctx.temperature, ctx.chunk_size, ctx.kept = temperature, chunk_size, kept
+        ctx.set_materialize_grads(False)  # an unused output's gradient arrives as None, not as zeros
         return token_logit_M - lse_M, entropy_M
 
     @staticmethod
     @once_differentiable
-    def backward(ctx: Any, grad_M: Tensor, _grad_entropy: Tensor | None) -> tuple[Tensor | None, ...]:
-        hidden, weight, bias, tokens, lse_M = ctx.saved_tensors
+    def backward(ctx: Any, grad_M: Tensor | None, grad_entropy_M: Tensor | None) -> tuple[Tensor | None, ...]:
+        hidden, weight, bias, tokens, lse_M, entropy_M = ctx.saved_tensors
         temperature, chunk_size = ctx.temperature, ctx.chunk_size
         need_hidden, need_weight, need_bias = ctx.needs_input_grad[:3]
         grad_hidden = torch.zeros_like(hidden, dtype=lse_M.dtype) if need_hidden else None
         grad_weight = torch.empty_like(weight) if need_weight else None
         grad_bias = torch.empty_like(bias) if bias is not None and need_bias else None
-        grad = grad_M[:, None].to(lse_M.dtype)
+        grad = (grad_M if grad_M is not None else torch.zeros_like(lse_M))[:, None].to(lse_M.dtype)
         for start in range(0, weight.shape[0], chunk_size):
             columns = slice(start, start + chunk_size)
-            if ctx.kept:  # exp(z - lse) = exp((z - peak) + (peak - lse))
+            if ctx.kept:  # log p = z - lse = (z - peak) + (peak - lse)
                 shifted, peak = ctx.kept[start // chunk_size]
-                probs = shifted.add_((peak - lse_M)[:, None]).clamp_(min=EXP_FLOOR).exp_()
+                log_probs = shifted.add_((peak - lse_M)[:, None])
             else:
-                probs = (_block_logits(hidden, weight, bias, columns, temperature, lse_M.dtype).sub_(lse_M[:, None])
-                         .clamp_(min=EXP_FLOOR).exp_())
-            # d(z_k - lse)/dz_j = 1[j=k] - p_j, and z = (h W^T + b) / temperature
-            grad_logits = probs.mul_(-grad)
+                log_probs = _block_logits(hidden, weight, bias, columns, temperature, lse_M.dtype).sub_(lse_M[:, None])
+            if grad_entropy_M is None:
+                probs = log_probs.clamp_(min=EXP_FLOOR).exp_()
+                grad_logits = probs.mul_(-grad)  # d(z_k - lse)/dz_j = 1[j=k] - p_j, and z = (h W^T + b) / temperature
+            else:  # dH/dz_j = -p_j (log p_j + H)
+                probs = log_probs.clamp(min=EXP_FLOOR).exp_()
+                grad_logits = -probs * (grad + grad_entropy_M[:, None] * (log_probs + entropy_M[:, None]))
             inside = ((tokens >= start) & (tokens < start + probs.shape[1])).nonzero()[:, 0]
             grad_logits[inside, tokens[inside] - start] += grad[inside, 0]
             if temperature != 1.0:

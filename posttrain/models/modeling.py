@@ -362,7 +362,7 @@ def _completion_on_prompt_cache(body: nn.Module, batch: TokenBatch, prompt, rows
 @dataclass
 class ForwardOutput:
     logprobs: Tensor  # [n, T]
-    entropy: Tensor | None  # [n, T], no gradient
+    entropy: Tensor | None  # [n, T]; differentiable from the fused head, or with entropy_grad
     values: Tensor | None  # [n, T]
 
 
@@ -386,8 +386,11 @@ def forward(
     temperature: float = 1.0,
     with_entropy: bool = False,
     value_head: ValueHead | None = None,
+    entropy_grad: bool = False,
 ) -> ForwardOutput:
-    """Per-token log-probs of the completion under ``model`` (sampling temperature applied); 0 at padding."""
+    """Per-token log-probs of the completion under ``model`` (sampling temperature applied); 0 at padding.
+    ``entropy_grad``: the entropies carry a gradient on every path (an entropy bonus trains on them; the
+    unfused path then holds the [n, T, V] log-softmax for the backward)."""
     width = batch.completion_ids.shape[1]
     parts = split_head(model)
     if parts is not None:
@@ -414,7 +417,12 @@ def forward(
         logits = logits / temperature
     padding = batch.mask == 0
     logprobs = F.selective_log_softmax(logits, batch.completion_ids).masked_fill(padding, 0.0)
-    entropy = F.entropy_from_logits(logits.detach()).masked_fill(padding, 0.0) if with_entropy else None
+    entropy = None
+    if with_entropy and entropy_grad:
+        log_probs = logits.float().log_softmax(-1)
+        entropy = -(log_probs.exp() * log_probs).sum(-1).masked_fill(padding, 0.0)
+    elif with_entropy:
+        entropy = F.entropy_from_logits(logits.detach()).masked_fill(padding, 0.0)
     values = None
     if value_head is not None:
         hidden = out.hidden_states[-1][:, -width:]

@@ -302,6 +302,7 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
     """``num_epochs`` x ``mini_batches`` optimizer steps over one batch of groups."""
     alg, optim = s.alg, s.config.optim
     mask = groups.completions.mask
+    entropy_coef = s.entropy_control.coefficient() if s.entropy_control else 0.0  # fixed for the whole step
     weighted: dict[str, float] = {}
     additive: dict[str, float] = {}
     tokens_seen, steps, skipped, grad_norms = 0.0, 0, 0, []
@@ -313,7 +314,7 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
             with fsdp.full_parameters(s.policy):
                 for i, micro in enumerate(micros):
                     fsdp.sync_gradients(s.policy, i == len(micros) - 1)  # FSDP reduces at the last backward
-                    metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer)
+                    metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer, entropy_coef)
                     tokens = float(mask[micro].sum())
                     tokens_seen += tokens
                     for key, value in metrics.items():
@@ -339,6 +340,9 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
         out["mismatch/ess"] = weights ** 2 / (tokens * squares) if squares > 0 else 0.0
     out["grad_norm"] = sum(grad_norms) / steps
     out["skipped_steps"] = skipped
+    if s.entropy_control:
+        s.entropy_control.record(out.get("entropy", 0.0))
+        out["entropy_coef"] = entropy_coef
     return out
 
 
@@ -373,13 +377,14 @@ def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
 
 
 def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages: Tensor,
-                      returns: Tensor | None, ref: Tensor | None, normalizer: Tensor) -> dict[str, float]:
+                      returns: Tensor | None, ref: Tensor | None, normalizer: Tensor,
+                      entropy_coef: float = 0.0) -> dict[str, float]:
     """Forward, loss and backward for one micro-batch; returns its metrics."""
     alg, comp = s.alg, groups.completions
     batch = collate([groups.prompt_ids[int(r)] for r in rows], comp.completion_ids[rows], comp.mask[rows],
                     s.pad_id, s.device, comp.present[rows])
     out = forward(s.policy, batch, temperature=s.config.rollout.temperature, with_entropy=True,
-                  value_head=s.value_head)
+                  value_head=s.value_head, entropy_grad=entropy_coef > 0)
     t = out.logprobs.shape[1]
 
     def cut(x: Tensor | None) -> Tensor | None:
@@ -398,6 +403,9 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
                                     ref_logprobs=ref_mb if alg.kl_placement == "loss" else None,
                                     normalizer=normalizer, max_tokens=s.max_new_tokens)
     metrics.update(mismatch)
+    if entropy_coef > 0:  # the entropy bonus, aggregated like the policy term over the same step
+        loss = loss + F.entropy_bonus(out.entropy, mask, coef=entropy_coef, aggregation=alg.aggregation,
+                                      max_tokens=s.max_new_tokens, normalizer=normalizer)
     if s.value_head is not None:
         value_loss, value_metrics = alg.value_loss(out.values, cut(groups.old_values), cut(returns), mask,
                                                    normalizer=normalizer)
@@ -406,7 +414,7 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
         metrics = {**metrics, **{f"value/{k}": v for k, v in value_metrics.items()}, "value_loss": value_loss}
     loss.backward()
     tokens = mask.sum().clamp(min=1)
-    metrics = {**metrics, "loss": loss, "entropy": (out.entropy * mask).sum() / tokens}
+    metrics = {**metrics, "loss": loss, "entropy": (out.entropy.detach() * mask).sum() / tokens}
     if ref_mb is not None:  # KL to the reference, k3, whatever the preset puts in its loss
         metrics["kl"] = (F.kl_estimate(out.logprobs.detach(), ref_mb, "k3") * mask).sum() / tokens
     return {k: float(v.detach()) if isinstance(v, Tensor) else float(v) for k, v in metrics.items()}

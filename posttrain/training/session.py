@@ -46,6 +46,7 @@ from posttrain.rollout.episodes import (
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.tracking.metrics import VARIANT_SEPARATOR
 from posttrain.tracking.stats import wilson_interval
+from posttrain.training.controllers import EntropyControl
 from posttrain.training.groups import Groups
 from posttrain.training.guards import RewardWatch, SignalWatch, SyncCheck, UpdateCheck
 from posttrain.training.optim import apply_gradients
@@ -267,8 +268,10 @@ class OnlineSession:
     signal_watch: SignalWatch = field(init=False)
     reward_watch: RewardWatch = field(init=False)
     update_check: UpdateCheck = field(init=False)
+    entropy_control: EntropyControl | None = field(init=False)  # the preset's entropy bonus, if it has one
 
     def __post_init__(self) -> None:
+        self.entropy_control = EntropyControl.of(self.alg)
         self.signal_watch = SignalWatch(self.config.rollout.max_no_signal_steps)
         self.reward_watch = RewardWatch()
         self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
@@ -413,7 +416,8 @@ class OnlineSession:
     def trainer_state(self) -> dict[str, Any]:
         """JSON-able state for an exact resume (weights and optimizer are saved separately)."""
         return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps,
-                "no_signal_steps": self.signal_watch.streak}
+                "no_signal_steps": self.signal_watch.streak,
+                **({"entropy_control": self.entropy_control.state_dict()} if self.entropy_control else {})}
 
     def extra_state(self) -> dict[str, Any]:
         """Tensor state: dynamic sampling's surplus groups of every process, which train at the next step, and
@@ -426,6 +430,8 @@ class OnlineSession:
         self.sampler.load_state_dict(state["sampler"])
         self.bad_steps = state["bad_steps"]
         self.signal_watch.streak = state.get("no_signal_steps", 0)  # absent from checkpoints before the guard
+        if self.entropy_control and "entropy_control" in state:
+            self.entropy_control.load_state_dict(state["entropy_control"])
         surplus = extra.get("surplus")  # every process's: each takes its share, whatever the process count
         self.surplus = None if surplus is None else Groups(**{
             **surplus, "completions": Completions(**surplus["completions"])}).shard()
