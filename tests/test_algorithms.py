@@ -54,12 +54,14 @@ ONLINE_TABLE = {
     "clip_cov": ("group", "token", "clip_cov", None, 1.0, "token_mean", "policy", "none", None, 0.0, 1, 8),
     "kl_cov": ("group", "token", "kl_cov", None, None, "token_mean", "policy", "none", None, 0.0, 1, 8),
     "entropy_control": ("group", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "none", None, 0.0, 1, 1),
+    "on_policy_distill": ("reverse_kl", "token", "none", None, None, "token_mean", "policy", "none", None, 0.0, 1, 1),
 }
 ONLINE_DEFAULTS = dict(dual_clip=None, value_clip=None, gamma=None, lam=None, reward_clip=None, binary_reward=None,
                        dynamic_sampling=False, max_generation_rounds=3, overlong_buffer_ratio=None,
                        overlong_filter=False, history_resampling=False, min_reward=None, skip_ties=False, eps=1e-6,
                        tau_pos=None, tau_neg=None, divergence_bound=None, cov_fraction=None, cov_bounds=None,
-                       kl_cov_coef=None, entropy_coef=0.0, entropy_target=None, entropy_coef_step=None)
+                       kl_cov_coef=None, entropy_coef=0.0, entropy_target=None, entropy_coef_step=None,
+                       task_reward_weight=None)
 ONLINE_EXTRAS = {
     "ppo": dict(value_clip=0.2, gamma=1.0, lam=0.95),
     "reinforce_pp": dict(reward_clip=10.0),
@@ -90,7 +92,7 @@ ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347",
          "best_of_n": "2304.06767", "dpo": "2305.18290", "odpo": "2402.10571", "simpo": "2405.14734",
          "orpo": "2403.07691", "kto": "2402.01306", "sapo": "2511.20347", "dppo": "2602.04879",
          "gmpo": "2507.20673", "lite_ppo": "2508.08221", "clip_cov": "2505.22617", "kl_cov": "2505.22617",
-         "entropy_control": "2505.22312"}
+         "entropy_control": "2505.22312", "on_policy_distill": "2306.13649"}
 
 
 # --- the registry ------------------------------------------------------------------------

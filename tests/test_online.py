@@ -52,7 +52,7 @@ def recompute_loss(s: OnlineSession, policy, value_head) -> torch.Tensor:
     return loss
 
 
-@pytest.mark.parametrize("name", ONLINE)
+@pytest.mark.parametrize("name", [n for n in ONLINE if not ALGORITHMS[n].needs_teacher])  # distillation's: test_distillation
 def test_each_online_preset_trains_on_exactly_the_functional_loss(name, tiny_model_dir, reward_file):
     overrides = {"num_epochs": 1, "mini_batches": 1}  # one update: the loss is the pre-update weights'
     if ALGORITHMS[name].binary_reward is not None:

@@ -117,6 +117,18 @@ def reinforce_pp_baseline(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Ten
                                      group_size=rewards.shape[1], eps=preset.eps, step_rewards=step_rewards)
 
 
+@register_advantage("reverse_kl", level="token", needs_teacher=True)
+def reverse_kl(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor, teacher_logprobs: Tensor,
+               **_: object) -> Tensor:
+    """On-policy distillation: each token's teacher-minus-student log-prob, plus ``task_reward_weight`` times the
+    task reward's GRPO advantage (which needs G >= 2) when set."""
+    advantages = F.distillation_advantages(logprobs, teacher_logprobs, mask)
+    if preset.task_reward_weight:
+        task = F.advantages("group", rewards, eps=preset.eps).reshape(-1, 1)
+        advantages = advantages + preset.task_reward_weight * task * mask
+    return advantages
+
+
 # -- policy losses -------------------------------------------------------------------------------
 
 @register_policy_loss("policy", takes_kl=True)

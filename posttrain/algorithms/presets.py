@@ -175,6 +175,15 @@ _AFTER_THE_SEED = [
         **_GROUP_NO_KL, aggregation="token_mean", entropy_coef=0.0, entropy_target=0.2, entropy_coef_step=0.005,
         update_structure="one update per rollout: Skywork-OR1 (arXiv:2505.22312) finds that more updates per "
         "rollout speed up entropy collapse, and trains on-policy"),
+    OnlineAlgorithm(
+        "on_policy_distill", "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes "
+        "(Agarwal et al., 2024) https://arxiv.org/abs/2306.13649",
+        "The student samples; each token's advantage is the teacher's minus the student's log-prob (reverse KL); "
+        "needs --teacher.",
+        advantage="reverse_kl", kl_placement="none", beta=0.0, clip="none", eps_low=None, eps_high=None,
+        aggregation="token_mean",
+        update_structure="one update per rollout: on-policy distillation (arXiv:2306.13649) trains on the "
+        "student's fresh samples, and the per-token advantage needs no ratio to go off-policy with"),
 ]
 _PREFERENCE = [
     PreferenceAlgorithm(

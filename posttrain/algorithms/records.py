@@ -164,6 +164,9 @@ class OnlineAlgorithm:
                              "than another; with a 0/1 reward, a group without a right answer would train on a "
                              "wrong one).", False)
     eps: float = _field("Added to the std in group normalisation and whitening.", 1e-6)
+    task_reward_weight: float | None = _field("On-policy distillation (advantage reverse_kl): weight of the task "
+                                              "reward's group-normalised advantage added to each token's "
+                                              "teacher-minus-student log-prob; None = distillation alone.")
     entropy_coef: float = _field("Weight c of the entropy bonus -c * H in the loss (aggregated like the policy term); "
                                  "with entropy_target, its starting value. 0 = no bonus.", 0.0)
     entropy_target: float | None = _field("Adaptive entropy control (Skywork-OR1, arXiv:2505.22312): c rises by "
@@ -192,6 +195,11 @@ class OnlineAlgorithm:
         dynamic sampling carries surplus groups to the next step, one policy later.
         """
         return self.num_epochs > 1 or self.mini_batches > 1 or self.dynamic_sampling
+
+    @property
+    def needs_teacher(self) -> bool:
+        """A teacher model scores the samples (on-policy distillation: ``--teacher MODEL``)."""
+        return ADVANTAGES[self.advantage].needs_teacher
 
     @property
     def needs_value_model(self) -> bool:
@@ -266,6 +274,10 @@ class OnlineAlgorithm:
             (self.min_reward is not None and a != "best_of_n", "min_reward applies to advantage='best_of_n' only"),
             (self.skip_ties and a != "best_of_n", "skip_ties applies to advantage='best_of_n' only"),
             (self.entropy_coef < 0, f"entropy_coef={self.entropy_coef} must be >= 0"),
+            (self.task_reward_weight is not None and not ADVANTAGES[a].needs_teacher,
+             f"task_reward_weight belongs to a distillation estimator (reverse_kl); set it to None for {a!r}"),
+            (self.task_reward_weight is not None and self.task_reward_weight < 0,
+             f"task_reward_weight={self.task_reward_weight} must be >= 0"),
             ((self.entropy_target is None) != (self.entropy_coef_step is None),
              "entropy_target and entropy_coef_step go together (adaptive entropy control), or both None"),
             (self.entropy_target is not None and not self.entropy_target > 0,
@@ -299,7 +311,7 @@ class OnlineAlgorithm:
     def advantages_and_returns(
         self, rewards: Tensor, *, mask: Tensor | None = None, logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None, values: Tensor | None = None, baseline: Tensor | None = None,
-        step_rewards: Tensor | None = None, step_ends: Tensor | None = None,
+        step_rewards: Tensor | None = None, step_ends: Tensor | None = None, teacher_logprobs: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """This preset's advantages and, for `gae`, the value targets.
 
@@ -307,7 +319,8 @@ class OnlineAlgorithm:
         mask, logprobs, ref_logprobs, values [N, T] with N = B * G, row b * G + g;
         baseline [B]: greedy-decode rewards (`greedy_baseline`);
         step_rewards [N, T], step_ends [N, T] bool: a process reward's steps (the reward of the step
-        ending at token t), for the estimators registered with ``takes_step_rewards``.
+        ending at token t), for the estimators registered with ``takes_step_rewards``;
+        teacher_logprobs [N, T]: a teacher's log-probs, for those registered with ``needs_teacher``.
         Returns (advantages, returns). Sequence estimators and best_of_n give [B, G]
         when mask is None, else [N, T] (broadcast, 0 at padding); token estimators,
         and any estimator given step rewards, need mask and give [N, T]. returns is
@@ -330,6 +343,10 @@ class OnlineAlgorithm:
                                  f"advantage={self.advantage!r} does not take; estimators that do: {', '.join(takers)}")
             _require(self.name, "step rewards", mask=mask, step_ends=step_ends)
             steps = {"step_rewards": step_rewards, "step_ends": step_ends}
+        if estimator.needs_teacher:
+            _require(self.name, f"advantage={self.advantage!r}", mask=mask, logprobs=logprobs,
+                     teacher_logprobs=teacher_logprobs)
+            steps["teacher_logprobs"] = teacher_logprobs
         if estimator.level == "token":
             return self._token_advantages(estimator, rewards, mask, logprobs, ref_logprobs, values, baseline, steps)
         if self.kl_placement == "sequence_reward" and self.beta > 0:  # r_i - beta * sum_t k1[i, t]
@@ -361,7 +378,7 @@ class OnlineAlgorithm:
         needed = {"mask": mask, **({"logprobs": logprobs, "ref_logprobs": ref_logprobs} if kl_coef > 0 else {}),
                   **({"values": values} if estimator.needs_values else {})}
         _require(self.name, f"advantage={self.advantage!r}", **needed)
-        if kl_coef == 0:  # no KL in the reward: the log-probs do not enter
+        if kl_coef == 0 and not estimator.needs_teacher:  # no KL in the reward: the log-probs do not enter
             logprobs = ref_logprobs = torch.zeros(mask.shape, dtype=rewards.dtype, device=rewards.device)
         advantages, returns = _with_returns(estimator.fn(
             rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,

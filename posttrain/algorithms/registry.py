@@ -14,7 +14,8 @@ One signature per kind of piece (shapes: ``B`` prompts, ``G`` completions each, 
   estimator's already carry the KL when ``kl_placement='sequence_reward'``), the others [N, T] or
   None, ``baseline`` [B] greedy rewards or None, ``kl_coef`` the token reward's KL coefficient; one
   registered with ``takes_step_rewards`` also gets ``step_rewards`` and ``step_ends`` ([N, T], a process
-  reward's steps, or None). It returns the advantages, [B, G] at ``level='sequence'`` (the loop broadcasts
+  reward's steps, or None), and one registered with ``needs_teacher`` gets ``teacher_logprobs`` [N, T]
+  (and the sampler's ``logprobs``, always). It returns the advantages, [B, G] at ``level='sequence'`` (the loop broadcasts
   them over tokens; [N, T] when it was given step rewards) or [N, T] at ``level='token'``, or
   ``(advantages, value_targets)`` when it trains a value model.
 - **policy loss** ``fn(logprobs, old_logprobs, advantages, mask, preset, *, ref_logprobs, normalizer,
@@ -56,6 +57,9 @@ class AdvantageEstimator:
     """It takes a process reward's step rewards (``step_rewards`` [N, T], ``step_ends`` [N, T] bool, None when
     no reward function gives steps) and returns [N, T] advantages when they are given; an estimator without it
     is refused for a run whose rewards have steps."""
+    needs_teacher: bool = False
+    """It needs a teacher model's log-probs of the sampled tokens (``teacher_logprobs`` [N, T]) and the
+    sampler's own (``logprobs``): on-policy distillation. The run needs ``--teacher MODEL``."""
 
 
 @dataclass(frozen=True)
@@ -110,7 +114,7 @@ def _check_name(name: Any) -> None:
 
 def register_advantage(name: str, *, level: Literal["sequence", "token"] = "sequence", compares_group: bool = False,
                        needs_values: bool = False, needs_baseline: bool = False, takes_step_rewards: bool = False,
-                       replace: bool = False) -> Callable[[Fn], Fn]:
+                       needs_teacher: bool = False, replace: bool = False) -> Callable[[Fn], Fn]:
     """Register the decorated function as the advantage estimator ``name`` (signature: module docstring)."""
     _check_name(name)
     if level not in ("sequence", "token"):
@@ -118,7 +122,8 @@ def register_advantage(name: str, *, level: Literal["sequence", "token"] = "sequ
 
     def decorator(fn: Fn) -> Fn:
         _add(ADVANTAGES, "advantage estimator", AdvantageEstimator(name, fn, level, compares_group, needs_values,
-                                                                   needs_baseline, takes_step_rewards), replace)
+                                                                   needs_baseline, takes_step_rewards, needs_teacher),
+             replace)
         return fn
 
     return decorator

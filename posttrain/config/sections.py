@@ -100,9 +100,14 @@ class ModelConfig:
         "forward pass of time.", False,
     )
     offload_reference: bool = _help(
-        "Keep the reference model's weights out of memory between its passes (in a temporary file on "
-        "the CPU, in host memory on a GPU) and load them for each pass: one copy of the weights less "
+        "Keep the reference model's weights (and a teacher's) out of memory between its passes (in a temporary "
+        "file on the CPU, in host memory on a GPU) and load them for each pass: one copy of the weights less "
         "at the step's peak, for one read of them per pass. The log-probs are unchanged.", False,
+    )
+    teacher: str | None = _help(
+        "On-policy distillation's teacher (a distillation preset, e.g. on_policy_distill): a local Hugging Face "
+        "directory, a .gguf file or a built-in name with the student's tokenizer. It scores the student's samples "
+        "token by token, frozen, where the reference does.", None,
     )
     fsdp: bool = _help(
         "Shard the policy, its gradients and AdamW's state over processes with PyTorch FSDP2 "

@@ -22,7 +22,7 @@ GMPO, Clip-Cov, KL-Cov), `_mismatch` (importance weights for a sampler that is n
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
-from ._advantages import advantages, process_advantages, reinforce_pp_advantages
+from ._advantages import advantages, distillation_advantages, process_advantages, reinforce_pp_advantages
 from ._aggregate import aggregate
 from ._entropy import adaptive_entropy_coef, entropy_bonus
 from ._kl import kl_estimate
@@ -49,6 +49,7 @@ __all__ = [
     "best_of_n",
     "bradley_terry_loss",
     "discounted_returns",
+    "distillation_advantages",
     "dpo_loss",
     "entropy_bonus",
     "entropy_from_logits",

@@ -16,6 +16,9 @@ gamma = 1 returns, whitened over the batch; with `baseline=True`, the
 REINFORCE++-baseline variant that first subtracts the group mean. Step rewards
 (a process reward's, at the tokens where steps end) are added to the token rewards.
 
+`distillation_advantages` is on-policy distillation's per-token advantage: the teacher's minus
+the student's log-prob of each sampled token, the negative of the per-token reverse-KL estimate.
+
 `process_advantages` is GRPO's process supervision (Shao et al. 2024, Sec. 4.1.3):
 every step reward of a group's G completions normalised by the mean and std of
 all of them, and a token's advantage the sum of the normalised rewards of the
@@ -233,3 +236,27 @@ def process_advantages(
     normalised_NT = normalised_BK.masked_fill(rewards_equal_B1, 0.0).reshape(n, t)
     from_here_NT = normalised_NT.flip(1).cumsum(1).flip(1)  # sum over steps ending at or after t
     return from_here_NT.masked_fill(~mask.bool(), 0.0)
+
+
+def distillation_advantages(logprobs: Tensor, teacher_logprobs: Tensor, mask: Tensor) -> Tensor:
+    """On-policy distillation's advantages: ``log pi_teacher(y_t) - log pi_student(y_t)`` at each sampled token.
+
+    The student samples; each token's advantage is the negative of the one-sample estimate of the reverse KL
+    ``KL(pi_student || pi_teacher)`` at that position, with no discounting, so the policy gradient
+    lowers the reverse KL token by token (on-policy distillation, Agarwal et al. 2024, arXiv:2306.13649, with
+    the reverse KL; the per-token reward of Qwen3, arXiv:2505.09388, and of Thinking Machines' on-policy
+    distillation). A token the teacher finds likelier than the student does is pushed up.
+
+    Args:
+        logprobs: [N, T] the student's (sampler's) log-probs of the sampled tokens.
+        teacher_logprobs: [N, T] the teacher's, of the same tokens after the same prompt.
+        mask: [N, T] 1 for completion tokens, 0 for padding.
+
+    Returns:
+        [N, T] advantages, 0 at padding (not whitened or normalised: the gap's scale is nats).
+    """
+    check_ndim("logprobs", logprobs, 2, "[N, T]")
+    check_same_shape(logprobs=logprobs, teacher_logprobs=teacher_logprobs, mask=mask)
+    dtype = compute_dtype(logprobs, teacher_logprobs)
+    gap_NT = teacher_logprobs.to(dtype) - logprobs.to(dtype)
+    return gap_NT.masked_fill(~mask.bool(), 0.0)

@@ -227,11 +227,11 @@ def rollout_logprobs(s: OnlineSession, groups: Groups) -> tuple[Tensor, Tensor |
                             temperature=s.config.rollout.temperature, value_head=s.value_head, present=comp.present)
 
 
-def reference_logprobs(s: OnlineSession, groups: Groups) -> Tensor:
-    """[N, T] the reference model's log-probs of the groups' tokens."""
-    comp = groups.completions
-    with offload.resident(s.ref):
-        logprobs, _ = batched_logprobs(s.ref, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
+def reference_logprobs(s: OnlineSession, groups: Groups, model: object = None) -> Tensor:
+    """[N, T] the reference model's (or the given frozen ``model``'s: a teacher's) log-probs of the groups' tokens."""
+    comp, model = groups.completions, s.ref if model is None else model
+    with offload.resident(model):
+        logprobs, _ = batched_logprobs(model, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                                        micro_batch_size=s.config.optim.micro_batch_size,
                                        temperature=s.config.rollout.temperature, present=comp.present)
     return logprobs
@@ -346,15 +346,15 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
     return out
 
 
-def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None,
-                    baseline: Tensor | None) -> tuple[Tensor, Tensor | None, dict[str, float]]:
+def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None, baseline: Tensor | None,
+                    teacher: Tensor | None = None) -> tuple[Tensor, Tensor | None, dict[str, float]]:
     """The preset's advantages (and returns) of this process's rows, computed on the whole step's batch:
     every process's estimator inputs are gathered, so batch statistics (REINFORCE++'s and GAE's
     whitening) are the whole batch's, as in one process. Also their mean and std over valid tokens,
     and the share of valid tokens with a nonzero advantage (0: the step has nothing to learn from)."""
     inputs = {"rewards": groups.rewards, "mask": groups.completions.mask, "logprobs": groups.old_logprobs,
               "ref_logprobs": ref, "values": groups.old_values, "baseline": baseline,
-              "step_rewards": groups.step_rewards, "step_ends": groups.step_ends}
+              "step_rewards": groups.step_rewards, "step_ends": groups.step_ends, "teacher_logprobs": teacher}
     parts = distributed.gather(inputs)
     for name in ("step_rewards", "step_ends"):  # a process whose share had no steps: zeros, if another had some
         if any(part[name] is not None for part in parts):
@@ -446,9 +446,14 @@ def train_step(s: OnlineSession) -> dict[str, float]:
             comp = groups.completions
             groups.completions = dataclasses.replace(comp, mask=comp.mask * ~comp.truncated[:, None])
         ref = reference_logprobs(s, groups) if alg.needs_reference else None
+        teacher = reference_logprobs(s, groups, s.teacher) if alg.needs_teacher else None  # distillation
         baseline = greedy_rewards(s, groups.indices) if alg.needs_greedy_baseline else None
     t1 = time.perf_counter()
-    advantages, returns, stats = step_advantages(s, groups, ref, baseline)
+    advantages, returns, stats = step_advantages(s, groups, ref, baseline, teacher)
+    if teacher is not None:  # the reverse KL to the teacher the step starts from (k1, token mean)
+        sums = distributed.reduce_values({"kl": float(((groups.old_logprobs - teacher) * groups.completions.mask).sum()),
+                                          "tokens": float(groups.completions.mask.sum())})
+        stats["distill/reverse_kl"] = sums["kl"] / max(sums["tokens"], 1.0)
     metrics.update(stats)
     # Nothing to learn: no reward variance, or none left in what the step trains on (best-of-N's
     # selection, dropped groups). Counted before the update, which would only move the KL term.

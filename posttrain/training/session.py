@@ -56,6 +56,7 @@ from posttrain.training.setup import (
     build_optimization,
     fingerprint,
     load_policy,
+    load_teacher,
     model_name,
     start_processes,
 )
@@ -262,6 +263,7 @@ class OnlineSession:
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
     sampling_copy: Any | None = None  # sampler_noise/_dtype: the copy of the policy that samples the rollouts
     sync_check: SyncCheck | None = None  # a sampler with weights of its own samples the trained ones (guards)
+    teacher: Any | None = None  # on-policy distillation's frozen teacher (setup.load_teacher)
     eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
     rollouts: SyncRollouts | AsyncRollouts = field(default_factory=SyncRollouts)  # where each round comes from
     # the guards against runs that learn nothing (posttrain.training.guards)
@@ -295,6 +297,7 @@ class OnlineSession:
         name = model_name(config, work.default_model, inputs)
         policy, tokenizer, ref = load_policy(config, name, inputs, needs_reference=alg.needs_reference,
                                              train_mode=True)
+        teacher = load_teacher(config, name, tokenizer, alg.needs_teacher, alg.name)
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
         policy, optimizer, scheduler = build_optimization(
             config, policy, list(value_head.parameters()) if value_head else [],
@@ -340,6 +343,7 @@ class OnlineSession:
             episodes=episodes,
             tools=tools,
             sampling_copy=sampling_copy,
+            teacher=teacher,
             eval_generator=None if sampling_copy is None else generator_of(policy),
             rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads)
             if config.off_policy.async_rollout else SyncRollouts(),
@@ -368,11 +372,11 @@ class OnlineSession:
     def needs_rollout_logprobs(self) -> bool:
         """Whether log-probs (and values) of the sampling policy must be recorded at rollout time:
         several updates or mini-batches per rollout (the policy moves before the last one),
-        KL in the reward (it needs the sampling policy's log-probs), PPO's values, or
+        KL in the reward (it needs the sampling policy's log-probs), PPO's values, distillation, or
         dynamic sampling's surplus groups (trained one step later)."""
         a = self.alg
         kl_in_reward = a.needs_reference and a.kl_placement != "loss"
-        return a.needs_old_logprobs or kl_in_reward or a.needs_value_model
+        return a.needs_old_logprobs or kl_in_reward or a.needs_value_model or a.needs_teacher
 
     def refresh_sampler(self, for_step: int | None = None) -> None:
         """The sampling copy becomes the policy's current weights (in ``sampler_dtype``), times

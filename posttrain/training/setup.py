@@ -100,7 +100,7 @@ class Trainer(Protocol):
 def start_processes(config: Config, *, needs_reference: bool, name: str) -> None:
     """The checks that need no model (FSDP's, offloading's), then the process group and the seeds."""
     fsdp.check(config)
-    offload.check(config.model.offload_reference, needs_reference, name)
+    offload.check(config.model.offload_reference, needs_reference or bool(config.model.teacher), name)
     distributed.init(config.model.device)
     distributed.seed(config.run.seed)
 
@@ -137,6 +137,27 @@ def load_policy(config: Config, name: str, inputs: Inputs, *, needs_reference: b
     if m.gradient_checkpointing:
         checkpoint_layers(policy)
     return policy, tokenizer, reference
+
+
+def load_teacher(config: Config, name: str, student_tokenizer: Any, needs_teacher: bool, algorithm: str) -> nn.Module | None:
+    """On-policy distillation's frozen teacher, on the student's device (offloaded with ``offload_reference``),
+    or None. Its tokenizer must be the student's: the two score the same token ids."""
+    teacher = config.model.teacher
+    if needs_teacher != bool(teacher):
+        raise ConfigError(f"teacher: {algorithm} distils from a teacher model: give --teacher MODEL" if needs_teacher
+                          else f"teacher: {algorithm}'s advantages use no teacher; drop --teacher, or choose a "
+                          "distillation preset (on_policy_distill)")
+    if not teacher:
+        return None
+    model, tokenizer = load_model_and_tokenizer(teacher, dtype=config.model.dtype, device=config.model.device,
+                                                mixed_precision=config.model.mixed_precision)
+    if tokenizer.get_vocab() != student_tokenizer.get_vocab():
+        ours, theirs = len(student_tokenizer.get_vocab()), len(tokenizer.get_vocab())
+        raise ConfigError(f"teacher: {teacher} has another tokenizer than the student {name} ({theirs} and {ours} "
+                          "tokens, ids that differ): distillation compares the two models' log-probs of the same "
+                          "token ids; use a teacher of the student's family, with the same tokenizer")
+    model.requires_grad_(False).eval()
+    return offload.offload(model) if config.model.offload_reference else model
 
 
 def build_optimization(config: Config, policy: nn.Module, extra: list[nn.Parameter],
