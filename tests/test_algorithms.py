@@ -51,6 +51,7 @@ ONLINE_TABLE = {
     "gmpo": ("group", "token", "geometric", 1 - math.exp(-0.4), math.exp(0.4) - 1, "sequence_mean", "policy", "none",
              None, 0.0, 1, 8),
     "lite_ppo": ("group_batch_std", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "none", None, 0.0, 1, 1),
+    "gdpo": ("gdpo", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "loss", "k3", 0.04, 1, 1),
     "clip_cov": ("group", "token", "clip_cov", None, 1.0, "token_mean", "policy", "none", None, 0.0, 1, 8),
     "kl_cov": ("group", "token", "kl_cov", None, None, "token_mean", "policy", "none", None, 0.0, 1, 8),
     "entropy_control": ("group", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "none", None, 0.0, 1, 1),
@@ -61,7 +62,7 @@ ONLINE_DEFAULTS = dict(dual_clip=None, value_clip=None, gamma=None, lam=None, re
                        overlong_filter=False, history_resampling=False, min_reward=None, skip_ties=False, eps=1e-6,
                        tau_pos=None, tau_neg=None, divergence_bound=None, cov_fraction=None, cov_bounds=None,
                        kl_cov_coef=None, entropy_coef=0.0, entropy_target=None, entropy_coef_step=None,
-                       task_reward_weight=None)
+                       task_reward_weight=None, off_policy_mask=None, kl_importance_weighted=False)
 ONLINE_EXTRAS = {
     "ppo": dict(value_clip=0.2, gamma=1.0, lam=0.95),
     "reinforce_pp": dict(reward_clip=10.0),
@@ -92,7 +93,8 @@ ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347",
          "best_of_n": "2304.06767", "dpo": "2305.18290", "odpo": "2402.10571", "simpo": "2405.14734",
          "orpo": "2403.07691", "kto": "2402.01306", "sapo": "2511.20347", "dppo": "2602.04879",
          "gmpo": "2507.20673", "lite_ppo": "2508.08221", "clip_cov": "2505.22617", "kl_cov": "2505.22617",
-         "entropy_control": "2505.22312", "on_policy_distill": "2306.13649"}
+         "entropy_control": "2505.22312", "on_policy_distill": "2306.13649",
+         "gdpo": "2601.05242"}
 
 
 # --- the registry ------------------------------------------------------------------------
@@ -511,7 +513,8 @@ def test_presets_table_lists_every_preset_with_its_paper():
     lines = table.splitlines()
     for name, arxiv in ARXIV.items():
         assert any(line.startswith(name + " ") and arxiv in line for line in lines), name
-    assert table.index("Online") < table.index("ppo ") < table.index("Preference") < table.index("dpo ")
+    assert (table.index("Online") < table.index("\nppo ") < table.index("after the seed") < table.index("\nsapo ")
+            < table.index("Preference") < table.index("\ndpo "))
     dapo = next(line for line in lines if line.startswith("dapo "))
     assert "0.2, 0.28" in dapo and "dynamic_sampling=True" in dapo and "token_mean" in dapo
 

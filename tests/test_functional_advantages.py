@@ -213,3 +213,61 @@ def test_group_batch_std_keeps_a_constant_group_at_zero_and_only_scales_grpo_s_c
     assert (out[0] == 0).all()
     centred = F.advantages("group_mean", rewards)
     torch.testing.assert_close(out, centred / (rewards.std() + 1e-6))
+
+
+# --- GDPO ------------------------------------------------------------------------------------
+
+
+def test_gdpo_by_hand():
+    # two prompts x two samples x two rewards; every group normalises each reward to -+1/sqrt(2)
+    terms = torch.tensor([[[1.0, 0.0], [0.0, 2.0]], [[3.0, 5.0], [1.0, 5.0]]], dtype=torch.float64)
+    weights = torch.tensor([1.0, 0.5], dtype=torch.float64)
+    r = 1 / math.sqrt(2)  # (x - mean) / unbiased std for two distinct values
+    summed = torch.tensor([[r - 0.5 * r, -r + 0.5 * r], [r + 0.0, -r + 0.0]], dtype=torch.float64)
+    expected = (summed - summed.mean()) / (summed.std() + 1e-6)
+    torch.testing.assert_close(F.gdpo_advantages(terms, weights, eps=1e-6), expected, rtol=1e-5, atol=1e-5)
+
+
+def test_gdpo_with_one_reward_is_grpo_normalised_over_the_batch():
+    torch.manual_seed(0)
+    rewards = torch.randn(6, 4, dtype=torch.float64)
+    grpo = F.advantages("group", rewards)
+    expected = (grpo - grpo.mean()) / (grpo.std() + 1e-6)
+    torch.testing.assert_close(F.gdpo_advantages(rewards[..., None], torch.ones(1, dtype=torch.float64)), expected)
+
+
+def test_gdpo_leaves_a_reward_that_does_not_apply_out_of_its_group():
+    terms = torch.tensor([[[1.0, float("nan")], [0.0, 4.0], [0.0, 2.0]]])
+    out = F.gdpo_advantages(terms, torch.ones(2))
+    assert torch.isfinite(out).all()
+    alone = F.gdpo_advantages(torch.tensor([[[1.0, 0.0], [0.0, 1.0], [0.0, -1.0]]]), torch.ones(2))
+    # the second reward's group statistics come from the two samples it applies to: +-1/sqrt(2)
+    assert out[0, 0] > out[0, 2] and alone.shape == out.shape
+
+
+def test_gdpo_rejects_mismatched_weights():
+    with pytest.raises(ValueError, match="one weight per function"):
+        F.gdpo_advantages(torch.zeros(2, 2, 3), torch.ones(2))
+
+
+def test_gdpo_is_verls():
+    from peers import verl_config, verl_core_algos
+
+    core = verl_core_algos()
+    if core is None:
+        pytest.skip("verl not installed (scripts/setup.sh installs it with --no-deps)")
+    import numpy as np
+
+    torch.manual_seed(3)
+    b, g = 5, 4
+    terms = torch.randint(0, 3, (b, g, 2)).double()
+    weights = [1.0, 0.3]
+    response_mask = torch.ones(b * g, 1)  # one response token each: verl whitens over tokens, ours over samples
+    batch = {"prompts": torch.zeros(b * g, 2), "attention_mask": torch.ones(b * g, 3, dtype=torch.long)}
+    non_tensor = {"format": terms[..., 0].flatten().numpy(), "answer": terms[..., 1].flatten().numpy()}
+    config = verl_config(gdpo_reward_keys=["format", "answer"], gdpo_reward_weights=weights)
+    theirs, _ = core.compute_gdpo_outcome_advantage(
+        token_level_rewards=torch.zeros(b * g, 1), response_mask=response_mask,
+        index=np.repeat(np.arange(b), g), epsilon=1e-6, config=config, non_tensor_batch=non_tensor, batch=batch)
+    ours = F.gdpo_advantages(terms, torch.tensor(weights, dtype=torch.float64))
+    torch.testing.assert_close(ours.flatten().float(), theirs[:, 0].float(), rtol=1e-4, atol=1e-5)

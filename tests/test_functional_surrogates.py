@@ -254,3 +254,40 @@ def test_matches_verl(name, seed):
     our_loss, our_grad = ours(logp, old, adv, mask, aggregation=VERL_AGGREGATIONS[aggregation], **kwargs)
     assert torch.allclose(our_loss, theirs_loss, rtol=1e-7, atol=1e-7)  # verl divides by lengths + 1e-8
     assert torch.allclose(our_grad * mask, theirs_grad * mask, rtol=1e-7, atol=1e-7)  # verl divides by lengths + 1e-8
+
+
+# --- DeepSeek-V3.2's off-policy sequence mask and importance-weighted KL -------------------
+
+
+def test_off_policy_mask_drops_only_negative_sequences_that_drifted():
+    old = torch.zeros(4, 2, dtype=f64)
+    logp = torch.tensor([[-0.5, -0.5], [-0.5, -0.5], [-0.05, 0.0], [0.0, 0.0]], dtype=f64)  # drift 0.5, 0.5, 0.025, 0
+    adv = torch.tensor([-1.0, 1.0, -1.0, -1.0], dtype=f64)
+    _, grad, metrics = loss_and_grad(logp, old, adv, torch.ones(4, 2), clip="none", eps_low=None, eps_high=None,
+                                     off_policy_mask=0.1)
+    assert (grad[0] == 0).all() and (grad[1:] != 0).all()  # the drifted mistake leaves; a drifted success stays
+    assert metrics["off_policy_masked_fraction"].item() == 0.25
+
+
+def test_off_policy_mask_is_trls():
+    grpo = pytest.importorskip("trl.trainer.grpo_trainer")
+    for seed in range(4):
+        logp, old, adv, mask = random_case(seed, spread=0.2)
+        theirs = grpo.GRPOTrainer.get_off_policy_mask(adv[:, None], logp, old, mask, 0.05)
+        # the mask as the loss applies it: a dropped row has no gradient at all
+        _, grad, _ = loss_and_grad(logp, old, adv, mask, clip="none", eps_low=None, eps_high=None, off_policy_mask=0.05)
+        kept = (grad * mask).abs().sum(-1) > 0
+        assert 0 < kept.sum() < len(kept) or seed  # some case drops some rows and keeps others
+        assert torch.equal(kept, theirs[:, 0].bool())
+
+
+def test_importance_weighted_kl_is_the_ratio_times_k3():
+    logp, old, adv, mask = random_case(0)
+    ref = old - 0.1
+    plain, _ = F.policy_loss(logp, old, torch.zeros_like(adv), mask, clip="none", eps_low=None, eps_high=None,
+                             ref_logprobs=ref, kl_coef=1.0, aggregation="token_mean")
+    weighted, _ = F.policy_loss(logp, old, torch.zeros_like(adv), mask, clip="none", eps_low=None, eps_high=None,
+                                ref_logprobs=ref, kl_coef=1.0, aggregation="token_mean", kl_importance_weighted=True)
+    k3 = (ref - logp).exp() - (ref - logp) - 1
+    assert plain.item() == pytest.approx(((k3 * mask).sum() / mask.sum()).item(), rel=1e-12)
+    assert weighted.item() == pytest.approx((((logp - old).exp() * k3 * mask).sum() / mask.sum()).item(), rel=1e-12)

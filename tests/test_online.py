@@ -21,8 +21,10 @@ ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, Onli
 
 
 def make_config(model_dir, reward_file, algorithm="grpo", reward="sevens", **flat) -> Config:
+    """reward: one function of conftest's REWARDS, or None for two (sevens, starts_even)."""
+    names = [reward] if reward else ["sevens", "starts_even"]
     base = dict(
-        algorithm=algorithm, model=str(model_dir), task="addition", reward=[f"{reward_file}:{reward}"],
+        algorithm=algorithm, model=str(model_dir), task="addition", reward=[f"{reward_file}:{n}" for n in names],
         prompts_per_step=4, group_size=4, max_new_tokens=12, eval_size=8, micro_batch_size=64,
         learning_rate=1e-3, max_steps=2, progress=False, report_to="none", seed=0,
     )
@@ -40,8 +42,12 @@ def recompute_loss(s: OnlineSession, policy, value_head) -> torch.Tensor:
     t = out.logprobs.shape[1]
     ref = online.reference_logprobs(s, g) if s.ref is not None else None
     baseline = online.greedy_rewards(s, g.indices) if alg.needs_greedy_baseline else None
+    terms = {}
+    if alg.takes_reward_terms:  # GDPO: each reward function's values
+        terms = {"reward_terms": torch.stack(list(g.terms.values()), -1).view(*g.rewards.shape, -1),
+                 "reward_weights": torch.tensor(s.work.reward_weights, dtype=torch.float64)}
     adv, returns = alg.advantages_and_returns(g.rewards, mask=comp.mask, logprobs=g.old_logprobs,
-                                              ref_logprobs=ref, values=g.old_values, baseline=baseline)
+                                              ref_logprobs=ref, values=g.old_values, baseline=baseline, **terms)
     old = g.old_logprobs[:, :t] if g.old_logprobs is not None else out.logprobs
     loss, _ = alg.policy_loss(out.logprobs, old, adv[:, :t], batch.mask,
                               ref_logprobs=ref[:, :t] if alg.kl_placement == "loss" else None,
@@ -319,3 +325,30 @@ def test_adaptive_entropy_control_moves_its_coefficient_and_resumes_exactly(tiny
     assert_online_resume_is_exact(lambda output: make_config(
         tiny_model_dir, reward_file, "entropy_control", entropy_target=50.0, entropy_coef_step=0.01, max_steps=4,
         eval_every=2, save_every=2, log_samples_every=0, output=output), tmp_path)
+
+
+def test_gdpo_normalises_each_reward_function_within_its_group(tiny_model_dir, reward_file):
+    """Two reward functions, weighted 1 and 3: the step's advantages are F.gdpo_advantages of their raw values."""
+    import posttrain.functional as F
+
+    config = make_config(tiny_model_dir, reward_file, "gdpo", reward_weights=[1.0, 3.0], group_size=6,
+                         prompts_per_step=6, reward=None)
+    s = OnlineSession.create(config)
+    captured = {}
+    original = online.step_advantages
+
+    def capture(*args, **kwargs):
+        captured["result"] = original(*args, **kwargs)
+        return captured["result"]
+
+    online.step_advantages = capture
+    try:
+        train_step(s)
+    finally:
+        online.step_advantages = original
+    g = s.last_groups
+    terms = torch.stack([g.terms["sevens"], g.terms["starts_even"]], -1).view(6, 6, 2)
+    expected = F.gdpo_advantages(terms, torch.tensor([1.0, 3.0], dtype=torch.float64))
+    advantages = captured["result"][0]
+    mask = g.completions.mask.bool()
+    torch.testing.assert_close(advantages.double(), torch.where(mask, expected.reshape(-1, 1), 0.0))

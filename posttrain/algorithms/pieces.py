@@ -117,6 +117,13 @@ def reinforce_pp_baseline(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Ten
                                      group_size=rewards.shape[1], eps=preset.eps, step_rewards=step_rewards)
 
 
+@register_advantage("gdpo", compares_group=True, takes_reward_terms=True)
+def gdpo(rewards: Tensor, preset: OnlineAlgorithm, *, reward_terms: Tensor, reward_weights: Tensor,
+         **_: object) -> Tensor:
+    """GDPO: each reward function normalised within the group, then weighted, summed and normalised over the batch."""
+    return F.gdpo_advantages(reward_terms, reward_weights, eps=preset.eps)
+
+
 @register_advantage("reverse_kl", level="token", needs_teacher=True)
 def reverse_kl(rewards: Tensor, preset: OnlineAlgorithm, *, mask: Tensor, logprobs: Tensor, teacher_logprobs: Tensor,
                **_: object) -> Tensor:
@@ -143,7 +150,8 @@ def clipped_surrogate(logprobs: Tensor, old_logprobs: Tensor, advantages: Tensor
         eps_high=preset.eps_high, dual_clip=preset.dual_clip, aggregation=preset.aggregation, max_tokens=max_tokens,
         normalizer=normalizer, ref_logprobs=ref_logprobs if kl_in_loss else None,
         kl_coef=preset.beta if kl_in_loss else 0.0, kl_estimator=preset.kl_estimator if kl_in_loss else "k3",
-        clip_options=preset.clip_options)
+        clip_options=preset.clip_options, off_policy_mask=preset.off_policy_mask,
+        kl_importance_weighted=preset.kl_importance_weighted and kl_in_loss)
 
 
 @register_policy_loss("nll")

@@ -153,6 +153,13 @@ _AFTER_THE_SEED = [
         update_structure="one update per rollout, GRPO's: Lite PPO (arXiv:2508.08221) changes only the advantage's "
         "normalisation and the loss's aggregation"),
     OnlineAlgorithm(
+        "gdpo", "GDPO: Group reward-Decoupled Normalization Policy Optimization for Multi-reward RL Optimization "
+        "(Liu et al., 2026) https://arxiv.org/abs/2601.05242",
+        "GRPO with each reward function normalised within its group before the weighted sum (then over the batch).",
+        advantage="gdpo", aggregation="sequence_mean", kl_placement="loss", kl_estimator="k3", beta=0.04,
+        update_structure="one update per rollout, GRPO's: GDPO (arXiv:2601.05242) changes only how the rewards "
+        "become advantages"),
+    OnlineAlgorithm(
         "clip_cov", "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Cui et al., 2025) "
         "https://arxiv.org/abs/2505.22617",
         "GRPO whose few tokens of highest advantage x log-prob covariance get no gradient, holding entropy up.",

@@ -132,6 +132,11 @@ class OnlineAlgorithm:
     cov_bounds: tuple[float, float] | None = _field("Clip-Cov: the covariance band (lower, upper) its tokens are "
                                                     "drawn from (paper: (1, 5)).")
     kl_cov_coef: float | None = _field("KL-Cov: weight of |log r| on its picked tokens (paper: 1).")
+    off_policy_mask: float | None = _field("DeepSeek-V3.2's off-policy sequence mask (arXiv:2512.02556): a completion "
+                                           "with A < 0 whose mean log pi_old - log pi exceeds this delta leaves the "
+                                           "loss; None = off.")
+    kl_importance_weighted: bool = _field("Weight the KL-in-loss term by pi / pi_old (DeepSeek-V3.2's unbiased KL "
+                                          "for samples of the old policy); kl_placement='loss' only.", False)
     aggregation: Aggregation = _field("Token losses to one number: sequence_mean, token_mean (over the optimizer "
                                       "step) or constant (sum / max_tokens, Dr.GRPO).", "sequence_mean")
     loss: str = _field("Policy loss (a registered one; posttrain.register_policy_loss adds one): policy (the "
@@ -195,6 +200,11 @@ class OnlineAlgorithm:
         dynamic sampling carries surplus groups to the next step, one policy later.
         """
         return self.num_epochs > 1 or self.mini_batches > 1 or self.dynamic_sampling
+
+    @property
+    def takes_reward_terms(self) -> bool:
+        """Its advantages read each reward function's values (GDPO), not only their weighted sum."""
+        return ADVANTAGES[self.advantage].takes_reward_terms
 
     @property
     def needs_teacher(self) -> bool:
@@ -274,6 +284,10 @@ class OnlineAlgorithm:
             (self.min_reward is not None and a != "best_of_n", "min_reward applies to advantage='best_of_n' only"),
             (self.skip_ties and a != "best_of_n", "skip_ties applies to advantage='best_of_n' only"),
             (self.entropy_coef < 0, f"entropy_coef={self.entropy_coef} must be >= 0"),
+            (self.off_policy_mask is not None and self.off_policy_mask < 0,
+             f"off_policy_mask={self.off_policy_mask} must be >= 0 (a mean log-ratio) or None"),
+            (self.kl_importance_weighted and kl != "loss", "kl_importance_weighted weights the KL in the loss: it "
+             "needs kl_placement='loss'"),
             (self.task_reward_weight is not None and not ADVANTAGES[a].needs_teacher,
              f"task_reward_weight belongs to a distillation estimator (reverse_kl); set it to None for {a!r}"),
             (self.task_reward_weight is not None and self.task_reward_weight < 0,
@@ -312,6 +326,7 @@ class OnlineAlgorithm:
         self, rewards: Tensor, *, mask: Tensor | None = None, logprobs: Tensor | None = None,
         ref_logprobs: Tensor | None = None, values: Tensor | None = None, baseline: Tensor | None = None,
         step_rewards: Tensor | None = None, step_ends: Tensor | None = None, teacher_logprobs: Tensor | None = None,
+        reward_terms: Tensor | None = None, reward_weights: Tensor | None = None,
     ) -> tuple[Tensor, Tensor | None]:
         """This preset's advantages and, for `gae`, the value targets.
 
@@ -320,7 +335,9 @@ class OnlineAlgorithm:
         baseline [B]: greedy-decode rewards (`greedy_baseline`);
         step_rewards [N, T], step_ends [N, T] bool: a process reward's steps (the reward of the step
         ending at token t), for the estimators registered with ``takes_step_rewards``;
-        teacher_logprobs [N, T]: a teacher's log-probs, for those registered with ``needs_teacher``.
+        teacher_logprobs [N, T]: a teacher's log-probs, for those registered with ``needs_teacher``;
+        reward_terms [B, G, K], reward_weights [K]: each reward function's values and weight, for those
+        registered with ``takes_reward_terms``.
         Returns (advantages, returns). Sequence estimators and best_of_n give [B, G]
         when mask is None, else [N, T] (broadcast, 0 at padding); token estimators,
         and any estimator given step rewards, need mask and give [N, T]. returns is
@@ -335,7 +352,7 @@ class OnlineAlgorithm:
         estimator = ADVANTAGES[self.advantage]
         if estimator.needs_baseline:
             _require(self.name, f"advantage={self.advantage!r}", baseline=baseline)
-        steps = {}
+        steps: dict[str, Tensor] = {}  # the estimator's extra inputs: steps, reward terms, a teacher's log-probs
         if step_rewards is not None:
             if not estimator.takes_step_rewards:
                 takers = _estimators(takes_step_rewards=True)
@@ -343,6 +360,9 @@ class OnlineAlgorithm:
                                  f"advantage={self.advantage!r} does not take; estimators that do: {', '.join(takers)}")
             _require(self.name, "step rewards", mask=mask, step_ends=step_ends)
             steps = {"step_rewards": step_rewards, "step_ends": step_ends}
+        if estimator.takes_reward_terms:
+            _require(self.name, f"advantage={self.advantage!r}", reward_terms=reward_terms, reward_weights=reward_weights)
+            steps.update(reward_terms=reward_terms, reward_weights=reward_weights)
         if estimator.needs_teacher:
             _require(self.name, f"advantage={self.advantage!r}", mask=mask, logprobs=logprobs,
                      teacher_logprobs=teacher_logprobs)
@@ -356,7 +376,7 @@ class OnlineAlgorithm:
         advantages, returns = _with_returns(estimator.fn(
             rewards, self, mask=mask, logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, baseline=baseline,
             kl_coef=0.0, **steps))
-        if steps:  # process supervision: one advantage per token
+        if "step_rewards" in steps:  # process supervision: one advantage per token
             if advantages.shape != mask.shape:
                 raise ValueError(f"{self.name}: advantage estimator {self.advantage!r} given step rewards returned "
                                  f"shape {tuple(advantages.shape)}; it must return [N, T] = {tuple(mask.shape)}")

@@ -14,8 +14,9 @@ One signature per kind of piece (shapes: ``B`` prompts, ``G`` completions each, 
   estimator's already carry the KL when ``kl_placement='sequence_reward'``), the others [N, T] or
   None, ``baseline`` [B] greedy rewards or None, ``kl_coef`` the token reward's KL coefficient; one
   registered with ``takes_step_rewards`` also gets ``step_rewards`` and ``step_ends`` ([N, T], a process
-  reward's steps, or None), and one registered with ``needs_teacher`` gets ``teacher_logprobs`` [N, T]
-  (and the sampler's ``logprobs``, always). It returns the advantages, [B, G] at ``level='sequence'`` (the loop broadcasts
+  reward's steps, or None), one registered with ``takes_reward_terms`` gets ``reward_terms`` [B, G, K]
+  and ``reward_weights`` [K] (each reward function's values), and one registered with ``needs_teacher``
+  gets ``teacher_logprobs`` [N, T] (and the sampler's ``logprobs``, always). It returns the advantages, [B, G] at ``level='sequence'`` (the loop broadcasts
   them over tokens; [N, T] when it was given step rewards) or [N, T] at ``level='token'``, or
   ``(advantages, value_targets)`` when it trains a value model.
 - **policy loss** ``fn(logprobs, old_logprobs, advantages, mask, preset, *, ref_logprobs, normalizer,
@@ -57,6 +58,9 @@ class AdvantageEstimator:
     """It takes a process reward's step rewards (``step_rewards`` [N, T], ``step_ends`` [N, T] bool, None when
     no reward function gives steps) and returns [N, T] advantages when they are given; an estimator without it
     is refused for a run whose rewards have steps."""
+    takes_reward_terms: bool = False
+    """It takes each reward function's raw values (``reward_terms`` [B, G, K], NaN where one does not apply) and
+    their weights (``reward_weights`` [K]), not only their weighted sum (GDPO)."""
     needs_teacher: bool = False
     """It needs a teacher model's log-probs of the sampled tokens (``teacher_logprobs`` [N, T]) and the
     sampler's own (``logprobs``): on-policy distillation. The run needs ``--teacher MODEL``."""
@@ -114,16 +118,17 @@ def _check_name(name: Any) -> None:
 
 def register_advantage(name: str, *, level: Literal["sequence", "token"] = "sequence", compares_group: bool = False,
                        needs_values: bool = False, needs_baseline: bool = False, takes_step_rewards: bool = False,
-                       needs_teacher: bool = False, replace: bool = False) -> Callable[[Fn], Fn]:
+                       needs_teacher: bool = False, takes_reward_terms: bool = False,
+                       replace: bool = False) -> Callable[[Fn], Fn]:
     """Register the decorated function as the advantage estimator ``name`` (signature: module docstring)."""
     _check_name(name)
     if level not in ("sequence", "token"):
         raise ValueError(f"level must be 'sequence' or 'token', got {level!r}")
 
     def decorator(fn: Fn) -> Fn:
-        _add(ADVANTAGES, "advantage estimator", AdvantageEstimator(name, fn, level, compares_group, needs_values,
-                                                                   needs_baseline, takes_step_rewards, needs_teacher),
-             replace)
+        _add(ADVANTAGES, "advantage estimator", AdvantageEstimator(
+            name, fn, level, compares_group, needs_values, needs_baseline, takes_step_rewards, takes_reward_terms,
+            needs_teacher), replace)
         return fn
 
     return decorator

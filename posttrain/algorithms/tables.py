@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from posttrain.algorithms.presets import (
+    AFTER_THE_SEED,
     ALGORITHMS,
     DESCRIPTIVE_FIELDS,
     POLICY_PAIRS_RPO_ALPHA,
@@ -20,6 +21,8 @@ from posttrain.algorithms.registry import PREFERENCE_LOSSES
 
 
 def _fmt(value: Any) -> str:
+    if isinstance(value, float) and len(str(value)) > 8:  # GMPO's 1 - e^-0.4: 0.3297, not 17 digits
+        return f"{value:.4g}"
     return "-" if value is None else str(value)
 
 
@@ -54,13 +57,14 @@ def _updates(a: OnlineAlgorithm) -> str:
 
 def format_presets_table() -> str:
     """Every preset, one row each with its key settings and paper: online, preference, then supervised."""
-    online = [["preset", "advantage", "ratio/clip", "eps_low, eps_high", "aggregation", "KL", "updates", "extras",
-               "paper"]]
+    header = ["preset", "advantage", "ratio/clip", "eps_low, eps_high", "aggregation", "KL", "updates", "extras",
+              "paper"]
+    online, after_the_seed = [header], [header]
     for a in (p for p in ALGORITHMS.values() if isinstance(p, OnlineAlgorithm)):
         kl = "none" if a.kl_placement == "none" else f"{a.kl_estimator} in {a.kl_placement}, beta {_fmt(a.beta)}"
-        online.append([a.name, a.advantage, f"{a.ratio}/{a.clip}", f"{_fmt(a.eps_low)}, {_fmt(a.eps_high)}",
-                       a.aggregation + (" NLL" if a.loss == "nll" else ""), kl, _updates(a), _online_extras(a),
-                       _url(a.paper)])
+        (after_the_seed if a.name in AFTER_THE_SEED else online).append([
+            a.name, a.advantage, f"{a.ratio}/{a.clip}", f"{_fmt(a.eps_low)}, {_fmt(a.eps_high)}",
+            a.aggregation + (" NLL" if a.loss == "nll" else ""), kl, _updates(a), _online_extras(a), _url(a.paper)])
     preference = [["preset", "loss", "coefficients", "reference", "paper"]]
     for p in (p for p in ALGORITHMS.values() if isinstance(p, PreferenceAlgorithm)):
         coefficients = ", ".join(f"{name} {_fmt(getattr(p, name))}" for name in PREFERENCE_LOSSES[p.loss].coefficients)
@@ -70,7 +74,9 @@ def format_presets_table() -> str:
         settings = ", ".join(f"{f.name} {_fmt(getattr(p, f.name))}" for f in dataclasses.fields(p)
                              if f.name not in (*DESCRIPTIVE_FIELDS, "objective") and getattr(p, f.name) is not None)
         supervised.append([p.name, p.objective, settings or "-", _url(p.paper)])
-    return (f"Online (RL) presets\n\n{_text_table(online)}\n\nPreference presets\n\n{_text_table(preference)}"
+    return (f"Online (RL) presets\n\n{_text_table(online)}\n\nOnline presets after the seed's lineage (trust regions "
+            f"after the clip, advantages, entropy control, distillation)\n\n{_text_table(after_the_seed)}"
+            f"\n\nPreference presets\n\n{_text_table(preference)}"
             f"\n\nSupervised presets (the RLHF pipeline's first stages)\n\n{_text_table(supervised)}")
 
 

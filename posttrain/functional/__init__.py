@@ -22,7 +22,13 @@ GMPO, Clip-Cov, KL-Cov), `_mismatch` (importance weights for a sampler that is n
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
-from ._advantages import advantages, distillation_advantages, process_advantages, reinforce_pp_advantages
+from ._advantages import (
+    advantages,
+    distillation_advantages,
+    gdpo_advantages,
+    process_advantages,
+    reinforce_pp_advantages,
+)
 from ._aggregate import aggregate
 from ._entropy import adaptive_entropy_coef, entropy_bonus
 from ._kl import kl_estimate
@@ -54,6 +60,7 @@ __all__ = [
     "entropy_bonus",
     "entropy_from_logits",
     "gae",
+    "gdpo_advantages",
     "linear_log_softmax",
     "kl_estimate",
     "kl_shaped_rewards",

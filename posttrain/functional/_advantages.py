@@ -16,6 +16,10 @@ gamma = 1 returns, whitened over the batch; with `baseline=True`, the
 REINFORCE++-baseline variant that first subtracts the group mean. Step rewards
 (a process reward's, at the tokens where steps end) are added to the token rewards.
 
+`gdpo_advantages` is GDPO (arXiv:2601.05242): each reward function's values normalised within the
+group first, then weighted, summed and normalised over the batch, so one reward's scale cannot drown
+the others'.
+
 `distillation_advantages` is on-policy distillation's per-token advantage: the teacher's minus
 the student's log-prob of each sampled token, the negative of the per-token reverse-KL estimate.
 
@@ -260,3 +264,47 @@ def distillation_advantages(logprobs: Tensor, teacher_logprobs: Tensor, mask: Te
     dtype = compute_dtype(logprobs, teacher_logprobs)
     gap_NT = teacher_logprobs.to(dtype) - logprobs.to(dtype)
     return gap_NT.masked_fill(~mask.bool(), 0.0)
+
+
+def _nan_group_normalised(values_BG: Tensor, eps: float) -> Tensor:
+    """(r - mean) / (std + eps) over each row's non-NaN entries (unbiased std); 0 for a row with fewer than two
+    values or equal ones, and at NaN."""
+    present_BG = ~values_BG.isnan()
+    count_B1 = present_BG.sum(1, keepdim=True)
+    filled_BG = values_BG.nan_to_num(0.0)
+    mean_B1 = filled_BG.sum(1, keepdim=True) / count_B1.clamp(min=1)
+    centred_BG = (filled_BG - mean_B1).masked_fill(~present_BG, 0.0)
+    variance_B1 = centred_BG.square().sum(1, keepdim=True) / (count_B1 - 1).clamp(min=1)
+    normalised_BG = centred_BG / (variance_B1.clamp(min=torch.finfo(values_BG.dtype).tiny).sqrt() + eps)
+    return normalised_BG.masked_fill((count_B1 < 2) | (centred_BG == 0).all(1, keepdim=True), 0.0)
+
+
+def gdpo_advantages(reward_terms: Tensor, weights: Tensor, *, eps: float = 1e-6) -> Tensor:
+    """GDPO's decoupled normalisation (Group reward-Decoupled Normalization Policy Optimization, arXiv:2601.05242).
+
+    ``A_k = (r_k - mean_group(r_k)) / (std_group(r_k) + eps)`` for each reward function k, then
+    ``A = sum_k w_k A_k`` normalised over the batch: ``(A - mean(A)) / (std(A) + eps)`` (unbiased stds).
+
+    Args:
+        reward_terms: [B, G, K] each reward function's raw value; NaN where it does not apply (left out of
+            its group's statistics, 0 in the sum).
+        weights: [K] the reward functions' weights.
+        eps: added to every std, >= 0.
+
+    Returns:
+        [B, G] advantages. With one reward function this is GRPO's advantage, normalised over the batch.
+    """
+    check_ndim("reward_terms", reward_terms, 3, "[B, G, K]")
+    check_ndim("weights", weights, 1, "[K]")
+    if weights.shape[0] != reward_terms.shape[2]:
+        raise ValueError(f"weights has {weights.shape[0]} entries but reward_terms has {reward_terms.shape[2]} "
+                         "reward functions (its last dimension); give one weight per function")
+    check_nonnegative("eps", eps)
+    _check_group_size("gdpo", reward_terms.shape[1], list(reward_terms.shape[:2]))
+    dtype = compute_dtype(reward_terms, weights)
+    terms_BGK = reward_terms.to(dtype)
+    per_term = [_nan_group_normalised(terms_BGK[..., k], eps) for k in range(terms_BGK.shape[2])]
+    summed_BG = sum(w * a for w, a in zip(weights.to(dtype), per_term))
+    if summed_BG.numel() < 2:
+        return summed_BG
+    return (summed_BG - summed_BG.mean()) / (summed_BG.std() + eps)  # GDPO: batch-level normalisation

@@ -49,6 +49,7 @@ from ._surrogates import (
     _geometric_surrogate,
     _kl_cov_surrogate,
     _sapo_surrogate,
+    off_policy_sequence_mask,
 )
 
 
@@ -167,6 +168,7 @@ def _check_policy_args(
     kl_coef: float,
     kl_estimator: str,
     clip_options: dict[str, object],
+    off_policy_mask: float | None,
 ) -> None:
     check_ndim("logprobs", logprobs, 2, "[N, T]")
     check_same_shape(logprobs=logprobs, old_logprobs=old_logprobs, mask=mask, ref_logprobs=ref_logprobs)
@@ -181,6 +183,7 @@ def _check_policy_args(
     check_nonnegative("eps_low", eps_low)
     check_nonnegative("eps_high", eps_high)
     check_nonnegative("kl_coef", kl_coef)
+    check_nonnegative("off_policy_mask", off_policy_mask)
     check_clip_options(clip, clip_options)
     if ratio != "token" and clip == "geometric":
         raise ValueError(f"clip='geometric' (GMPO) builds its own sequence ratio from the token ratios; use ratio='token'")
@@ -208,6 +211,8 @@ def policy_loss(
     kl_estimator: str = "k3",
     normalizer: float | Tensor | None = None,
     clip_options: dict[str, object] | None = None,
+    off_policy_mask: float | None = None,
+    kl_importance_weighted: bool = False,
 ) -> tuple[Tensor, dict[str, Tensor]]:
     """Clipped policy-gradient loss (PPO, GRPO, DAPO, CISPO, GSPO, SAPO, DPPO, GMPO, ...), minimised.
 
@@ -230,19 +235,24 @@ def policy_loss(
         clip_options: the scheme's settings (`CLIP_OPTIONS`): sapo `tau_pos`, `tau_neg` (> 0);
             dppo_tv/dppo_kl `divergence_bound` (delta); clip_cov `cov_fraction`, `cov_bounds`
             (lower, upper); kl_cov `cov_fraction`, `kl_cov_coef`.
+        off_policy_mask: delta of DeepSeek-V3.2's off-policy sequence mask (a completion with A < 0 whose mean
+            log pi_old - log pi exceeds delta leaves the loss); None = off.
+        kl_importance_weighted: weight the KL term by the ratio pi / pi_old (DeepSeek-V3.2's unbiased KL
+            estimate for samples of pi_old).
 
     Returns:
         (loss 0-dim, metrics): `policy_loss` (the policy term alone), `clip_fraction`
         (share of valid tokens whose clipped branch is active), `ratio_mean`,
         `empty_batch` (1 if no token is valid), `kl` (token mean, when ref_logprobs is
-        given), `dual_clip_fraction` (with dual_clip), `zero_gradient_fraction` (share of
+        given), `dual_clip_fraction` (with dual_clip), `off_policy_masked_fraction` (share of non-empty
+        completions dropped, with off_policy_mask), `zero_gradient_fraction` (share of
         valid tokens with a nonzero advantage whose policy term sends no gradient to their
         log-prob: PPO's clipped tokens, never CISPO's, whose clip bounds only a weight; only
         when `logprobs` requires grad). All 0-dim and detached.
     """
     clip_options = dict(clip_options or {})
     _check_policy_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, ratio, clip,
-                       eps_low, eps_high, dual_clip, kl_coef, kl_estimator, clip_options)
+                       eps_low, eps_high, dual_clip, kl_coef, kl_estimator, clip_options, off_policy_mask)
     check_aggregation(aggregation, max_tokens, normalizer)
     valid_NT = mask.bool()
     dtype = compute_dtype(logprobs, old_logprobs, advantages, ref_logprobs)
@@ -261,6 +271,11 @@ def policy_loss(
     if dual_clip is not None:
         loss_NT, dual_clipped_NT = _dual_clip(loss_NT, adv_NT, dual_clip)
         metrics["dual_clip_fraction"] = _token_mean(dual_clipped_NT.to(dtype), valid_NT)
+    if off_policy_mask is not None:
+        kept_N1 = off_policy_sequence_mask(logp_NT, old_NT, adv_NT, valid_NT, off_policy_mask)
+        loss_NT = loss_NT * kept_N1
+        rows_N = valid_NT.any(-1)
+        metrics["off_policy_masked_fraction"] = (1 - kept_N1[rows_N]).sum().detach() / rows_N.sum().clamp(min=1)
 
     def reduce(values_NT: Tensor) -> Tensor:
         return aggregate(values_NT, valid_NT, aggregation, max_tokens=max_tokens, normalizer=normalizer)
@@ -274,6 +289,8 @@ def policy_loss(
     if ref_logprobs is not None:
         ref_NT = ref_logprobs.to(dtype).detach().masked_fill(~valid_NT, 0.0)
         kl_NT = kl_estimate(logp_NT, ref_NT, kl_estimator)
+        if kl_importance_weighted:  # DeepSeek-V3.2: E_{pi_old}[(pi / pi_old) k3] estimates KL(pi || ref) unbiasedly
+            kl_NT = kl_NT * ratio_NT
         if kl_coef > 0:
             loss = loss + kl_coef * reduce(kl_NT)  # GRPO eq. (3): beta * KL, aggregated like the policy term
         metrics["kl"] = _token_mean(kl_NT.detach(), valid_NT)

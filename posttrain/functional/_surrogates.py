@@ -13,6 +13,10 @@ trust region is active. ``low``/``high`` are the ratio bounds ``1 - eps_low``/``
 | `clip_cov` | PPO's, with a random `cov_fraction` of the tokens whose covariance lies in `cov_bounds` given no gradient | Clip-Cov (Cui et al. 2025) |
 | `kl_cov` | `-r A`, plus `kl_cov_coef * abs(log r)` on the `cov_fraction` of tokens of highest covariance | KL-Cov (Cui et al. 2025) |
 
+`off_policy_sequence_mask` is DeepSeek-V3.2's off-policy sequence masking (arXiv:2512.02556): a
+completion with a negative advantage whose mean `log pi_old - log pi` exceeds delta leaves the loss.
+It applies on top of any scheme (`policy_loss(off_policy_mask=delta)`).
+
 The covariance of Clip-Cov and KL-Cov is `(A - mean A) (log pi - mean log pi)` over the valid
 tokens of the batch the loss sees (a micro-batch, as in the authors' code).
 
@@ -138,3 +142,14 @@ def _kl_cov_surrogate(ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bo
     penalised_NT.view(-1)[torch.topk(cov_NT.flatten(), k).indices] = True
     penalty_NT = kl_cov_coef * (logp_NT - old_NT).abs()  # KL-Cov: |log r| on the highest-covariance tokens
     return -adv_NT * ratio_NT + penalty_NT * penalised_NT, penalised_NT
+
+
+def off_policy_sequence_mask(logp_NT: Tensor, old_NT: Tensor, adv_NT: Tensor, valid_NT: Tensor,
+                             delta: float) -> Tensor:
+    """[N, 1] 1 to keep a completion, 0 to drop it: DeepSeek-V3.2 drops those with a negative advantage (their
+    mean token advantage) whose mean ``log pi_old - log pi`` over their tokens exceeds ``delta``: learning from
+    one's own mistakes is what goes wrong once the policy has moved far from the one that made them."""
+    lengths_N1 = valid_NT.sum(-1, keepdim=True).clamp(min=1)
+    drift_N1 = ((old_NT - logp_NT.detach()) * valid_NT).sum(-1, keepdim=True) / lengths_N1
+    negative_N1 = (adv_NT * valid_NT).sum(-1, keepdim=True) < 0
+    return (~negative_N1 | (drift_N1 <= delta)).to(logp_NT.dtype)

@@ -354,13 +354,17 @@ def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None, baseli
     and the share of valid tokens with a nonzero advantage (0: the step has nothing to learn from)."""
     inputs = {"rewards": groups.rewards, "mask": groups.completions.mask, "logprobs": groups.old_logprobs,
               "ref_logprobs": ref, "values": groups.old_values, "baseline": baseline,
-              "step_rewards": groups.step_rewards, "step_ends": groups.step_ends, "teacher_logprobs": teacher}
+              "step_rewards": groups.step_rewards, "step_ends": groups.step_ends, "teacher_logprobs": teacher,
+              "reward_terms": torch.stack(list(groups.terms.values()), -1) if s.alg.takes_reward_terms else None}
     parts = distributed.gather(inputs)
     for name in ("step_rewards", "step_ends"):  # a process whose share had no steps: zeros, if another had some
         if any(part[name] is not None for part in parts):
             for part in parts:
                 part[name] = part[name] if part[name] is not None else torch.zeros(part["mask"].shape)
     batch = {name: cat_rows([part[name] for part in parts]) for name in inputs}
+    if batch["reward_terms"] is not None:  # GDPO: [N, K] -> [B, G, K], with the functions' weights
+        batch["reward_terms"] = batch["reward_terms"].view(*batch["rewards"].shape, -1)
+        batch["reward_weights"] = torch.tensor(s.work.reward_weights, dtype=torch.float64)
     advantages, returns = s.alg.advantages_and_returns(batch.pop("rewards"), **batch)
     valid = batch["mask"].bool()
     stats = {"advantage/mean": advantages[valid].mean().item() if valid.any() else 0.0,
