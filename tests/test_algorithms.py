@@ -86,6 +86,7 @@ PREFERENCE_TABLE = {
 SUPERVISED_TABLE = {  # objective, completion_only_loss, center_rewards_coefficient
     "sft": ("sft", True, None),
     "reward_model": ("reward_model", None, None),
+    "gkd": ("gkd", True, None),
 }
 ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347", "remax": "2310.10505", "rloo": "2402.14740", "grpo": "2402.03300",
          "reinforce_pp": "2501.03262", "reinforce_pp_baseline": "2501.03262", "dapo": "2503.14476",
@@ -94,7 +95,7 @@ ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347",
          "orpo": "2403.07691", "kto": "2402.01306", "sapo": "2511.20347", "dppo": "2602.04879",
          "gmpo": "2507.20673", "lite_ppo": "2508.08221", "clip_cov": "2505.22617", "kl_cov": "2505.22617",
          "entropy_control": "2505.22312", "on_policy_distill": "2306.13649",
-         "gdpo": "2601.05242"}
+         "gdpo": "2601.05242", "gkd": "2306.13649"}
 
 
 # --- the registry ------------------------------------------------------------------------
@@ -150,6 +151,10 @@ def test_a_supervised_preset_refuses_the_other_objectives_settings():
     with pytest.raises(ValueError, match="center_rewards_coefficient=-1 must be >= 0"):
         algorithm("reward_model", center_rewards_coefficient=-1)
     assert algorithm("reward_model", center_rewards_coefficient=0.01).center_rewards_coefficient == 0.01
+    with pytest.raises(ValueError, match="student_fraction is not used by objective='sft' \\(it belongs to gkd\\)"):
+        algorithm("sft", student_fraction=0.5)
+    with pytest.raises(ValueError, match="jsd_beta=1.5 must lie in \\[0, 1\\]"):
+        algorithm("gkd", jsd_beta=1.5)
 
 
 @pytest.mark.parametrize("name", ARXIV)

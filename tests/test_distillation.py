@@ -80,7 +80,7 @@ def test_a_teacher_is_required_refused_elsewhere_and_must_share_the_tokenizer(ti
                                                                                teacher_dir, tmp_path):
     with pytest.raises(ConfigError, match="give --teacher MODEL"):
         OnlineSession.create(make_config(tiny_model_dir, reward_file, "on_policy_distill"))
-    with pytest.raises(ConfigError, match="grpo's advantages use no teacher"):
+    with pytest.raises(ConfigError, match="grpo uses no teacher"):
         OnlineSession.create(make_config(tiny_model_dir, reward_file, "grpo", teacher=str(teacher_dir)))
     from posttrain.models.tiny import build_tiny_model, char_tokenizer
 
@@ -99,3 +99,97 @@ def test_an_offloaded_teacher_gives_the_same_step(tiny_model_dir, reward_file, t
                                              teacher=str(teacher_dir), offload_reference=offloaded))
         losses.append(train_step(s)["loss"])
     assert losses[0] == losses[1]
+
+
+# --- GKD's generalised JSD -----------------------------------------------------------------
+
+
+def test_generalized_jsd_by_hand():
+    s, t = torch.tensor([[0.0, math.log(3.0)]]), torch.tensor([[math.log(3.0), 0.0]])  # S = (1/4, 3/4), T = (3/4, 1/4)
+    forward_kl = 0.75 * math.log(3) + 0.25 * math.log(1 / 3)
+    assert F.generalized_jsd(s, t, beta=0.0).item() == pytest.approx(forward_kl)
+    assert F.generalized_jsd(s, t, beta=1.0).item() == pytest.approx(forward_kl)  # symmetric case
+    # beta = 0.5: M = (1/2, 1/2); JSD = 0.5 KL(T || M) + 0.5 KL(S || M)
+    half = 0.75 * math.log(1.5) + 0.25 * math.log(0.5)
+    assert F.generalized_jsd(s, t, beta=0.5).item() == pytest.approx(half)
+    assert F.generalized_jsd(t, t, beta=0.3).item() == pytest.approx(0.0, abs=1e-7)
+
+
+@pytest.mark.parametrize("beta", [0.0, 0.1, 0.5, 1.0])
+@pytest.mark.parametrize("temperature", [1.0, 0.9])
+def test_generalized_jsd_is_trls(beta, temperature):
+    gkd = pytest.importorskip("trl.experimental.gkd.gkd_trainer")
+    torch.manual_seed(0)
+    student = torch.randn(2, 5, 11, dtype=torch.float64, requires_grad=True)
+    teacher = torch.randn(2, 5, 11, dtype=torch.float64)
+    labels = torch.randint(0, 11, (2, 5))
+    labels[0, :2] = -100  # prompt positions
+    theirs = gkd.GKDTrainer.generalized_jsd_loss(student, teacher, labels=labels, beta=beta, temperature=temperature)
+    keep = labels != -100
+    ours = F.generalized_jsd(student[keep], teacher[keep], beta=beta, temperature=temperature).mean()
+    torch.testing.assert_close(ours, theirs)
+    torch.testing.assert_close(*(torch.autograd.grad(x, student, retain_graph=True)[0] for x in (ours, theirs)))
+
+
+# --- GKD, the supervised preset -------------------------------------------------------------
+
+
+def gkd_config(model_dir, teacher_dir, **flat):
+    from posttrain.config import Config
+
+    base = dict(algorithm="gkd", model=str(model_dir), teacher=str(teacher_dir), task="addition", pairs_per_step=6,
+                micro_batch_size=4, learning_rate=1e-3, max_steps=2, eval_size=8, max_new_tokens=12, packing=False,
+                progress=False, report_to="none", seed=0)
+    return Config.from_flat({**base, **flat})
+
+
+def test_gkd_trains_on_the_generalised_jsd_to_the_teacher_exactly(tiny_model_dir, teacher_dir):
+    from posttrain.data.sft import layout
+    from posttrain.training.sft import SFTSession, micro_batches, train_step as sft_step
+
+    s = SFTSession.create(gkd_config(tiny_model_dir, teacher_dir, student_fraction=0.0, jsd_beta=0.3))
+    student = copy.deepcopy(s.policy)
+    state = s.sampler.state_dict()
+    metrics = sft_step(s)
+    s.sampler.load_state_dict(state)
+    idx = s.sampler.next(6)
+    rows = [row for part in micro_batches(s, s.train, idx) for row in part]
+    batch = layout(s.train, rows, s.tokenizer.pad_token_id)
+    with torch.no_grad():
+        mine = student(input_ids=batch.input_ids, position_ids=batch.position_ids).logits[batch.loss_mask]
+        theirs = s.teacher(input_ids=batch.input_ids, position_ids=batch.position_ids).logits[batch.loss_mask]
+    expected = F.generalized_jsd(mine, theirs, beta=0.3).mean()
+    assert metrics["jsd"] == pytest.approx(float(expected), rel=1e-5) and metrics["on_policy"] == 0.0
+    assert "nll" not in metrics
+
+
+def test_gkd_draws_its_on_policy_steps_from_the_seed_and_trains_on_the_student_s_samples(tiny_model_dir,
+                                                                                         teacher_dir):
+    from posttrain.training.sft import SFTSession, on_policy, train_step as sft_step
+
+    s = SFTSession.create(gkd_config(tiny_model_dir, teacher_dir, student_fraction=0.5, max_steps=40))
+    draws = []
+    for step in range(40):
+        s.step = step
+        draws.append(on_policy(s))
+    assert 10 < sum(draws) < 30  # about half
+    again = SFTSession.create(gkd_config(tiny_model_dir, teacher_dir, student_fraction=0.5, max_steps=40))
+    redrawn = []
+    for step in range(40):
+        again.step = step
+        redrawn.append(on_policy(again))
+    assert redrawn == draws
+    s = SFTSession.create(gkd_config(tiny_model_dir, teacher_dir, student_fraction=1.0))
+    metrics = sft_step(s)
+    assert metrics["on_policy"] == 1.0 and metrics["jsd"] > 0
+    demonstrations = {row["completion"] for row in s.train.rows}
+    assert not {row["completion"] for row in s.sample_rows()} <= demonstrations  # the random student's own text
+
+
+def test_gkd_needs_a_teacher_and_unpacked_rows(tiny_model_dir, teacher_dir):
+    from posttrain.training.sft import SFTSession
+
+    with pytest.raises(ConfigError, match="give --teacher MODEL"):
+        SFTSession.create(gkd_config(tiny_model_dir, teacher_dir, teacher=None))
+    with pytest.raises(ConfigError, match="set --no-packing"):
+        SFTSession.create(gkd_config(tiny_model_dir, teacher_dir, packing=True))

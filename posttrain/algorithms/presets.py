@@ -231,6 +231,12 @@ _SUPERVISED = [
         # the built-in default run (the starting model's own pairs, 250 steps) ranks 0.864 of its held-out pairs
         # at 1e-4, 0.876 at 3e-4 and 0.736 at 1e-3, still rising at the end at the two lower rates (decision 88)
         default_learning_rate=3e-4),
+    SupervisedAlgorithm(
+        "gkd", "On-Policy Distillation of Language Models: Learning from Self-Generated Mistakes (Agarwal et al., "
+        "2024) https://arxiv.org/abs/2306.13649",
+        "Generalised knowledge distillation: the generalised JSD to a teacher (--teacher) over the vocabulary, on "
+        "demonstrations and, at a student_fraction of the steps, on the student's own samples.",
+        objective="gkd", completion_only_loss=True, student_fraction=0.5, jsd_beta=0.5),
 ]
 ALGORITHMS: dict[str, Preset] = {a.name: a for a in [*_ONLINE, *_AFTER_THE_SEED, *_PREFERENCE, *_SUPERVISED]}
 AFTER_THE_SEED = tuple(a.name for a in _AFTER_THE_SEED)

@@ -524,7 +524,7 @@ class PreferenceAlgorithm:
         return loss + self.rpo_alpha * nll, {**metrics, "nll": nll.detach()}
 
 
-SupervisedObjective = Literal["sft", "reward_model"]
+SupervisedObjective = Literal["sft", "reward_model", "gkd"]
 
 
 @dataclass(frozen=True)
@@ -536,24 +536,33 @@ class SupervisedAlgorithm:
     name: str = _field("Preset name (the key in ALGORITHMS).", _REQUIRED)
     paper: str = _field("The paper that introduced it: title (authors, year) and arXiv URL.", _REQUIRED)
     summary: str = _field("One line: what it trains.", _REQUIRED)
-    objective: SupervisedObjective = _field("sft (next-token NLL of the targets) or reward_model (Bradley-Terry "
-                                            "loss on a scalar head).", _REQUIRED)
+    objective: SupervisedObjective = _field("sft (next-token NLL of the targets), reward_model (Bradley-Terry "
+                                            "loss on a scalar head) or gkd (generalised JSD to a teacher over the "
+                                            "vocabulary, on demonstrations and the student's own samples).", _REQUIRED)
     completion_only_loss: bool | None = _field(
         "SFT: the loss covers only the completion (prompt + completion data) or the assistant turns (messages "
         "data); False: every token. Plain text data has no prompt: every token.")
     center_rewards_coefficient: float | None = _field(
         "Reward model: weight of the mean squared score added to the loss, which keeps scores centred on 0 "
         "(Eisenstein et al., 2023, arXiv:2312.09244; TRL's center_rewards_coefficient); None = off.")
+    student_fraction: float | None = _field(
+        "GKD: the share of steps that train on the student's own samples of the prompts instead of the "
+        "demonstrations (GKD's lambda; 1 = fully on-policy, 0 = supervised KD).")
+    jsd_beta: float | None = _field("GKD: beta of the generalised JSD (0: forward KL(teacher || student), 1: "
+                                    "reverse KL, 0.5: symmetric).")
     default_learning_rate: float | None = _field(
         "The learning rate of a run that gives none (--learning-rate wins); None = OptimConfig's.")
 
     def __post_init__(self) -> None:
         problems = _choice_problems(self, {"objective": get_args(SupervisedObjective)}, {})
-        owners = {"completion_only_loss": "sft", "center_rewards_coefficient": "reward_model"}
-        problems += [f"{p} is not used by objective={self.objective!r} (it belongs to {owner}): set it to None"
-                     for p, owner in owners.items() if owner != self.objective and getattr(self, p) is not None]
-        if self.objective == "sft" and self.completion_only_loss is None:
-            problems.append("objective='sft' needs completion_only_loss (True or False)")
+        owners = {"completion_only_loss": ("sft", "gkd"), "center_rewards_coefficient": ("reward_model",),
+                  "student_fraction": ("gkd",), "jsd_beta": ("gkd",)}
+        problems += [f"{p} is not used by objective={self.objective!r} (it belongs to {' and '.join(owner)}): set it "
+                     "to None" for p, owner in owners.items() if self.objective not in owner and getattr(self, p) is not None]
+        problems += [f"objective={self.objective!r} needs {p}" for p, owner in owners.items()
+                     if self.objective in owner and p != "center_rewards_coefficient" and getattr(self, p) is None]
+        problems += [f"{p}={getattr(self, p)} must lie in [0, 1]" for p in ("student_fraction", "jsd_beta")
+                     if getattr(self, p) is not None and not 0 <= getattr(self, p) <= 1]
         if self.center_rewards_coefficient is not None and self.center_rewards_coefficient < 0:
             problems.append(f"center_rewards_coefficient={self.center_rewards_coefficient} must be >= 0")
         _raise_if_problems(self, problems)

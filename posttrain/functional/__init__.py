@@ -18,7 +18,7 @@ Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
 whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
 `_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_reward_model` (the Bradley-Terry loss), `_shaping` (overlong penalty,
 best-of-N), `_entropy` (the entropy bonus and its adaptive coefficient), `_surrogates` (SAPO, DPPO,
-GMPO, Clip-Cov, KL-Cov), `_mismatch` (importance weights for a sampler that is not the trained policy), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
+GMPO, Clip-Cov, KL-Cov), `_distillation` (GKD's generalised JSD), `_mismatch` (importance weights for a sampler that is not the trained policy), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
@@ -30,6 +30,7 @@ from ._advantages import (
     reinforce_pp_advantages,
 )
 from ._aggregate import aggregate
+from ._distillation import generalized_jsd
 from ._entropy import adaptive_entropy_coef, entropy_bonus
 from ._kl import kl_estimate
 from ._logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
@@ -61,6 +62,7 @@ __all__ = [
     "entropy_from_logits",
     "gae",
     "gdpo_advantages",
+    "generalized_jsd",
     "linear_log_softmax",
     "kl_estimate",
     "kl_shaped_rewards",

@@ -201,7 +201,7 @@ def run(config: Config, inputs: Inputs = Inputs(), callbacks: Sequence[Callback]
     if done is not None:
         return done
     preset = config.preset()
-    if isinstance(preset, SupervisedAlgorithm) and preset.objective == "sft":
+    if isinstance(preset, SupervisedAlgorithm) and preset.objective in ("sft", "gkd"):
         from posttrain.training import sft
 
         session, train_step, evaluate_held_out = sft.SFTSession.create(config, inputs), sft.train_step, sft.evaluate

@@ -145,8 +145,8 @@ def load_teacher(config: Config, name: str, student_tokenizer: Any, needs_teache
     teacher = config.model.teacher
     if needs_teacher != bool(teacher):
         raise ConfigError(f"teacher: {algorithm} distils from a teacher model: give --teacher MODEL" if needs_teacher
-                          else f"teacher: {algorithm}'s advantages use no teacher; drop --teacher, or choose a "
-                          "distillation preset (on_policy_distill)")
+                          else f"teacher: {algorithm} uses no teacher; drop --teacher, or choose a distillation "
+                          "preset (on_policy_distill, gkd)")
     if not teacher:
         return None
     model, tokenizer = load_model_and_tokenizer(teacher, dtype=config.model.dtype, device=config.model.device,

@@ -16,6 +16,13 @@ One optimizer step (``train_step``), top to bottom:
 4. one guarded optimizer step (``posttrain.training.optim``: a non-finite gradient is skipped);
 5. log ``loss`` (= ``nll``, the step's mean NLL per trained token), ``tokens``, ``grad_norm``, ``lr``.
 
+GKD (``objective: gkd``, Agarwal et al. 2024) runs the same step with two changes: at a
+``student_fraction`` of the steps (drawn from the seed and the step, so a resumed run draws the same)
+the demonstrations' completions are replaced by the student's own samples of their prompts, and the
+loss is the generalised JSD to the ``--teacher``'s next-token distribution over the vocabulary
+(``F.generalized_jsd``) at every trained position instead of the NLL. Both models' logits over the
+vocabulary are computed for the step's rows (the LM head is not folded in), at the rollout's temperature.
+
 ``evaluate``: ``eval/nll`` (per trained token) and ``eval/perplexity`` on the held-out demonstrations
 (``--eval-dataset``, or a built-in task's held-out prompts with their solutions) and, for a built-in
 task, greedy generation accuracy on its held-out prompts with its Wilson interval.
@@ -60,12 +67,13 @@ from posttrain.data.sft import (
 from posttrain.data.tasks.task import Task
 from posttrain.models.architecture import SUPPORTED, is_supported_class
 from posttrain.models.modeling import split_head, unwrapped
-from posttrain.parallel import distributed, fsdp
+from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
-from posttrain.rollout.generators import make_generator
+from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
+from posttrain.data.prompts import encode_prompt
 from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
     Inputs,
@@ -73,6 +81,7 @@ from posttrain.training.setup import (
     fingerprint,
     greedy_accuracy,
     load_policy,
+    load_teacher,
     model_name,
     start_processes,
 )
@@ -96,6 +105,8 @@ class SFTSession:
     fingerprint: dict[str, Any] = field(default_factory=dict)
     last_nll: list[tuple[int, float, int]] = field(default_factory=list)  # last step: (example, summed NLL, tokens)
     update_check: UpdateCheck = field(init=False)  # an optimizer step that moves no weight is an error
+    teacher: Any = None  # GKD's frozen teacher
+    last_data: SFTExamples | None = None  # the examples the last step trained on (GKD: maybe the student's samples)
 
     def __post_init__(self) -> None:
         self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
@@ -114,6 +125,7 @@ class SFTSession:
         name = model_name(config, task.default_model if task else None, inputs)
         policy, tokenizer, _ = load_policy(config, name, inputs, needs_reference=False,
                                            train_mode=False)  # no dropout (decision 2)
+        teacher = load_teacher(config, name, tokenizer, preset.objective == "gkd", preset.name)
         if pc.packing and not is_supported_class(unwrapped(policy)):
             raise ConfigError(f"packing: {type(unwrapped(policy)).__name__} is not one of {', '.join(SUPPORTED)}, "
                               "whose attention transformers keeps within each packed example; set --no-packing")
@@ -126,12 +138,14 @@ class SFTSession:
              f"{int(train.loss_tokens.sum())} trained tokens")
         policy, optimizer, scheduler = build_optimization(config, policy, [], optimizer_steps=config.run.max_steps)
         generator = None
-        if task is not None:
+        if task is not None or teacher is not None:  # held-out accuracy; GKD's student samples
             r = config.rollout
-            sampling = SamplingParams(r.max_new_tokens or task.max_new_tokens, r.temperature, r.top_p, r.top_k)
+            budget = r.max_new_tokens or (task.max_new_tokens if task else 128)
+            sampling = SamplingParams(budget, r.temperature, r.top_p, r.top_k)
             generator = make_generator("hf", policy, tokenizer, sampling, eos_token_ids(policy, tokenizer))
         return cls(config, preset, policy, tokenizer, optimizer, scheduler, train, test, task, generator,
-                   PromptSampler(len(train), config.run.seed), fingerprint=fingerprint(name, preset.name, policy))
+                   PromptSampler(len(train), config.run.seed), fingerprint=fingerprint(name, preset.name, policy),
+                   teacher=teacher)
 
     # -- the runner's protocol -----------------------------------------------------------------
 
@@ -153,15 +167,18 @@ class SFTSession:
         pass  # nothing runs beside the trainer
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
-        """The last step's first examples with their NLL per trained token, for samples.jsonl."""
-        return [{**self.train.rows[i], "nll": total / max(tokens, 1), "tokens": tokens}
+        """The last step's first examples with their NLL (GKD: JSD) per trained token, for samples.jsonl."""
+        data, key = self.last_data or self.train, "jsd" if self.teacher is not None else "nll"
+        return [{**data.rows[i], key: total / max(tokens, 1), "tokens": tokens}
                 for i, total, tokens in self.last_nll[:limit]]
 
 
 def reject_unused(config: Config, preset: Any, inputs: Inputs) -> None:
     """Settings SFT would silently ignore are errors that say what to change."""
-    if not (isinstance(preset, SupervisedAlgorithm) and preset.objective == "sft"):
-        raise ConfigError(f"algorithm: {preset.name} is not an SFT preset; the SFT trainer runs sft")
+    if not (isinstance(preset, SupervisedAlgorithm) and preset.objective in ("sft", "gkd")):
+        raise ConfigError(f"algorithm: {preset.name} is not an SFT preset; the SFT trainer runs sft and gkd")
+    if preset.objective == "gkd" and config.preference.packing:
+        raise ConfigError("packing: gkd compares two models' logits row by row; set --no-packing")
     if inputs.tools or config.episodes.tools or config.episodes.environment:
         raise ConfigError("tools: SFT trains on given demonstrations; multi-turn episodes are sampled by online "
                           "presets (grpo, rloo, ...)")
@@ -254,42 +271,85 @@ def example_logps(s: SFTSession, data: SFTExamples, idx: list[int]) -> tuple[Ten
 # ---------------------------------------------------------------------------------------
 
 
-def train_micro_batch(s: SFTSession, rows: list[list[int]], normalizer: int) -> tuple[Tensor, TokenRows, Tensor]:
+def train_micro_batch(s: SFTSession, data: SFTExamples, rows: list[list[int]],
+                      normalizer: int) -> tuple[Tensor, TokenRows, Tensor]:
     """One forward pass over ``rows``, the loss (divided by the step's trained tokens), backward. Returns the
-    detached loss, the batch, and its examples' summed NLL [n]."""
-    batch = layout(s.train, rows, s.tokenizer.pad_token_id).to(s.policy.device)
+    detached loss, the batch, and its examples' summed NLL [n] (GKD: their summed JSD)."""
+    batch = layout(data, rows, s.tokenizer.pad_token_id).to(s.policy.device)
+    if s.teacher is not None:
+        per_token_RW = jsd_to_teacher(s, batch)
+        loss = per_token_RW.sum() / max(normalizer, 1)
+        loss.backward()
+        return loss.detach(), batch, per_example(batch, per_token_RW.detach())
     logp_RW = token_logprobs(s.policy, batch)
     loss, _ = F.nll_loss(logp_RW, batch.loss_mask, aggregation="token_mean", normalizer=normalizer)
     loss.backward()  # sum_i,t -logp / (the step's tokens): the micro-batches add up to the step's mean
     return loss.detach(), batch, -per_example(batch, logp_RW.detach())
 
 
+def jsd_to_teacher(s: SFTSession, batch: TokenRows) -> Tensor:
+    """[R, W] GKD's generalised JSD between the teacher's and the student's next-token distributions at each
+    trained position, 0 elsewhere."""
+    mask_RW = batch.loss_mask
+    student = s.policy(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[mask_RW]
+    with torch.no_grad(), offload.resident(s.teacher):
+        teacher = s.teacher(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[mask_RW]
+    jsd_M = F.generalized_jsd(student, teacher, beta=s.preset.jsd_beta, temperature=s.config.rollout.temperature)
+    return jsd_M.new_zeros(mask_RW.shape).masked_scatter(mask_RW, jsd_M)
+
+
+def on_policy(s: SFTSession) -> bool:
+    """GKD: whether this step trains on the student's samples, drawn from (seed, step) so a resume draws the same."""
+    if s.teacher is None or not s.preset.student_fraction:
+        return False
+    draw = torch.rand((), generator=torch.Generator().manual_seed(s.config.run.seed * 1_000_003 + s.step))
+    return bool(draw < s.preset.student_fraction)
+
+
+def student_samples(s: SFTSession, idx: list[int]) -> tuple[SFTExamples, list[int]]:
+    """The examples ``idx`` with their completions replaced by the student's samples of their prompts."""
+    rows = [s.train.rows[i] for i in idx]
+    if any("prompt" not in row or "completion" not in row for row in rows):
+        raise ConfigError("student_fraction: gkd samples the student on each example's prompt, which needs prompt + "
+                          "completion data; set --student-fraction 0 for messages or text data")
+    prompts = [encode_prompt(s.tokenizer, row["prompt"]) for row in rows]
+    texts, _ = generate_texts(s.generator, s.tokenizer, prompts, greedy=False)
+    sampled = [{**row, "completion": text} for row, text in zip(rows, texts)]
+    data = encode(sampled, s.tokenizer, completion_only_loss=True, max_length=s.config.preference.max_length,
+                  source="the student's samples")
+    return data, list(range(len(idx)))
+
+
 def train_step(s: SFTSession) -> dict[str, float]:
     """One optimizer step of the NLL of ``pairs_per_step`` demonstrations."""
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
-    tokens = int(s.train.loss_tokens[idx].sum())  # the step's normaliser, on every process
+    data, mine, sampled = s.train, distributed.shard(idx), on_policy(s)
+    if sampled:  # GKD: the student's own samples of this process's prompts
+        data, mine = student_samples(s, mine)
+    tokens = int(distributed.all_sum(data.loss_tokens[mine].sum()))  # the step's normaliser, on every process
     lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
-    parts = micro_batches(s, s.train, distributed.shard(idx))
+    parts = micro_batches(s, data, mine)
     loss = torch.zeros((), device=s.policy.device)
-    s.last_nll = []
+    s.last_nll, s.last_data = [], data
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
         for k, rows in enumerate(parts):
             fsdp.sync_gradients(s.policy, k == len(parts) - 1)  # FSDP reduces at the last backward
-            part_loss, batch, nll_n = train_micro_batch(s, rows, tokens)
+            part_loss, batch, nll_n = train_micro_batch(s, data, rows, tokens)
             loss += part_loss
-            s.last_nll += [(i, float(v), int(s.train.loss_tokens[i])) for i, v in zip(batch.examples, nll_n)]
+            s.last_nll += [(i, float(v), int(data.loss_tokens[i])) for i, v in zip(batch.examples, nll_n)]
     before = s.update_check.before_step()
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
     s.update_check.after_step(before, grad_norm, lr)
     nll = float(distributed.all_sum(loss))  # every process's share of the step's mean
+    gkd = {"jsd": nll, "on_policy": float(sampled)} if s.teacher is not None else {"nll": nll}
     return {
         "loss": nll,
-        "nll": nll,
+        **gkd,
         "tokens": float(tokens),
         "grad_norm": grad_norm,
         "skipped_steps": float(not math.isfinite(grad_norm)),
         "lr": lr,
-        "data/truncated": float(s.train.truncated[idx].sum()),
+        "data/truncated": float(distributed.all_sum(data.truncated[mine].sum())),
     }
 
 
