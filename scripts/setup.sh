@@ -29,5 +29,10 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   if [[ ",$EXTRAS," == *,dev,* || ",$EXTRAS," == *,gem,* ]]; then
     .venv/bin/python -m pip install --quiet --no-deps "gem-llm==0.1.0"
   fi
+  # verl's own loss functions, which the tests check posttrain's against (tests/peers.py): without its
+  # dependencies (ray, vLLM, ...), which the losses do not use.
+  if [[ ",$EXTRAS," == *,dev,* ]]; then
+    .venv/bin/python -m pip install --quiet --no-deps "verl==0.9.1"
+  fi
   echo "$want" > "$stamp"
 fi
