@@ -17,13 +17,14 @@ from __future__ import annotations
 
 import pytest
 
-from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm
+from posttrain.algorithms.presets import AFTER_THE_SEED, ALGORITHMS, OnlineAlgorithm, PreferenceAlgorithm
 from posttrain.config import Config
 from posttrain.training.api import train
 
 pytestmark = pytest.mark.slow
 
-ONLINE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, OnlineAlgorithm)]
+ONLINE = [name for name, preset in ALGORITHMS.items()
+          if isinstance(preset, OnlineAlgorithm) and not preset.needs_teacher]  # distillation: below
 PREFERENCE = [name for name, preset in ALGORITHMS.items() if isinstance(preset, PreferenceAlgorithm)]
 QUIET = {"progress": False, "report_to": "none", "eval_every": 0, "save_every": 0, "log_samples_every": 0}
 
@@ -41,7 +42,28 @@ def test_online_preset_raises_held_out_accuracy(name, precision, tmp_path):
                                **QUIET})
     result = train(config)
     before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
-    assert after >= before + 0.20, f"{name}: held-out accuracy {before:.3f} -> {after:.3f}"
+    gain = 0.25 if name in AFTER_THE_SEED else 0.20  # the presets after the seed's lineage: +25 points
+    assert after >= before + gain, f"{name}: held-out accuracy {before:.3f} -> {after:.3f}"
+
+
+@pytest.fixture(scope="module")
+def teacher_and_student(tmp_path_factory):
+    """A teacher (the default GRPO run) and a student below the default model (`tiny-addition-base` after 150
+    steps of SFT at 1e-3: about 5% held-out accuracy), as in docs/results.md's distillation table."""
+    root = tmp_path_factory.mktemp("distillation")
+    teacher = train(Config.from_flat({"output": str(root / "teacher"), **QUIET}))["after"]["eval/accuracy"]
+    train(Config.from_flat({"algorithm": "sft", "model": "tiny-addition-base", "learning_rate": 1e-3,
+                            "lr_schedule": "linear", "max_steps": 150, "output": str(root / "student"), **QUIET}))
+    return root / "teacher" / "final_model", root / "student" / "final_model", teacher
+
+
+def test_on_policy_distillation_reaches_the_teacher(teacher_and_student, tmp_path):
+    """`posttrain train --algorithm on_policy_distill --model STUDENT --teacher TEACHER --max-steps 100`: the
+    student reaches the teacher's held-out accuracy (within 5 points) in 100 steps."""
+    teacher, student, target = teacher_and_student
+    result = train(Config.from_flat({"algorithm": "on_policy_distill", "model": str(student), "teacher": str(teacher),
+                                     "max_steps": 100, "output": str(tmp_path / "opd"), **QUIET}))
+    assert result["after"]["eval/accuracy"] >= target - 0.05, (result, target)
 
 
 @pytest.mark.parametrize("name", PREFERENCE)
