@@ -13,11 +13,10 @@ import math
 from collections.abc import Sequence
 from typing import Any
 
+from posttrain.algorithms.offline import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.algorithms.records import (
     DESCRIPTIVE_FIELDS,
     OnlineAlgorithm,
-    PreferenceAlgorithm,
-    SupervisedAlgorithm,
     field_help,
     setting_names,
 )

@@ -25,6 +25,14 @@ Departures from the papers:
    then gives GSPO's mean_i L_i, other aggregations weight by length.
 4. The aggregation denominator can be the optimizer step's (`normalizer`), so
    micro-batches sum to the whole step.
+
+`policy_loss`'s metrics: `policy_loss` (the policy term alone), `clip_fraction` (share of valid
+tokens where the scheme's trust region is active), `ratio_mean`, `empty_batch` (1 if no token is
+valid), `kl` (token mean, when ref_logprobs is given), `dual_clip_fraction` (with dual_clip),
+`off_policy_masked_fraction` (share of non-empty completions dropped, with off_policy_mask) and
+`zero_gradient_fraction` (share of valid tokens with a nonzero advantage whose policy term sends no
+gradient to their log-prob: PPO's clipped tokens, never CISPO's, whose clip bounds only a weight;
+only when `logprobs` requires grad).
 """
 
 from __future__ import annotations
@@ -186,7 +194,7 @@ def _check_policy_args(
     check_nonnegative("off_policy_mask", off_policy_mask)
     check_clip_options(clip, clip_options)
     if ratio != "token" and clip == "geometric":
-        raise ValueError(f"clip='geometric' (GMPO) builds its own sequence ratio from the token ratios; use ratio='token'")
+        raise ValueError("clip='geometric' (GMPO) builds its own sequence ratio from the token ratios; use ratio='token'")
     if dual_clip is not None and (clip != "ppo" or dual_clip <= 1):
         raise ValueError(f"dual_clip={dual_clip} needs clip='ppo' and a value > 1 (verl uses 3.0), or None")
     if kl_coef > 0 and ref_logprobs is None:
@@ -232,23 +240,12 @@ def policy_loss(
         kl_coef: beta of the KL-in-loss term.
         kl_estimator: "k1" | "k2" | "k3".
         normalizer: the optimizer step's denominator (see `aggregate`); None = this batch.
-        clip_options: the scheme's settings (`CLIP_OPTIONS`): sapo `tau_pos`, `tau_neg` (> 0);
-            dppo_tv/dppo_kl `divergence_bound` (delta); clip_cov `cov_fraction`, `cov_bounds`
-            (lower, upper); kl_cov `cov_fraction`, `kl_cov_coef`.
-        off_policy_mask: delta of DeepSeek-V3.2's off-policy sequence mask (a completion with A < 0 whose mean
-            log pi_old - log pi exceeds delta leaves the loss); None = off.
-        kl_importance_weighted: weight the KL term by the ratio pi / pi_old (DeepSeek-V3.2's unbiased KL
-            estimate for samples of pi_old).
+        clip_options: the scheme's settings, by name (`CLIP_OPTIONS`; `_surrogates` defines them).
+        off_policy_mask: delta of DeepSeek-V3.2's off-policy sequence mask (`_surrogates`); None = off.
+        kl_importance_weighted: weight the KL term by pi / pi_old (DeepSeek-V3.2's unbiased KL).
 
     Returns:
-        (loss 0-dim, metrics): `policy_loss` (the policy term alone), `clip_fraction`
-        (share of valid tokens whose clipped branch is active), `ratio_mean`,
-        `empty_batch` (1 if no token is valid), `kl` (token mean, when ref_logprobs is
-        given), `dual_clip_fraction` (with dual_clip), `off_policy_masked_fraction` (share of non-empty
-        completions dropped, with off_policy_mask), `zero_gradient_fraction` (share of
-        valid tokens with a nonzero advantage whose policy term sends no gradient to their
-        log-prob: PPO's clipped tokens, never CISPO's, whose clip bounds only a weight; only
-        when `logprobs` requires grad). All 0-dim and detached.
+        (loss 0-dim, metrics): the module docstring's metrics, 0-dim and detached.
     """
     clip_options = dict(clip_options or {})
     _check_policy_args(logprobs, old_logprobs, advantages, mask, ref_logprobs, ratio, clip,
@@ -267,23 +264,13 @@ def policy_loss(
     ratio_NT = RATIOS[ratio](logp_NT, old_NT, valid_NT)
     loss_NT, clipped_NT = CLIPS[clip](ratio_NT, logp_NT, adv_NT, low, high, old_NT=old_NT, valid_NT=valid_NT,
                                       **clip_options)
-    metrics: dict[str, Tensor] = {}
-    if dual_clip is not None:
-        loss_NT, dual_clipped_NT = _dual_clip(loss_NT, adv_NT, dual_clip)
-        metrics["dual_clip_fraction"] = _token_mean(dual_clipped_NT.to(dtype), valid_NT)
-    if off_policy_mask is not None:
-        kept_N1 = off_policy_sequence_mask(logp_NT, old_NT, adv_NT, valid_NT, off_policy_mask)
-        loss_NT = loss_NT * kept_N1
-        rows_N = valid_NT.any(-1)
-        metrics["off_policy_masked_fraction"] = (1 - kept_N1[rows_N]).sum().detach() / rows_N.sum().clamp(min=1)
+    loss_NT, metrics = _bound_and_mask(loss_NT, logp_NT, old_NT, adv_NT, valid_NT, dual_clip, off_policy_mask)
 
     def reduce(values_NT: Tensor) -> Tensor:
         return aggregate(values_NT, valid_NT, aggregation, max_tokens=max_tokens, normalizer=normalizer)
 
-    if logp_NT.requires_grad:  # a backward through the elementwise surrogate only, not the model
-        (grad_NT,) = torch.autograd.grad(loss_NT.sum(), logp_NT, retain_graph=True)
-        dropped_NT = (grad_NT == 0) & (adv_NT != 0) & valid_NT
-        metrics["zero_gradient_fraction"] = _token_mean(dropped_NT.to(dtype), valid_NT)
+    if logp_NT.requires_grad:
+        metrics["zero_gradient_fraction"] = _zero_gradient_fraction(loss_NT, logp_NT, adv_NT, valid_NT)
     policy_term = reduce(loss_NT)
     loss = policy_term
     if ref_logprobs is not None:
@@ -301,6 +288,30 @@ def policy_loss(
         "empty_batch": (~valid_NT.any()).to(dtype),
     }
     return loss, metrics
+
+
+def _zero_gradient_fraction(loss_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, valid_NT: Tensor) -> Tensor:
+    """Share of valid tokens with a nonzero advantage whose loss sends no gradient to their log-prob, by a
+    backward through the elementwise surrogate only (not the model)."""
+    (grad_NT,) = torch.autograd.grad(loss_NT.sum(), logp_NT, retain_graph=True)
+    dropped_NT = (grad_NT == 0) & (adv_NT != 0) & valid_NT
+    return _token_mean(dropped_NT.to(loss_NT.dtype), valid_NT)
+
+
+def _bound_and_mask(loss_NT: Tensor, logp_NT: Tensor, old_NT: Tensor, adv_NT: Tensor, valid_NT: Tensor,
+                    dual_clip: float | None, off_policy_mask: float | None) -> tuple[Tensor, dict[str, Tensor]]:
+    """The per-token loss [N, T] after the dual clip and DeepSeek-V3.2's off-policy sequence mask (each when set),
+    with the shares of tokens and completions they acted on."""
+    metrics: dict[str, Tensor] = {}
+    if dual_clip is not None:
+        loss_NT, dual_clipped_NT = _dual_clip(loss_NT, adv_NT, dual_clip)
+        metrics["dual_clip_fraction"] = _token_mean(dual_clipped_NT.to(loss_NT.dtype), valid_NT)
+    if off_policy_mask is not None:
+        kept_N1 = off_policy_sequence_mask(logp_NT, old_NT, adv_NT, valid_NT, off_policy_mask)
+        loss_NT = loss_NT * kept_N1
+        rows_N = valid_NT.any(-1)
+        metrics["off_policy_masked_fraction"] = (1 - kept_N1[rows_N]).sum().detach() / rows_N.sum().clamp(min=1)
+    return loss_NT, metrics
 
 
 def _dual_clip(loss_NT: Tensor, adv_NT: Tensor, c: float) -> tuple[Tensor, Tensor]:
