@@ -48,51 +48,30 @@ def test_online_preset_raises_held_out_accuracy(name, precision, tmp_path):
 
 @pytest.fixture(scope="module")
 def teacher_and_student(tmp_path_factory):
-    """A teacher (the default GRPO run) and a student below the default model (`tiny-addition-base` after 150
-    steps of SFT at 1e-3: about 5% held-out accuracy), as in docs/results.md's distillation table."""
+    """A teacher (the default GRPO run) and a student below the default model (`tiny-addition-base` after 240
+    steps of SFT at 1e-3: 33% held-out accuracy), as in docs/results.md's distillation table."""
     root = tmp_path_factory.mktemp("distillation")
-    teacher = train(Config.from_flat({"output": str(root / "teacher"), **QUIET}))["after"]["eval/accuracy"]
+    train(Config.from_flat({"output": str(root / "teacher"), **QUIET}))
     train(Config.from_flat({"algorithm": "sft", "model": "tiny-addition-base", "learning_rate": 1e-3,
-                            "lr_schedule": "linear", "max_steps": 150, "output": str(root / "student"), **QUIET}))
-    return root / "teacher" / "final_model", root / "student" / "final_model", teacher
+                            "lr_schedule": "linear", "max_steps": 240, "output": str(root / "student"), **QUIET}))
+    return root / "teacher" / "final_model", root / "student" / "final_model"
 
 
-def test_on_policy_distillation_reaches_the_teacher(teacher_and_student, tmp_path):
-    """`posttrain train --algorithm on_policy_distill --model STUDENT --teacher TEACHER --max-steps 100`: the
-    student reaches the teacher's held-out accuracy (within 5 points) in 100 steps."""
-    teacher, student, target = teacher_and_student
+def test_on_policy_distillation_lifts_a_weak_student(teacher_and_student, tmp_path):
+    """`posttrain train --algorithm on_policy_distill --model STUDENT --teacher TEACHER`: +25 points at the default
+    budget (measured: 0.326 -> 0.746), where GRPO from the same student gains 2."""
+    teacher, student = teacher_and_student
     result = train(Config.from_flat({"algorithm": "on_policy_distill", "model": str(student), "teacher": str(teacher),
-                                     "max_steps": 100, "output": str(tmp_path / "opd"), **QUIET}))
-    assert result["after"]["eval/accuracy"] >= target - 0.05, (result, target)
-
-
-@pytest.mark.parametrize("name", PREFERENCE)
-def test_preference_presets_default_run_raises_task_and_pairwise_accuracy(name, tmp_path):
-    """`posttrain train --algorithm NAME --max-steps 100`: the default data (a round of pairs from the policy
-    every 10 steps) and loss (the paper's, plus RPO's NLL where the loss takes it), on 100 of the default
-    250 steps."""
-    config = Config.from_flat({"algorithm": name, "max_steps": 100, "output": str(tmp_path / name), **QUIET})
-    result = train(config)
-    before, after = result["before"], result["after"]
-    assert after["eval/accuracy"] >= before["eval/accuracy"] + 0.10, (name, before, after)
-    assert after["eval/pairwise_accuracy"] > before["eval/pairwise_accuracy"], (name, before, after)
-
-
-def test_sft_default_run_raises_held_out_accuracy(tmp_path):
-    """`posttrain train --algorithm sft --max-steps 50`: the task's reference solutions (the default run's
-    evaluation at step 50: 0.504 -> 0.86 on the Intel machine)."""
-    config = Config.from_flat({"algorithm": "sft", "max_steps": 50, "output": str(tmp_path / "sft"), **QUIET})
-    result = train(config)
+                                     "output": str(tmp_path / "opd"), **QUIET}))
     before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
-    assert after >= before + 0.10, (before, after)
+    assert after >= before + 0.25, (before, after)
 
 
-def test_reward_model_default_run_ranks_held_out_pairs(tmp_path):
-    """`posttrain train --algorithm reward_model --max-steps 150`: the starting model's own right and wrong
-    samples; held-out pairs of its samples on prompts it never trained on (the default run's evaluation at
-    step 150: 0.516 -> 0.79 on the Intel machine; 0.86-0.88 at the full 250 steps)."""
-    config = Config.from_flat({"algorithm": "reward_model", "max_steps": 150, "output": str(tmp_path / "rm"),
-                               **QUIET})
-    result = train(config)
-    before, after = result["before"], result["after"]
-    assert after["eval/pairwise_accuracy_low"] > 0.5 and after["eval/pairwise_accuracy"] >= 0.72, (before, after)
+def test_gkd_lifts_a_weak_student(teacher_and_student, tmp_path):
+    """`posttrain train --algorithm gkd --model STUDENT --teacher TEACHER --task addition --no-packing`: +15 points
+    at the default budget (measured: 0.326 -> 0.560)."""
+    teacher, student = teacher_and_student
+    result = train(Config.from_flat({"algorithm": "gkd", "model": str(student), "teacher": str(teacher),
+                                     "task": "addition", "packing": False, "output": str(tmp_path / "gkd"), **QUIET}))
+    before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
+    assert after >= before + 0.15, (before, after)
