@@ -291,3 +291,53 @@ def test_importance_weighted_kl_is_the_ratio_times_k3():
     k3 = (ref - logp).exp() - (ref - logp) - 1
     assert plain.item() == pytest.approx(((k3 * mask).sum() / mask.sum()).item(), rel=1e-12)
     assert weighted.item() == pytest.approx((((logp - old).exp() * k3 * mask).sum() / mask.sum()).item(), rel=1e-12)
+
+
+# --- a naive float64 reference: loops over i and t, scalar arithmetic, written from docs/algorithms.md ----
+
+
+def naive_loss(name, logp, old, adv, mask, **options):
+    """The sequence_mean loss of SAPO, DPPO-TV or GMPO, one token at a time."""
+    per_sequence = []
+    for i in range(logp.shape[0]):
+        tokens = [t for t in range(logp.shape[1]) if mask[i, t]]
+        a = adv[i]
+        if name == "geometric":  # GMPO: -A exp(mean_t of the sign-aware clipped log-ratio), on every token
+            lo, hi = math.log(1 - options["eps_low"]), math.log(1 + options["eps_high"])
+            terms = []
+            for t in tokens:
+                d = logp[i, t] - old[i, t]
+                clipped = torch.clamp(d, lo, hi)
+                terms.append(torch.sign(a) * torch.minimum(torch.sign(a) * d, torch.sign(a) * clipped))
+            per_sequence.append(-a * torch.exp(sum(terms) / len(terms)))
+            continue
+        losses = []
+        for t in tokens:
+            r = torch.exp(logp[i, t] - old[i, t])
+            if name == "sapo":
+                tau = options["tau_pos"] if a > 0 else options["tau_neg"]
+                losses.append(-(4 / tau) * torch.sigmoid(tau * (r - 1)) * a)
+            else:  # dppo_tv: -sg(r) A log pi, kept while p - p_old stays within delta in A's direction
+                moved = torch.exp(logp[i, t]) - torch.exp(old[i, t])
+                outside = moved > options["delta"] if a > 0 else moved < -options["delta"]
+                losses.append(torch.zeros((), dtype=f64) if outside else -r.detach() * a * logp[i, t])
+        per_sequence.append(sum(losses) / len(losses))
+    return sum(per_sequence) / len(per_sequence)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name, kwargs, options", [
+    ("sapo", dict(clip="sapo", eps_low=None, eps_high=None, clip_options=SAPO), SAPO),
+    ("dppo_tv", dict(clip="dppo_tv", eps_low=None, eps_high=None, clip_options=dict(divergence_bound=0.1)),
+     dict(delta=0.1)),
+    ("geometric", dict(clip="geometric", eps_low=1 - math.exp(-0.2), eps_high=math.exp(0.2) - 1),
+     dict(eps_low=1 - math.exp(-0.2), eps_high=math.exp(0.2) - 1)),
+])
+def test_matches_a_naive_float64_reference(name, kwargs, options, seed):
+    logp, old, adv, mask = random_case(seed + 10)
+    ours, ours_grad, _ = loss_and_grad(logp, old, adv, mask, aggregation="sequence_mean", **kwargs)
+    leaf = logp.clone().requires_grad_(True)
+    theirs = naive_loss(name, leaf, old, adv, mask, **options)
+    (theirs_grad,) = torch.autograd.grad(theirs, leaf)
+    assert torch.allclose(ours, theirs.detach(), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(ours_grad, theirs_grad, rtol=1e-10, atol=1e-12)

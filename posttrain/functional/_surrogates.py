@@ -56,7 +56,7 @@ def sapo_gate(ratio_NT: Tensor, tau_NT: Tensor) -> Tensor:
 
 def _sapo_surrogate(ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound, *,
                     tau_pos: float, tau_neg: float, **_: object) -> tuple[Tensor, Tensor]:
-    tau_NT = torch.where(adv_NT > 0, tau_pos, tau_neg).to(ratio_NT.dtype)  # SAPO: tau_neg > tau_pos damps A < 0 faster
+    tau_NT = torch.full_like(ratio_NT, tau_neg).masked_fill(adv_NT > 0, tau_pos)  # SAPO: tau_neg > tau_pos damps A < 0 faster
     return -sapo_gate(ratio_NT, tau_NT) * adv_NT, _none(ratio_NT)
 
 
