@@ -57,6 +57,7 @@ from ._surrogates import (
     _geometric_surrogate,
     _kl_cov_surrogate,
     _sapo_surrogate,
+    clamp_ratio,
     off_policy_sequence_mask,
 )
 
@@ -90,12 +91,6 @@ Surrogate = Callable[..., tuple[Tensor, Tensor]]
 """``fn(ratio_NT, logp_NT, adv_NT, low, high, *, old_NT, valid_NT, **clip_options) -> (loss_NT, clipped_NT)``."""
 
 
-def _clamp(ratio_NT: Tensor, low: Bound, high: Bound) -> Tensor:
-    if low is None and high is None:
-        return ratio_NT
-    return ratio_NT.clamp(min=low, max=high)
-
-
 def _above(ratio_NT: Tensor, bound: Bound) -> Tensor:
     return torch.zeros_like(ratio_NT, dtype=torch.bool) if bound is None else ratio_NT > bound
 
@@ -107,7 +102,7 @@ def _below(ratio_NT: Tensor, bound: Bound) -> Tensor:
 def _ppo_surrogate(
     ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound, **_: object
 ) -> tuple[Tensor, Tensor]:
-    surrogate_NT = torch.minimum(ratio_NT * adv_NT, _clamp(ratio_NT, low, high) * adv_NT)
+    surrogate_NT = torch.minimum(ratio_NT * adv_NT, clamp_ratio(ratio_NT, low, high) * adv_NT)
     clipped_NT = ((adv_NT > 0) & _above(ratio_NT, high)) | ((adv_NT < 0) & _below(ratio_NT, low))
     return -surrogate_NT, clipped_NT  # PPO eq. (7); DAPO Clip-Higher: low != high
 
@@ -115,7 +110,7 @@ def _ppo_surrogate(
 def _is_weight_surrogate(
     ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: Bound, high: Bound, **_: object
 ) -> tuple[Tensor, Tensor]:
-    weight_NT = _clamp(ratio_NT, low, high).detach()
+    weight_NT = clamp_ratio(ratio_NT, low, high).detach()
     clipped_NT = _above(ratio_NT, high) | _below(ratio_NT, low)
     return -weight_NT * adv_NT * logp_NT, clipped_NT  # CISPO: sg(clip(r)) * A * log pi
 

@@ -44,6 +44,13 @@ from torch import Tensor
 Bound = float | None
 
 
+def clamp_ratio(ratio_NT: Tensor, low: Bound, high: Bound) -> Tensor:
+    """The ratio clamped to [low, high], either side None = unbounded."""
+    if low is None and high is None:
+        return ratio_NT
+    return ratio_NT.clamp(min=low, max=high)
+
+
 def _none(like: Tensor) -> Tensor:
     return torch.zeros_like(like, dtype=torch.bool)
 
@@ -81,7 +88,7 @@ def _dppo_surrogate(kind: str):
             p_NT, p_old_NT = logp_NT.detach().exp(), old_NT.exp()
             beyond_NT = divergence_NT > divergence_bound
             outside_NT = beyond_NT & torch.where(adv_NT > 0, p_NT > p_old_NT, p_NT < p_old_NT)
-        weight_NT = ratio_NT.detach().clamp(min=low, max=high) if (low, high) != (None, None) else ratio_NT.detach()
+        weight_NT = clamp_ratio(ratio_NT.detach(), low, high)
         return -weight_NT * adv_NT * logp_NT * ~outside_NT, outside_NT
 
     surrogate.__name__ = f"_dppo_{kind}_surrogate"
@@ -121,7 +128,7 @@ def _clip_cov_surrogate(ratio_NT: Tensor, logp_NT: Tensor, adv_NT: Tensor, low: 
                         valid_NT: Tensor, cov_fraction: float, cov_bounds: tuple[float, float],
                         **_: object) -> tuple[Tensor, Tensor]:
     unclipped_NT = -adv_NT * ratio_NT
-    clipped_loss_NT = -adv_NT * (ratio_NT if low is None and high is None else ratio_NT.clamp(min=low, max=high))
+    clipped_loss_NT = -adv_NT * clamp_ratio(ratio_NT, low, high)
     ppo_clipped_NT = (clipped_loss_NT > unclipped_NT) & valid_NT
     cov_NT = token_covariance(adv_NT, logp_NT, valid_NT)
     lower, upper = cov_bounds
