@@ -245,6 +245,36 @@ def test_gdpo_leaves_a_reward_that_does_not_apply_out_of_its_group():
     assert out[0, 0] > out[0, 2] and alone.shape == out.shape
 
 
+@pytest.mark.parametrize("seed", range(3))
+def test_gdpo_matches_a_naive_float64_reference(seed):
+    """Plain Python over groups, samples and reward functions, NaN where a reward does not apply."""
+    g = torch.Generator().manual_seed(seed)
+    terms = torch.randn(4, 5, 3, generator=g, dtype=torch.float64)
+    terms[torch.rand(4, 5, 3, generator=g) < 0.2] = float("nan")
+    terms[1, :, 2] = 0.5  # a reward equal across a group: no signal from it there
+    weights = [1.0, 0.5, 2.0]
+
+    def std(values):  # unbiased
+        mean = sum(values) / len(values)
+        return math.sqrt(sum((v - mean) ** 2 for v in values) / (len(values) - 1))
+
+    summed = []
+    for b in range(4):
+        for i in range(5):
+            total = 0.0
+            for k in range(3):
+                present = [float(terms[b, j, k]) for j in range(5) if not math.isnan(terms[b, j, k])]
+                value = float(terms[b, i, k])
+                if math.isnan(value) or len(present) < 2:
+                    continue
+                total += weights[k] * (value - sum(present) / len(present)) / (std(present) + 1e-6)
+            summed.append(total)
+    mean = sum(summed) / len(summed)
+    expected = torch.tensor([(a - mean) / (std(summed) + 1e-6) for a in summed], dtype=torch.float64).reshape(4, 5)
+    torch.testing.assert_close(F.gdpo_advantages(terms, torch.tensor(weights, dtype=torch.float64), eps=1e-6),
+                               expected, rtol=1e-10, atol=1e-12)
+
+
 def test_gdpo_rejects_mismatched_weights():
     with pytest.raises(ValueError, match="one weight per function"):
         F.gdpo_advantages(torch.zeros(2, 2, 3), torch.ones(2))

@@ -341,3 +341,91 @@ def test_matches_a_naive_float64_reference(name, kwargs, options, seed):
     (theirs_grad,) = torch.autograd.grad(theirs, leaf)
     assert torch.allclose(ours, theirs.detach(), rtol=1e-10, atol=1e-12)
     assert torch.allclose(ours_grad, theirs_grad, rtol=1e-10, atol=1e-12)
+
+
+def naive_covariance(logp, adv, mask):
+    """Each valid token's (A - mean A)(log pi - mean log pi) over the valid tokens, as a dict {(i, t): float}."""
+    tokens = [(i, t) for i in range(logp.shape[0]) for t in range(logp.shape[1]) if mask[i, t]]
+    adv_mean = sum(float(adv[i]) for i, _ in tokens) / len(tokens)
+    logp_mean = sum(float(logp[i, t]) for i, t in tokens) / len(tokens)
+    return {(i, t): (float(adv[i]) - adv_mean) * (float(logp[i, t]) - logp_mean) for i, t in tokens}
+
+
+def naive_token_mean_loss(name, logp, old, adv, mask, *, eps_low, eps_high, fraction, bounds=None, coef=None,
+                          seed=None):
+    """Clip-Cov's or KL-Cov's token_mean loss, one token at a time (Cui et al. 2025, Algorithms 1 and 2)."""
+    cov = naive_covariance(logp.detach(), adv, mask)
+    k = max(int(fraction * len(cov)), 1)
+    losses = {}
+    clipped = set()
+    for (i, t) in cov:
+        r = torch.exp(logp[i, t] - old[i, t])
+        unclipped = -adv[i] * r
+        bounded = r if eps_low is None else torch.clamp(r, min=1 - eps_low)
+        bounded = bounded if eps_high is None else torch.clamp(bounded, max=1 + eps_high)
+        clipped_term = -adv[i] * bounded
+        if clipped_term > unclipped:
+            clipped.add((i, t))
+        losses[i, t] = torch.maximum(unclipped, clipped_term) if name == "clip_cov" else unclipped
+    if name == "clip_cov":  # the chosen: k drawn at random among unclipped tokens inside the covariance band
+        candidates = [key for key in cov if key not in clipped and bounds[0] < cov[key] < bounds[1]]
+        torch.manual_seed(seed)
+        for index in torch.randperm(len(candidates))[:k].tolist():
+            losses[candidates[index]] = torch.zeros((), dtype=f64)
+    else:  # the k tokens of highest covariance get coef |log r|
+        for key in sorted(cov, key=cov.get, reverse=True)[:k]:
+            i, t = key
+            losses[key] = losses[key] + coef * torch.abs(logp[i, t] - old[i, t])
+    return sum(losses.values()) / len(losses)
+
+
+@pytest.mark.parametrize("seed", range(3))
+@pytest.mark.parametrize("name", ["clip_cov", "kl_cov"])
+def test_covariance_methods_match_a_naive_float64_reference(name, seed):
+    logp, old, adv, mask = random_case(seed + 20)
+    if name == "clip_cov":
+        kwargs = dict(eps_low=0.2, eps_high=0.28, clip_options=dict(cov_fraction=0.2, cov_bounds=(0.0, 5.0)))
+        options = dict(eps_low=0.2, eps_high=0.28, fraction=0.2, bounds=(0.0, 5.0), seed=seed)
+    else:
+        kwargs = dict(eps_low=None, eps_high=None, clip_options=dict(cov_fraction=0.1, kl_cov_coef=1.0))
+        options = dict(eps_low=None, eps_high=None, fraction=0.1, coef=1.0)
+    torch.manual_seed(seed)  # Clip-Cov draws its tokens from torch's global generator
+    ours, ours_grad, _ = loss_and_grad(logp, old, adv, mask, clip=name, aggregation="token_mean", **kwargs)
+    leaf = logp.clone().requires_grad_(True)
+    theirs = naive_token_mean_loss(name, leaf, old, adv, mask, **options)
+    (theirs_grad,) = torch.autograd.grad(theirs, leaf)
+    assert torch.allclose(ours, theirs.detach(), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(ours_grad, theirs_grad, rtol=1e-10, atol=1e-12)
+    plain, _, _ = loss_and_grad(logp, old, adv, mask, clip="ppo" if name == "clip_cov" else "none",
+                                aggregation="token_mean", **{k: v for k, v in kwargs.items() if k != "clip_options"})
+    assert ours.item() != pytest.approx(plain.item(), rel=1e-6)  # the chosen tokens changed the loss
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_deepseek_v32_loss_matches_a_naive_float64_reference(seed):
+    """PPO's clip, the off-policy sequence mask and the importance-weighted k3 KL together, sequence_mean."""
+    logp, old, adv, mask = random_case(seed + 30)
+    ref = old + 0.2 * torch.randn(old.shape, generator=torch.Generator().manual_seed(seed), dtype=f64)
+    delta, beta = 0.02, 0.04
+    ours, ours_grad, metrics = loss_and_grad(logp, old, adv, mask, aggregation="sequence_mean", ref_logprobs=ref,
+                                             kl_coef=beta, off_policy_mask=delta, kl_importance_weighted=True)
+    leaf = logp.clone().requires_grad_(True)
+    per_sequence, dropped = [], 0
+    for i in range(leaf.shape[0]):
+        tokens = [t for t in range(leaf.shape[1]) if mask[i, t]]
+        drift = sum(float(old[i, t] - logp[i, t]) for t in tokens) / len(tokens)
+        keep = not (adv[i] < 0 and drift > delta)
+        dropped += not keep
+        policy, kl = [], []
+        for t in tokens:
+            r = torch.exp(leaf[i, t] - old[i, t])
+            policy.append(torch.maximum(-adv[i] * r, -adv[i] * torch.clamp(r, 0.8, 1.2)))
+            log_ref_ratio = ref[i, t] - leaf[i, t]
+            kl.append(r * (torch.exp(log_ref_ratio) - log_ref_ratio - 1))
+        per_sequence.append(keep * sum(policy) / len(policy) + beta * sum(kl) / len(kl))
+    theirs = sum(per_sequence) / len(per_sequence)
+    (theirs_grad,) = torch.autograd.grad(theirs, leaf)
+    assert 0 < dropped < leaf.shape[0]
+    assert metrics["off_policy_masked_fraction"].item() == pytest.approx(dropped / leaf.shape[0])
+    assert torch.allclose(ours, theirs.detach(), rtol=1e-10, atol=1e-12)
+    assert torch.allclose(ours_grad, theirs_grad, rtol=1e-10, atol=1e-12)

@@ -41,6 +41,11 @@ def test_grpo_loss_settings_translate_to_the_pieces():
     assert Config.from_flat({"scale_rewards": "batch"}).preset().advantage == "group_batch_std"  # Lite PPO's
     sapo = Config.from_flat({"algorithm": "sapo", "sapo_temperature_pos": 0.9, "sapo_temperature_neg": 1.2}).preset()
     assert (sapo.tau_pos, sapo.tau_neg) == (0.9, 1.2)
+    # DeepSeek-V3.2's two stabilisers under TRL's names
+    preset = Config.from_flat({"use_bias_correction_kl": True, "off_policy_mask_threshold": 0.5}).preset()
+    assert (preset.kl_importance_weighted, preset.off_policy_mask) == (True, 0.5)
+    with pytest.raises(ConfigError, match="use_bias_correction_kl true: .*'none'"):
+        Config.from_flat({"algorithm": "dapo", "use_bias_correction_kl": True})
 
 
 def test_training_arguments_translate():

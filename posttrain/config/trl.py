@@ -42,6 +42,7 @@ RENAMED: dict[str, str] = {
     "delta": "dual_clip",
     "sapo_temperature_pos": "tau_pos",
     "sapo_temperature_neg": "tau_neg",
+    "off_policy_mask_threshold": "off_policy_mask",
     "model_name_or_path": "model",
     "dataset_name": "dataset",
     "dataset_train_split": "dataset_split",
@@ -194,10 +195,13 @@ def _dtype(value: Any, context: Context) -> Translation:
 
 
 def _use_bias_correction_kl(value: Any, context: Context) -> Translation:
-    if value:
-        raise NoEquivalent("use_bias_correction_kl true: posttrain's KL term (beta) is not weighted by the "
-                           "importance ratio; set it false, or drop it")
-    return Translation({}, "use_bias_correction_kl false: posttrain's KL term has no importance weight")
+    """TRL multiplies its k3 KL by the (differentiable) importance ratio, DeepSeek-V3.2's unbiased KL; posttrain's
+    kl_importance_weighted is the same weight on the same term (TRL's default is true, posttrain's false)."""
+    if value and context.setting("kl_placement") != "loss":
+        raise NoEquivalent(f"use_bias_correction_kl true: it weights a KL term in the loss, and "
+                           f"{context.preset.name} puts its KL in {context.setting('kl_placement')!r}")
+    return Translation({"kl_importance_weighted": bool(value)},
+                       f"use_bias_correction_kl {value} -> kl_importance_weighted {bool(value)}")
 
 
 def _assistant_only_loss(value: Any, context: Context) -> Translation:
