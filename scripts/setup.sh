@@ -36,3 +36,14 @@ if [ ! -f "$stamp" ] || [ "$(cat "$stamp")" != "$want" ]; then
   fi
   echo "$want" > "$stamp"
 fi
+# bubblewrap, the sandbox that model-written code runs in (posttrain.sandbox; the code task's reward):
+# installed where this user may install system packages, otherwise a note (the sandbox's error says the same).
+if ! command -v bwrap >/dev/null 2>&1; then
+  if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+    apt-get install -y -qq bubblewrap >/dev/null 2>&1 \
+      || { apt-get update -qq >/dev/null 2>&1 && apt-get install -y -qq bubblewrap >/dev/null 2>&1; } \
+      || echo "setup: could not install bubblewrap; code-execution rewards need it (apt-get install bubblewrap)" >&2
+  else
+    echo "setup: bubblewrap (bwrap) is not installed; code-execution rewards need it: sudo apt-get install bubblewrap" >&2
+  fi
+fi

@@ -136,7 +136,7 @@ def test_load_reward_function(tmp_path):
 
 
 def test_every_built_in_is_named_and_a_bare_name_uses_the_defaults():
-    assert sorted(REWARDS) == ["exact_match", "format_reward", "length_penalty", "math_answer", "numeric_match"]
+    assert sorted(REWARDS) == ["code_tests", "exact_match", "format_reward", "length_penalty", "math_answer", "numeric_match"]
     # the last completion's final answer is its last number, 3 (no box, no "answer is")
     completions = ["the answer is 5.001", "\\boxed{5}", "<think>2 + 3\nis</think>\n<answer>five</answer> 3"]
     answers = ["5"] * 3
@@ -161,7 +161,7 @@ def test_settings_in_parentheses_reach_the_factory():
 
 @pytest.mark.parametrize("spec, message", [
     ("numeric_mach", "unknown reward 'numeric_mach' (did you mean numeric_match?); the rewards by name are "
-                     "exact_match, format_reward, length_penalty, math_answer, numeric_match"),
+                     "code_tests, exact_match, format_reward, length_penalty, math_answer, numeric_match"),
     ("length_penalty", "length_penalty needs max_chars (no default): give --reward 'length_penalty(max_chars=VALUE)'"),
     ("exact_match(delim='|')", "exact_match has no setting 'delim'; its settings: delimiter"),
     ("length_penalty(max_chars='many')", "setting max_chars='many' of length_penalty must be of type int"),

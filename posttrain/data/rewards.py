@@ -19,6 +19,7 @@ Built-ins (factories return a callable whose ``__name__`` is used in logs):
 - :func:`math_answer` - the final answer equals ``answer`` mathematically (``math_verify`` when installed);
 - :func:`format_reward` - 1.0 when the completion fully matches a regex;
 - :func:`length_penalty` - 0.0 up to a length, then down to ``-scale``;
+- :func:`code_tests` - the share of a row's hidden unit tests the completion's function passes, in the sandbox;
 - :class:`RewardModel` - the scalar score of a sequence-classification model;
 - :func:`load_reward_function` - a user's function from ``path/to/file.py:name``.
 
@@ -496,3 +497,32 @@ def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
         return scores
 
     return math_answer
+
+
+@register_reward("code_tests")
+def code_tests(seconds_per_test: float = 1.0, timeout_s: float = 10.0, memory_mb: int = 512) -> RewardFn:
+    """The fraction of a row's unit tests the completion's function passes, run in the sandbox.
+
+    Rows need ``entry_point`` (the function's name) and ``tests`` (a list of ``{"input": [args...],
+    "output": expected}`` or that list as JSON); the code is the completion's first fenced block that
+    defines the function (:func:`posttrain.data.code_execution.extract_code`). Each completion runs in a
+    fresh :mod:`posttrain.sandbox` (``timeout_s`` and ``memory_mb`` for all its tests, ``seconds_per_test``
+    each), a step's completions in parallel; the outputs are compared outside the sandbox. A row without
+    tests scores None.
+    """
+    from posttrain.data.code_execution import extract_code, run_tests
+
+    def code_tests(prompts: list, completions: list, entry_point: Sequence[str] | None = None,
+                   tests: Sequence[Any] | None = None, **columns: Any) -> list[float | None]:
+        if entry_point is None or tests is None:
+            raise ValueError("reward 'code_tests' needs 'entry_point' and 'tests' columns in the dataset")
+        rows = [i for i, t in enumerate(tests) if t is not None]
+        reports = run_tests([extract_code(completion_text(completions[i]), entry_point[i]) for i in rows],
+                            [entry_point[i] for i in rows], [tests[i] for i in rows],
+                            seconds_per_test=seconds_per_test, timeout_s=timeout_s, memory_mb=memory_mb)
+        scores: list[float | None] = [None] * len(completions)
+        for i, report in zip(rows, reports):
+            scores[i] = report.fraction
+        return scores
+
+    return code_tests

@@ -51,8 +51,14 @@ def _calculator(seed: int) -> Task:
     return calculator.make_task(seed)
 
 
+def _code(seed: int) -> Task:
+    from posttrain.data.tasks import code
+
+    return code.make_task(seed)
+
+
 TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "addition-process": _addition_process, "gsm": _gsm,
-                                           "gsm-calculator": _gsm_calculator, "calculator": _calculator}
+                                           "gsm-calculator": _gsm_calculator, "calculator": _calculator, "code": _code}
 """Task name -> builder taking the split seed."""
 
 def _reasoning_gym(spec: str, seed: int) -> Task:

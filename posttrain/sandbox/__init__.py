@@ -1,0 +1,40 @@
+"""Running model-written code where it can do no harm.
+
+``run(source)`` executes a Python program in a fresh bubblewrap sandbox and returns what happened as
+data; ``run_many`` runs a batch of them in parallel. Rewards that execute completions (the ``code``
+task's tests) and tools that run code use it, and so can users' own::
+
+    from posttrain import sandbox
+
+    result = sandbox.run("print(sum(range(10)))", timeout_s=5, memory_mb=256)
+    result.stdout, result.returncode, result.limit      # ('45\\n', 0, None)
+
+What the program gets (each a separate line of defence):
+
+- **no network**: its own network namespace, with only a loopback of its own;
+- **a read-only view of what Python needs** (``/usr`` and the interpreter's prefix): no home
+  directory, no project, no ``/etc``, no ``/sys``; its source and ``files`` read-only in ``/sandbox``;
+- **a private writable ``/tmp``** (a tmpfs of ``disk_mb``), gone when it ends;
+- **its own process tree** (a pid namespace: it can see and signal only its own processes; when
+  the sandbox ends, every process in it ends), its own session (no terminal to inject into), no
+  capabilities, an unprivileged user (a dedicated uid when posttrain runs as root);
+- **limits**: wall time (``timeout_s``), CPU time, address space (``memory_mb``), processes and
+  threads, and the size of its output and of any file it writes;
+- **an empty environment**: nothing of the parent's variables, secrets included.
+
+A result is never an exception: ``limit`` names the limit that stopped the program (``wall_time``,
+``cpu_time``, ``memory``, ``processes``, ``output``, ``disk``) or is None. Only a machine that cannot
+sandbox at all (no bubblewrap, user namespaces disabled) raises :class:`SandboxUnavailable`, with
+the command that fixes it.
+"""
+
+from posttrain.sandbox._bubblewrap import (
+    LIMITS,
+    SandboxResult,
+    SandboxUnavailable,
+    check_available,
+    run,
+    run_many,
+)
+
+__all__ = ["LIMITS", "SandboxResult", "SandboxUnavailable", "check_available", "run", "run_many"]

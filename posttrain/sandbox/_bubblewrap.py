@@ -1,0 +1,330 @@
+"""The sandbox: bubblewrap (namespaces, a minimal read-only root) inside prlimit (resource limits).
+
+One execution is ``prlimit --cpu --as --fsize --nproc -- bwrap ... python -I /sandbox/main.py``:
+prlimit sets the rlimits and execs bwrap, which builds the sandbox and runs the program in it. The
+program's stdout and stderr go to files the parent opened, so ``RLIMIT_FSIZE`` caps them (a pipe has
+no such cap, and a program printing gigabytes would fill the parent's memory before the wall clock
+stopped it). The parent kills the process group at the wall-clock limit; the pid namespace takes
+every process in the sandbox with it. prlimit and bwrap start with an empty environment: bwrap's
+init is the sandbox's pid 1, and its ``/proc/1/environ`` is readable from inside.
+
+Processes are limited with ``RLIMIT_NPROC``, which counts every task of a uid. Under root, each
+concurrent execution therefore runs as a uid of its own (``UID_BASE`` + a slot), so the limit counts
+that execution's tasks only; otherwise it runs as the user, and the limit is the user's current
+task count plus the execution's allowance.
+"""
+
+from __future__ import annotations
+
+import os
+import queue
+import shutil
+import signal
+import subprocess
+import tempfile
+import threading
+import time
+from collections.abc import Iterator, Mapping, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+LIMITS = ("wall_time", "cpu_time", "memory", "processes", "output", "disk")
+"""The names ``SandboxResult.limit`` takes when a limit stopped (or, for output, truncated) a program."""
+
+UID_BASE = 2_000_000_000
+"""Under root, execution slot k runs as uid and gid ``UID_BASE + k``: far above any account's."""
+SLOTS = 256
+BWRAP_TASKS = 3
+"""Tasks bubblewrap itself holds during an execution (measured: the outer bwrap, the pid namespace's
+init, and the user namespace's helper), added to ``max_processes`` in ``RLIMIT_NPROC``."""
+SANDBOX_PATH = "/usr/bin:/bin"
+INSTALL_HINT = ("install bubblewrap: sudo apt-get install bubblewrap (Debian, Ubuntu), sudo dnf install bubblewrap "
+                "(Fedora), or run scripts/setup.sh")
+NAMESPACE_HINT = ("bubblewrap could not create its namespaces: allow unprivileged user namespaces (sysctl -w "
+                  "kernel.unprivileged_userns_clone=1 on Debian; kernel.apparmor_restrict_unprivileged_userns=0 on "
+                  "Ubuntu 24.04), or in a container run it with --security-opt seccomp=unconfined "
+                  "--security-opt apparmor=unconfined")
+
+
+class SandboxUnavailable(RuntimeError):
+    """This machine cannot sandbox (no bubblewrap, or namespaces refused); the message says how to fix it."""
+
+
+@dataclass(frozen=True)
+class SandboxResult:
+    """What one execution did. Never raised: a program that crashed, hung or misbehaved is data."""
+
+    stdout: str
+    stderr: str
+    returncode: int | None
+    """The program's exit status; ``-N`` when signal N ended it; None when the wall clock did."""
+    limit: str | None
+    """Which of :data:`LIMITS` stopped it (``output``: its output was cut at the cap), or None."""
+    wall_seconds: float
+
+    @property
+    def ok(self) -> bool:
+        """It ran to a zero exit status within every limit."""
+        return self.returncode == 0 and self.limit is None
+
+
+def run(source: str, *, stdin: str = "", timeout_s: float = 10.0, cpu_time_s: float | None = None,
+        memory_mb: int = 512, max_processes: int = 16, max_output_bytes: int = 1_000_000, disk_mb: int = 64,
+        files: Mapping[str, str] | None = None, args: Sequence[str] = (), python: str | None = None) -> SandboxResult:
+    """Run the Python program ``source`` in a fresh sandbox (see :mod:`posttrain.sandbox`).
+
+    Args:
+        source: the program, run as ``python -E -s /sandbox/main.py ARGS`` with ``/tmp`` as its directory.
+        stdin: its standard input.
+        timeout_s: wall-clock limit in seconds; the whole sandbox is killed at it.
+        cpu_time_s: CPU-time limit (all its processes together); default ``timeout_s``.
+        memory_mb: address-space limit of each of its processes (``RLIMIT_AS``).
+        max_processes: processes and threads it may have at once, itself included.
+        max_output_bytes: cap on stdout and on stderr each, and on any file it writes.
+        disk_mb: size of its private ``/tmp``.
+        files: more read-only files beside ``main.py`` in ``/sandbox`` (name -> text), e.g. a module
+            to import or data to read.
+        args: its command-line arguments.
+        python: the interpreter; default the system's (``/usr/bin/python3``), whose standard library is
+            all the program sees.
+    """
+    _check_limits(timeout_s=timeout_s, cpu_time_s=cpu_time_s, memory_mb=memory_mb, max_processes=max_processes,
+                  max_output_bytes=max_output_bytes, disk_mb=disk_mb)
+    for name in files or {}:
+        if name == "main.py" or "/" in name or name in ("", ".", ".."):
+            raise ValueError(f"files: {name!r} is not a plain file name other than main.py")
+    interpreter = python or default_python()
+    check_available(interpreter)
+    tools = _tools()
+    cpu_limit = max(1, round(cpu_time_s if cpu_time_s is not None else timeout_s))
+    with _execution_uid() as uid, tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as host:
+        host_dir = Path(host)
+        code_dir = host_dir / "code"
+        code_dir.mkdir()
+        for name, text in {"main.py": source, **(files or {})}.items():
+            (code_dir / name).write_text(text)
+            (code_dir / name).chmod(0o644)
+        for path in (host_dir, code_dir):
+            path.chmod(0o755)  # the execution's own uid must read its code (bwrap binds it as that uid)
+        (host_dir / "stdin").write_text(stdin)
+        processes = max_processes + BWRAP_TASKS + (0 if uid is not None else _tasks_of(os.getuid()))
+        command = [tools["prlimit"], f"--cpu={cpu_limit}:{cpu_limit + 1}", f"--as={memory_mb * 2**20}",
+                   f"--fsize={max_output_bytes}", f"--nproc={processes}", "--core=0", "--",
+                   *_bwrap_command(tools["bwrap"], interpreter, code_dir, disk_mb), *_python(interpreter), *args]
+        out_path, err_path = host_dir / "stdout", host_dir / "stderr"
+        with open(host_dir / "stdin", "rb") as fin, open(out_path, "wb") as fout, open(err_path, "wb") as ferr:
+            status, wall_seconds = _run_until(command, fin, fout, ferr, uid, timeout_s)
+        stdout, stderr = _read(out_path, max_output_bytes), _read(err_path, max_output_bytes)
+        capped = max(out_path.stat().st_size, err_path.stat().st_size) >= max_output_bytes
+    returncode = None if status is None else _program_status(status)
+    limit = _classify(returncode, stderr, capped=capped, wall_seconds=wall_seconds, cpu_limit=cpu_limit)
+    return SandboxResult(stdout, stderr, returncode, limit, wall_seconds)
+
+
+def run_many(programs: Sequence[str | Mapping[str, Any]], *, max_workers: int | None = None,
+             **limits: Any) -> list[SandboxResult]:
+    """:func:`run` on each program, ``max_workers`` at a time (default: one per CPU core), in order.
+
+    A program is a source string or a mapping of :func:`run`'s per-program arguments (``source``,
+    ``stdin``, ``files``, ``args``); ``limits`` are :func:`run`'s other keyword arguments, shared.
+    """
+    jobs = [{"source": p} if isinstance(p, str) else dict(p) for p in programs]
+    if not jobs:
+        return []
+    check_available(limits.get("python") or default_python())
+    workers = max(1, min(max_workers or os.cpu_count() or 1, len(jobs)))
+    with ThreadPoolExecutor(workers) as pool:
+        return list(pool.map(lambda job: run(**job, **limits), jobs))
+
+
+def default_python() -> str:
+    """The system's Python 3, whose standard library the program gets (a project's virtual environment
+    would hand it the project's packages, and often lives where the sandbox's uid cannot read)."""
+    for candidate in ("/usr/bin/python3", "/usr/local/bin/python3"):
+        if os.access(candidate, os.X_OK):
+            return candidate
+    found = shutil.which("python3")
+    if found is None:
+        raise SandboxUnavailable("no python3 to run sandboxed programs with; pass python=PATH")
+    return found
+
+
+_available: dict[str, None] = {}
+_available_lock = threading.Lock()
+
+
+def check_available(python: str | None = None) -> None:
+    """Raise :class:`SandboxUnavailable` (with the fix) unless a trivial program runs in the sandbox.
+    Checked once per interpreter and process."""
+    interpreter = python or default_python()
+    with _available_lock:
+        if interpreter in _available:
+            return
+        tools = _tools()
+        with _execution_uid() as uid, tempfile.TemporaryDirectory(prefix="posttrain-sandbox-") as host:
+            code_dir = Path(host) / "code"
+            code_dir.mkdir()
+            (code_dir / "main.py").write_text("print('ok')\n")
+            for path in (Path(host), code_dir, code_dir / "main.py"):
+                path.chmod(0o755)
+            command = [*_bwrap_command(tools["bwrap"], interpreter, code_dir, 1), *_python(interpreter)]
+            done = subprocess.run(command, capture_output=True, text=True, timeout=60, user=uid, group=uid,
+                                  extra_groups=[] if uid is not None else None, env={})
+        if done.returncode != 0 or done.stdout != "ok\n":
+            raise SandboxUnavailable(f"the sandbox does not start here (bwrap exit {done.returncode}: "
+                                     f"{done.stderr.strip()[-400:]!r}); {NAMESPACE_HINT}")
+        _available[interpreter] = None
+
+
+# --------------------------------------------------------------------------------------------
+
+
+def _tools() -> dict[str, str]:
+    """Absolute paths of bwrap and prlimit (they run with an empty environment, so without PATH)."""
+    found = {name: shutil.which(name) for name in ("bwrap", "prlimit")}
+    missing = [name for name, path in found.items() if path is None]
+    if missing:
+        raise SandboxUnavailable(f"{' and '.join(missing)} not on PATH (prlimit is util-linux's); {INSTALL_HINT}")
+    return found  # type: ignore[return-value]
+
+
+def _python(interpreter: str) -> list[str]:
+    """The program's command: no PYTHON* variables, no user site, and /sandbox on sys.path (for ``files``)."""
+    return [interpreter, "-E", "-s", "/sandbox/main.py"]
+
+
+def _bwrap_command(bwrap: str, interpreter: str, code_dir: Path, disk_mb: int) -> list[str]:
+    """bwrap's arguments: new namespaces of every kind, a read-only root with /usr (and the interpreter's
+    prefix), fresh /proc, /dev and a private writable /tmp, the code read-only in /sandbox, and nothing
+    of the parent's environment."""
+    command = [bwrap, "--unshare-all", "--unshare-user", "--die-with-parent", "--new-session", "--cap-drop", "ALL",
+               "--clearenv", "--setenv", "PATH", SANDBOX_PATH, "--setenv", "HOME", "/tmp",
+               "--hostname", "sandbox", "--ro-bind", "/usr", "/usr"]
+    for name in ("bin", "sbin", "lib", "lib32", "lib64", "libx32"):
+        path = Path("/") / name
+        if path.is_symlink():  # merged /usr: /lib -> usr/lib
+            command += ["--symlink", os.readlink(path), str(path)]
+        elif path.is_dir():
+            command += ["--ro-bind", str(path), str(path)]
+    if Path("/etc/ld.so.cache").exists():  # the dynamic linker's index of /usr/lib; nothing else of /etc
+        command += ["--ro-bind", "/etc/ld.so.cache", "/etc/ld.so.cache"]
+    prefix = Path(os.path.realpath(interpreter)).parent.parent
+    if not str(prefix).startswith("/usr"):
+        command += ["--ro-bind", str(prefix), str(prefix)]
+    return command + ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb * 2**20), "--tmpfs", "/tmp",
+                      "--ro-bind", str(code_dir), "/sandbox", "--remount-ro", "/", "--chdir", "/tmp"]
+
+
+_slots: queue.Queue[int] = queue.Queue()
+for _slot in range(SLOTS):
+    _slots.put(UID_BASE + _slot)
+
+
+@contextmanager
+def _execution_uid() -> Iterator[int | None]:
+    """Under root, a uid of this execution's own for as long as it runs; otherwise None (the user's)."""
+    if os.geteuid() != 0:
+        yield None
+        return
+    uid = _slots.get()
+    try:
+        yield uid
+    finally:
+        _slots.put(uid)
+
+
+def _tasks_of(uid: int) -> int:
+    """Tasks (processes and threads) the uid has now: what RLIMIT_NPROC counts against."""
+    count = 0
+    for entry in os.scandir("/proc"):
+        if not entry.name.isdigit():
+            continue
+        try:
+            status = Path(entry.path, "status").read_text()
+        except OSError:
+            continue
+        fields = dict(line.split(":", 1) for line in status.splitlines() if ":" in line)
+        if int(fields.get("Uid", "-1").split()[0]) == uid:
+            count += int(fields.get("Threads", "1"))
+    return count
+
+
+def _run_until(command: list[str], fin: Any, fout: Any, ferr: Any, uid: int | None,
+               timeout_s: float) -> tuple[int | None, float]:
+    """Start the command in its own process group with an empty environment and wait, killing the group
+    at ``timeout_s``. Returns (its exit status, or None when killed; wall seconds)."""
+    started = time.monotonic()
+    process = subprocess.Popen(command, stdin=fin, stdout=fout, stderr=ferr, start_new_session=True, close_fds=True,
+                               env={}, user=uid, group=uid, extra_groups=[] if uid is not None else None)
+    try:
+        status: int | None = process.wait(timeout_s)
+    except subprocess.TimeoutExpired:
+        _kill(process)
+        status = None
+    return status, time.monotonic() - started
+
+
+def _kill(process: subprocess.Popen) -> None:
+    """Kill the sandbox from its pid 1 down, then bwrap: the kernel kills every process of a pid namespace
+    whose init dies and waits for them, and bwrap reaps that init. (Killing bwrap first would orphan the
+    init for a moment, and leave it a zombie where the machine's pid 1 does not reap.)"""
+    try:
+        inits = Path(f"/proc/{process.pid}/task/{process.pid}/children").read_text().split()
+    except OSError:
+        inits = []
+    for pid in inits:
+        try:
+            os.kill(int(pid), signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    try:
+        process.wait(2)
+    except subprocess.TimeoutExpired:
+        os.killpg(process.pid, signal.SIGKILL)
+        process.wait()
+
+
+def _program_status(code: int) -> int:
+    """The program's exit status from bwrap's: bwrap exits with the program's status, or 128 + N when
+    signal N ended it (so a program exiting with 129-192 itself reads as a signal)."""
+    return -(code - 128) if 128 < code <= 128 + 64 else code
+
+
+def _read(path: Path, cap: int) -> str:
+    with open(path, "rb") as f:
+        return f.read(cap).decode("utf-8", errors="replace")
+
+
+_MEMORY_MARKS = ("MemoryError", "Cannot allocate memory", "out of memory")
+_PROCESS_MARKS = ("Resource temporarily unavailable", "can't start new thread")
+_DISK_MARKS = ("File too large", "No space left on device")
+
+
+def _classify(returncode: int | None, stderr: str, *, capped: bool, wall_seconds: float,
+              cpu_limit: int) -> str | None:
+    """Which limit stopped the program, from how it ended and what it said: the wall clock first (it
+    was killed), then the output cap (its output is cut), then the CPU (SIGXCPU at the soft limit,
+    SIGKILL at the hard one a second later, which only a program that spent that long can reach), then
+    the errors Python raises at the memory, process and file limits."""
+    if returncode is None:
+        return "wall_time"
+    if capped:
+        return "output"
+    if returncode == -signal.SIGXCPU or (returncode == -signal.SIGKILL and wall_seconds >= cpu_limit):
+        return "cpu_time"
+    if returncode == 0:
+        return None
+    tail = stderr[-2000:]
+    for name, marks in (("memory", _MEMORY_MARKS), ("processes", _PROCESS_MARKS), ("disk", _DISK_MARKS)):
+        if any(mark in tail for mark in marks):
+            return name
+    return None
+
+
+def _check_limits(**limits: float | None) -> None:
+    for name, value in limits.items():
+        if value is not None and not value > 0:
+            raise ValueError(f"{name}: got {value}; use a positive number")
