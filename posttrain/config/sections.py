@@ -163,6 +163,19 @@ class DataConfig:
     reward_model_normalize: str = _help(
         "none, or batch: standardise the reward model's scores over each scoring call's batch (mean 0, std 1), "
         "so their scale does not depend on how the reward model was trained.", "none")
+    judge: str | None = _help(
+        "LLM-as-judge: a causal language model (directory, .gguf or built-in name) that scores each prompt + "
+        "completion with judge_rubric (an integer on 1-10, mapped to [0, 1]; an unreadable reply scores None and "
+        "is counted in judge/parse_failures), greedy, batched on the training device, cached per (prompt, "
+        "completion). With --reward it is added to the functions, without it replaces the task's rewards; in "
+        "preference runs on the policy's own pairs it labels the pairs instead (pairwise, both orders).")
+    judge_rubric: str = _help(
+        "The judge's pointwise template: pointwise (built-in) or a text file with {prompt}, {completion}, "
+        "{low} and {high}.", "pointwise")
+    judge_pairwise_rubric: str = _help(
+        "The judge's pairwise template: pairwise (built-in) or a text file with {prompt}, {first} and {second}.",
+        "pairwise")
+    judge_weight: float = _help("Weight of the judge's score in the total reward.", 1.0)
     reward_timeout: float = _help(
         "Seconds per reward-function call; > 0 runs each call in a forked worker killed at the limit.", 0.0,
     )
@@ -215,6 +228,10 @@ class DataConfig:
             require(Path(self.reward_model, "config.json").is_file(), "reward_model",
                      f"{self.reward_model!r} is not a model directory (no config.json); give the final_model/ of a "
                      "posttrain train --algorithm reward_model run, or any sequence-classification model directory")
+        for name in ("judge_rubric", "judge_pairwise_rubric"):
+            spec = getattr(self, name)
+            require(spec in ("pointwise", "pairwise") or Path(spec).is_file(), name,
+                    f"{spec!r} is neither a built-in rubric (pointwise, pairwise) nor a file")
         for spec in self.reward:
             if is_reward_name(spec):
                 continue

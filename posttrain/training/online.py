@@ -102,6 +102,9 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
     times = {"time/generation": sampled.seconds, "time/rollout_wait": sampled.waited,
              "time/scoring": time.perf_counter() - t1}
     failures = {f"reward_failures/{name}": count for name, count in scores.failures.items()}
+    for fn in s.work.reward_fns:  # counts a reward function keeps of its own (a judge's unreadable replies)
+        if hasattr(fn, "step_metrics"):
+            failures.update(fn.step_metrics())
     failures.update({f"{EPISODE_COUNT}{key}": value for key, value in sampled.episode_counts.items()})
     if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
         groups = groups.select(~scores.failed.view(-1, g).any(-1))

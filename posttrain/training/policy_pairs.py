@@ -1,4 +1,4 @@
-"""Preference pairs from a policy's own samples, labelled by a built-in task's answer check.
+"""Preference pairs from a policy's own samples, labelled by a built-in task's answer check (or a judge).
 
 The default data of the preference presets on a built-in task (a new round every ``resample_every``
 steps, from the policy being trained) and of the reward model (one round, from the starting model):
@@ -16,6 +16,7 @@ from typing import Any
 from posttrain.algorithms.presets import POLICY_PAIRS_RPO_ALPHA, PreferenceAlgorithm
 from posttrain.algorithms.registry import PREFERENCE_LOSSES
 from posttrain.config import Config
+from posttrain.data.judge import Judge
 from posttrain.data.preference import pairs_from_samples
 from posttrain.data.prompts import encode_prompt
 from posttrain.data.tasks.task import Task
@@ -47,29 +48,58 @@ def with_policy_pairs_defaults(preset: PreferenceAlgorithm, config: Config) -> t
 
 
 def sample_pairs(generator: Generator, tokenizer: Any, source: Task, rows: list[dict[str, Any]], group_size: int,
-                 chunk: int, wanted: int | None = None) -> tuple[list[dict[str, Any]], dict[str, float]]:
+                 chunk: int, wanted: int | None = None, judge: Judge | None = None,
+                 ) -> tuple[list[dict[str, Any]], dict[str, float]]:
     """Pairs of ``group_size`` sampled completions of each of ``rows``' prompts, ``chunk`` prompts per
     generation call, and the metrics of the samples drawn. With ``wanted``, sampling stops after the chunk
-    that brings the pairs to that many. No pair at all is a ``NoLearningSignal`` that says what to change."""
+    that brings the pairs to that many. With a ``judge``, it labels the pairs instead of the answer check
+    (:func:`judged_pairs`). No pair at all is a ``NoLearningSignal`` that says what to change."""
     pairs: list[dict[str, Any]] = []
     correct: list[bool] = []
-    drawn = 0
+    drawn, agreed, comparable = 0, 0, 0
     for start in range(0, len(rows), chunk):
         part = rows[start:start + chunk]
         texts, _ = generate_texts(generator, tokenizer, [encode_prompt(tokenizer, row["prompt"]) for row in part],
                                   num_samples=group_size, chunk=chunk)
         columns = {key: [row[key] for row in part for _ in range(group_size)] for key in part[0] if key != "prompt"}
         labels = source.correct([row["prompt"] for row in part for _ in range(group_size)], texts, **columns)
-        pairs += pairs_from_samples(part, texts, labels, group_size)
+        if judge is None:
+            pairs += pairs_from_samples(part, texts, labels, group_size)
+        else:
+            judged = judged_pairs(judge, part, texts, group_size)
+            pairs += judged
+            right = dict(zip(texts, labels))
+            checked = [p for p in judged if right[p["chosen"]] != right[p["rejected"]]]
+            comparable += len(checked)
+            agreed += sum(right[p["chosen"]] for p in checked)
         correct += labels
         drawn += len(part)
         if wanted is not None and len(pairs) >= wanted:
             break
     accuracy = sum(correct) / len(correct)
     if not pairs:
+        how = ("the judge agreed with itself on no pair (each is judged in both orders)" if judge is not None else
+               f"none of {drawn} prompts had both a correct and an incorrect completion among its {group_size} "
+               "samples")
         raise NoLearningSignal(
-            f"pairs from the policy: none of {drawn} prompts had both a correct and an incorrect completion among "
-            f"its {group_size} samples (sample accuracy {accuracy:.3f}), so there is no pair to learn from; raise "
+            f"pairs from the policy: {how} (sample accuracy {accuracy:.3f}), so there is no pair to learn from; raise "
             "group_size or temperature, or start from a policy that is sometimes right")
-    return pairs, {"pairs/count": len(pairs), "pairs/sample_accuracy": accuracy,
-                   "pairs/prompts_with_a_pair": len({pair["prompt"] for pair in pairs}) / drawn}
+    metrics = {"pairs/count": len(pairs), "pairs/sample_accuracy": accuracy,
+               "pairs/prompts_with_a_pair": len({str(pair["prompt"]) for pair in pairs}) / drawn}
+    if judge is not None and comparable:  # the judge's pairs where the answer check tells the two apart
+        metrics["pairs/judge_agrees_with_answer"] = agreed / comparable
+    return pairs, metrics
+
+
+def judged_pairs(judge: Judge, rows: list[dict[str, Any]], texts: list[str], group_size: int) -> list[dict[str, Any]]:
+    """Each prompt's samples taken two by two (0 with 1, 2 with 3, ...), identical ones skipped; the judge's
+    choice, asked in both orders, is the chosen one, and a pair it does not agree with itself on is dropped."""
+    firsts, seconds, owners = [], [], []
+    for i, row in enumerate(rows):
+        group = texts[i * group_size:(i + 1) * group_size]
+        for a, b in zip(group[0::2], group[1::2]):
+            if a != b:
+                firsts.append(a), seconds.append(b), owners.append(row)
+    verdicts = judge.prefer([row["prompt"] for row in owners], firsts, seconds)
+    return [{**row, "chosen": (a, b)[v], "rejected": (b, a)[v], "score_chosen": 1.0, "score_rejected": 0.0}
+            for row, a, b, v in zip(owners, firsts, seconds, verdicts) if v is not None]

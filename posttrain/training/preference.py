@@ -70,6 +70,7 @@ from torch import Tensor
 
 from posttrain.algorithms.presets import PreferenceAlgorithm
 from posttrain.config import Config, ConfigError
+from posttrain.data.judge import Judge
 from posttrain.data.preference import (
     PreferenceExamples,
     PreferenceTask,
@@ -86,7 +87,7 @@ from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.training.policy_pairs import pairs_source, sample_pairs, with_policy_pairs_defaults
-from posttrain.training.session import eos_token_ids
+from posttrain.training.session import eos_token_ids, make_judge
 from posttrain.training.setup import (
     Inputs,
     build_optimization,
@@ -122,6 +123,7 @@ class PreferenceSession:
     update_check: UpdateCheck = field(init=False)  # an optimizer step that moves no weight is an error
     prompt_sampler: PromptSampler | None = None  # pairs_from policy: the order of the task's prompts
     pair_rows: list[dict[str, Any]] = field(default_factory=list)  # pairs_from policy: this round's pairs
+    judge: Judge | None = None  # pairs_from policy with --judge: labels the pairs instead of the answer check
 
     def __post_init__(self) -> None:
         self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
@@ -154,6 +156,9 @@ class PreferenceSession:
                  f"({task.description})" if task else note)
         elif task is not None:
             _say(f"task {data.task}: {task.description} ({len(train_rows)} training pairs, {len(test_rows)} held out)")
+        if data.judge is not None and not from_policy:
+            raise ConfigError("judge: a preference run uses the judge to label pairs of the policy's own samples "
+                              "(pairs_from policy, on a built-in task); the given pairs are labelled already")
         validate(config, preset, None if from_policy else len(train_rows), task)
         start_processes(config, needs_reference=preset.needs_reference, name=preset.name)
         name = model_name(config, task.source.default_model if task else None, inputs)
@@ -189,7 +194,8 @@ class PreferenceSession:
         return cls(config, preset, policy, tokenizer, ref, optimizer, scheduler, train, test, task, generator,
                    PromptSampler(0 if train is None else len(train), config.run.seed), ref_logps, test_ref_logps,
                    fingerprint=fingerprint(name, preset.name, policy),
-                   prompt_sampler=PromptSampler(len(task.source.train), config.run.seed) if from_policy else None)
+                   prompt_sampler=PromptSampler(len(task.source.train), config.run.seed) if from_policy else None,
+                   judge=make_judge(config) if data.judge is not None else None)
 
     @property
     def pad_id(self) -> int:
@@ -373,7 +379,10 @@ def sample_policy_pairs(s: PreferenceSession) -> dict[str, float]:
     incorrect one of the same prompt (``posttrain.training.policy_pairs``)."""
     r, source = s.config.rollout, s.task.source
     rows = [source.train[i] for i in s.prompt_sampler.next(r.prompts_per_step * s.config.preference.resample_every)]
-    pairs, metrics = sample_pairs(s.generator, s.tokenizer, source, rows, r.group_size, chunk=r.prompts_per_step)
+    pairs, metrics = sample_pairs(s.generator, s.tokenizer, source, rows, r.group_size, chunk=r.prompts_per_step,
+                                  judge=s.judge)
+    if s.judge is not None:
+        metrics.update(s.judge.step_metrics())
     use_pairs(s, pairs)
     return metrics
 

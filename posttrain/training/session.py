@@ -21,6 +21,7 @@ from torch import Tensor
 from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig
 from posttrain.data.environments import ENVIRONMENT_REWARD, environment_reward
+from posttrain.data.judge import Judge, load_rubric
 from posttrain.data.prompts import (
     PromptSampler,
     as_completion,
@@ -100,9 +101,9 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         test_rows = read_rows(data.eval_dataset, data.dataset_config, data.eval_dataset_split) if data.eval_dataset else []
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
-        if not data.reward and not inputs.reward_funcs and data.reward_model is None:
+        if not data.reward and not inputs.reward_funcs and data.reward_model is None and data.judge is None:
             raise ConfigError("reward: a --dataset needs at least one --reward NAME or FILE.py:FUNCTION (from "
-                              "Python: reward_funcs=[...]) or a --reward-model DIR")
+                              "Python: reward_funcs=[...]), a --reward-model DIR or a --judge MODEL")
         task = None
     else:
         task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
@@ -112,7 +113,7 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     if data.train_prompt_variants:  # each prompt asked one of several ways: the problem, not a phrasing, is learnt
         train_rows = ask_each_differently(train_rows, resolve_variants(data.train_prompt_variants),
                                           config.run.seed, data.dataset or data.task)
-    if data.reward or inputs.reward_funcs or data.reward_model is not None:
+    if data.reward or inputs.reward_funcs or data.reward_model is not None or data.judge is not None:
         fns = [*inputs.reward_funcs, *(load_reward(spec) for spec in data.reward)]
         weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
                    *(data.reward_weights or [1.0] * len(data.reward))]
@@ -120,6 +121,9 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
             fns.append(RewardModel(data.reward_model, batch_size=config.optim.micro_batch_size,
                                    normalize=data.reward_model_normalize, device=resolve_device(config.model.device)))
             weights.append(data.reward_model_weight)
+        if data.judge is not None:
+            fns.append(make_judge(config))
+            weights.append(data.judge_weight)
     else:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
     environment = inputs.environment or (
@@ -134,6 +138,14 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
                     task.correct if task else None, budget, task.default_model if task else None,
                     task.final_answer if task else None, task.tools if task else (),
                     task.tool_format if task else None, task.tool_timeout if task else None, environment)
+
+
+def make_judge(config: Config) -> Judge:
+    """The run's ``--judge``, batched like the reward model and on the training device."""
+    data = config.data
+    return Judge(data.judge, rubric=load_rubric(data.judge_rubric, "pointwise"),
+                 pairwise_rubric=load_rubric(data.judge_pairwise_rubric, "pairwise"),
+                 batch_size=config.optim.micro_batch_size, device=config.model.device)
 
 
 def eval_label(task: str) -> str:
