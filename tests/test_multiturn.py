@@ -183,7 +183,7 @@ def test_posttrain_train_with_tools_runs_episodes_on_the_model_and_records_the_t
 def test_tools_settings_are_checked():
     from posttrain.config import Config, ConfigError
 
-    with pytest.raises(ConfigError, match="tool_format: got 'xml'; use json or inline"):
+    with pytest.raises(ConfigError, match="tool_format: got 'xml'; use auto, hermes, llama3, mistral, json, inline"):
         Config.from_flat({"tool_format": "xml"})
     with pytest.raises(ConfigError, match="tools: 'nowhere.py:f' is not FILE.py:FUNCTION of an existing file"):
         Config.from_flat({"tools": ["nowhere.py:f"]})

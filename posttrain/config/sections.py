@@ -241,6 +241,8 @@ class DataConfig:
         require.raise_any()
 
 
+TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral", "json", "inline")
+
 CORRECTIONS = {"token-truncate": ("token", "truncate"), "token-mask": ("token", "mask"),
                "sequence-truncate": ("sequence", "truncate"), "sequence-mask": ("sequence", "mask"),
                "geometric-mask": ("geometric", "mask")}
@@ -285,9 +287,12 @@ class EpisodeConfig:
         "Tools the policy may call, as FILE.py:FUNCTION (repeatable): each completion becomes a multi-turn "
         "episode in which a call's result is inserted (and never trained on) before the policy goes on.", (),
     )
-    tool_format: str | None = _help("How calls are written: json (<tool_call>{\"name\": ..., \"arguments\": "
-                                    "{...}}</tool_call>, chat templates' convention) or inline ([tool argument], "
-                                    "for character-level models). Default: the task's, else json.")
+    tool_format: str | None = _help(
+        "How calls are written: auto (from the chat template: hermes, llama3 or mistral where it renders tool "
+        "calls, else json); hermes (Qwen, Hermes: <tool_call>{...}</tool_call>), llama3 ({\"name\": ..., "
+        "\"parameters\": ...}) or mistral ([TOOL_CALLS] [...]), each ending the turn, its results rendered by the "
+        "chat template; json (<tool_call>{...}</tool_call> mid-turn, answered by <tool_response>) or inline ([tool "
+        "argument], for character-level models). Default: the task's, else auto.")
     environment: str | None = _help(
         "An environment the policy plays, as FILE.py:CLASS (reset(row), step(turn) -> Step; "
         "posttrain.data.environments): each completion is an episode whose turns the environment answers; its "
@@ -303,8 +308,8 @@ class EpisodeConfig:
 
     def __post_init__(self) -> None:
         require = Checks()
-        require(self.tool_format in (None, "json", "inline"), "tool_format",
-                 f"got {self.tool_format!r}; use json or inline")
+        require(self.tool_format in (None, *TOOL_FORMATS), "tool_format",
+                 f"got {self.tool_format!r}; use {', '.join(TOOL_FORMATS)}")
         require(self.max_turns >= 1, "max_turns", f"got {self.max_turns}; use 1 or more")
         require(self.tool_timeout is None or self.tool_timeout >= 0, "tool_timeout",
                  f"got {self.tool_timeout}; use 0 (in-process) or seconds")

@@ -39,18 +39,10 @@ from posttrain.data import isolation
 from posttrain.data.environments import Environment, Step
 from posttrain.rollout.completions import Completions, Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
+from posttrain.rollout.tool_formats import ChatTemplateCalls, ToolCall, detect_format
 
 TOOL_ERRORS = ("unknown_tool", "malformed_call", "error", "timeout", "crash", "not_text")
 """The kinds of tool fault :class:`EpisodeStats` counts."""
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: dict[str, Any] = field(default_factory=dict)
-    """Keyword arguments."""
-    positional: tuple[Any, ...] = ()
-    """Positional arguments, before the keyword ones."""
 
 
 class ToolError(RuntimeError):
@@ -58,7 +50,8 @@ class ToolError(RuntimeError):
 
 
 class ToolFormat(Protocol):
-    """How a model writes a tool call and reads its result."""
+    """How a model writes a tool call and reads its result, in the middle of its turn (the chat-template
+    formats, :class:`~posttrain.rollout.tool_formats.ChatTemplateCalls`, end the turn instead)."""
 
     call_end: str
     """The text that closes a call: a turn stops there."""
@@ -256,8 +249,16 @@ class UserTurn:
         return after_turn[len(self.eos_text):] + full[len(prefix):]
 
 
-FORMATS: dict[str, Callable[[], ToolFormat]] = {"json": JSONCalls, "inline": InlineCalls}
-"""``tool_format`` name -> the format."""
+FORMATS: dict[str, Callable[[], Any]] = {"json": JSONCalls, "inline": InlineCalls,
+                                        "hermes": lambda: ChatTemplateCalls("hermes"),
+                                        "llama3": lambda: ChatTemplateCalls("llama3"),
+                                        "mistral": lambda: ChatTemplateCalls("mistral")}
+"""``tool_format`` name -> the format (``auto``: :func:`tool_format` picks one from the chat template)."""
+
+
+def tool_format(name: str, tokenizer: Any) -> Any:
+    """The format ``name`` names; ``auto``: the one the tokenizer's chat template writes calls in."""
+    return FORMATS[detect_format(tokenizer) if name == "auto" else name]()
 
 ENVIRONMENT_FAULT_REWARD = -1.0
 """The environment reward added to an episode whose environment raised (``on_error='feedback'``): the
@@ -295,7 +296,8 @@ class EpisodeGenerator:
         self.environment, self.render, self.on_error = environment, render or as_is, on_error
         self.max_new_tokens, self.max_turns, self.pad_id = max_new_tokens, max_turns, pad_id
         self.eos_ids = set(eos_ids)
-        self.stop_id = tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1] if fmt is not None else None
+        self.stop_id = (tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]
+                        if fmt is not None and fmt.call_end is not None else None)
         self.stats = EpisodeStats()
 
     @torch.no_grad()
@@ -347,6 +349,10 @@ class EpisodeGenerator:
             e.truncated, e.turns = True, e.turns + 1
             return False
         e.turns += 1
+        if ended and isinstance(self.fmt, ChatTemplateCalls):  # a call ends the turn: answer it, or the turn ends
+            text = self._template_results(e, new, stats)
+            if text is not None:
+                return self._insert(e, text, stats)
         if ended:
             if e.environment is None:
                 return False
@@ -364,6 +370,29 @@ class EpisodeGenerator:
             if fault is not None:
                 stats.errors[fault] += 1
             text = self.fmt.result(result)
+        return self._insert(e, text, stats)
+
+    def _template_results(self, e: Episode, new: list[int], stats: EpisodeStats) -> str | None:
+        """The chat template's rendering of the results of the calls a finished turn made (a malformed call's
+        error as its result), or None when the turn made none or was the episode's last."""
+        turn = self.tokenizer.decode(e.tokens[e.turn_start:-1], skip_special_tokens=False)
+        try:
+            calls, results = self.fmt.find_calls(turn), None
+        except ValueError as error:
+            calls = [ToolCall("malformed_call")]
+            results = [self.tools.fault("malformed_call", f"malformed tool call: {error}")]
+        if not calls or e.turns >= self.max_turns:
+            return None
+        results = results or [self.tools.run(call) for call in calls]
+        stats.tool_calls += len(calls)
+        for _, fault in results:
+            if fault is not None:
+                stats.errors[fault] += 1
+        eos_text = self.tokenizer.decode(new[-1:], skip_special_tokens=False)
+        return self.fmt.render_results(self.tokenizer, eos_text, calls, [text for text, _ in results])
+
+    def _insert(self, e: Episode, text: str, stats: EpisodeStats) -> bool:
+        """Insert ``text`` after the turn (up to the budget) and start the next turn; False when no room is left."""
         insert = self.tokenizer.encode(text, add_special_tokens=False)
         room = self.max_new_tokens - len(e.tokens)
         e.add(insert[:room], inserted=True)

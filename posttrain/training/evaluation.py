@@ -33,7 +33,7 @@ from posttrain.data.rewards import final_answer
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.parallel.distributed import say
 from posttrain.rollout.completions import Completions, SamplingParams
-from posttrain.rollout.episodes import FORMATS, Tools, make_episode_generator
+from posttrain.rollout.episodes import Tools, make_episode_generator, tool_format
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.tracking.stats import across_variants, summarise
 from posttrain.training.session import (
@@ -169,7 +169,8 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         generator = make_episode_generator(
             "hf", policy, tokenizer, params, eos_ids,
             Tools(work.tools, timeout=work.tool_timeout or 0.0) if work.tools else None,
-            FORMATS[work.tool_format or "json"]() if work.tools else None, max_turns=config.episodes.max_turns,
+            tool_format(work.tool_format or "auto", tokenizer) if work.tools else None,
+            max_turns=config.episodes.max_turns,
             environment=work.environment)
     else:
         generator = make_generator("hf", policy, tokenizer, params, eos_ids)

@@ -39,10 +39,10 @@ from posttrain.models.modeling import ValueHead, probe_logprobs, resolve_device
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import (
-    FORMATS,
     EpisodeGenerator,
     Tools,
     make_episode_generator,
+    tool_format,
 )
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.tracking.metrics import VARIANT_SEPARATOR
@@ -327,7 +327,7 @@ class OnlineSession:
                     r.backend, model, tokenizer, params, eos_ids,
                     Tools(tools, timeout=_first(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
                     if tools else None,
-                    FORMATS[_first(e.tool_format, work.tool_format, "json")]() if tools else None,
+                    tool_format(_first(e.tool_format, work.tool_format, "auto"), tokenizer) if tools else None,
                     max_turns=e.max_turns, seed=seed, environment=work.environment, on_error=on_error)
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
                                   model_path=policy.config.name_or_path, seed=seed)
