@@ -171,6 +171,20 @@ def test_filling_the_disk_is_reported():
     assert result.limit == "disk", result
 
 
+def test_dev_is_read_only_and_dev_shm_is_capped():
+    result = run("""
+        try:
+            open("/dev/pwned", "w")
+            print("WROTE /dev")
+        except OSError as error:
+            print("DENIED /dev", error.errno)
+        with open("/dev/shm/big", "w") as f:
+            while True:
+                f.write("z" * 4096)
+    """, max_output_bytes=10**9, disk_mb=4)
+    assert "DENIED /dev 30" in result.stdout and result.limit == "disk", result
+
+
 def test_signalling_the_parent_or_anything_outside_fails():
     me = os.getpid()
     result = run(f"""

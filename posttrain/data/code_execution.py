@@ -20,6 +20,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+MAX_PROCESSES = 4
+"""Processes and threads a completion's code may have: a function needs one; its memory is at most this times
+``memory_mb``."""
 RESULT_MARK = "\x1eposttrain-results "
 """Starts the harness's last line of output; whatever the code printed before it is ignored."""
 
@@ -127,7 +130,8 @@ def run_tests(codes: Sequence[str], entry_points: Sequence[str], tests: Sequence
                  "stdin": json.dumps({"entry_point": entry, "inputs": [t["input"] for t in row_tests],
                                       "seconds_per_test": seconds_per_test, "mark": RESULT_MARK})}
                 for code, entry, row_tests in zip(codes, entry_points, parsed)]
-    results = sandbox.run_many(programs, max_workers=max_workers, timeout_s=timeout_s, memory_mb=memory_mb)
+    results = sandbox.run_many(programs, max_workers=max_workers, timeout_s=timeout_s, memory_mb=memory_mb,
+                               max_processes=MAX_PROCESSES)
     return [_report(result, row_tests) for result, row_tests in zip(results, parsed)]
 
 

@@ -14,7 +14,8 @@ What the program gets (each a separate line of defence):
 - **no network**: its own network namespace, with only a loopback of its own;
 - **a read-only view of what Python needs** (``/usr`` and the interpreter's prefix): no home
   directory, no project, no ``/etc``, no ``/sys``; its source and ``files`` read-only in ``/sandbox``;
-- **a private writable ``/tmp``** (a tmpfs of ``disk_mb``), gone when it ends;
+- **a private writable ``/tmp``** and ``/dev/shm`` (tmpfs of ``disk_mb`` each), gone when it ends; the rest
+  of ``/dev`` read-only;
 - **its own process tree** (a pid namespace: it can see and signal only its own processes; when
   the sandbox ends, every process in it ends), its own session (no terminal to inject into), no
   capabilities, an unprivileged user (a dedicated uid when posttrain runs as root);

@@ -72,7 +72,7 @@ class SandboxResult:
 
 
 def run(source: str, *, stdin: str = "", timeout_s: float = 10.0, cpu_time_s: float | None = None,
-        memory_mb: int = 512, max_processes: int = 16, max_output_bytes: int = 1_000_000, disk_mb: int = 64,
+        memory_mb: int = 512, max_processes: int = 8, max_output_bytes: int = 1_000_000, disk_mb: int = 64,
         files: Mapping[str, str] | None = None, args: Sequence[str] = (), python: str | None = None) -> SandboxResult:
     """Run the Python program ``source`` in a fresh sandbox (see :mod:`posttrain.sandbox`).
 
@@ -81,10 +81,11 @@ def run(source: str, *, stdin: str = "", timeout_s: float = 10.0, cpu_time_s: fl
         stdin: its standard input.
         timeout_s: wall-clock limit in seconds; the whole sandbox is killed at it.
         cpu_time_s: CPU-time limit (all its processes together); default ``timeout_s``.
-        memory_mb: address-space limit of each of its processes (``RLIMIT_AS``).
+        memory_mb: address-space limit of each of its processes (``RLIMIT_AS``): the program's memory is at
+            most ``memory_mb x max_processes``.
         max_processes: processes and threads it may have at once, itself included.
         max_output_bytes: cap on stdout and on stderr each, and on any file it writes.
-        disk_mb: size of its private ``/tmp``.
+        disk_mb: size of its private ``/tmp``, and of its ``/dev/shm`` (the rest of ``/dev`` is read-only).
         files: more read-only files beside ``main.py`` in ``/sandbox`` (name -> text), e.g. a module
             to import or data to read.
         args: its command-line arguments.
@@ -214,8 +215,11 @@ def _bwrap_command(bwrap: str, interpreter: str, code_dir: Path, disk_mb: int) -
     prefix = Path(os.path.realpath(interpreter)).parent.parent
     if not str(prefix).startswith("/usr"):
         command += ["--ro-bind", str(prefix), str(prefix)]
-    return command + ["--proc", "/proc", "--dev", "/dev", "--size", str(disk_mb * 2**20), "--tmpfs", "/tmp",
-                      "--ro-bind", str(code_dir), "/sandbox", "--remount-ro", "/", "--chdir", "/tmp"]
+    size = str(disk_mb * 2**20)
+    # /dev is a tmpfs of its own: read-only but for a sized /dev/shm, or files there would fill the host's memory
+    return command + ["--proc", "/proc", "--dev", "/dev", "--size", size, "--tmpfs", "/dev/shm", "--remount-ro", "/dev",
+                      "--size", size, "--tmpfs", "/tmp", "--ro-bind", str(code_dir), "/sandbox", "--remount-ro", "/",
+                      "--chdir", "/tmp"]
 
 
 _slots: queue.Queue[int] = queue.Queue()
