@@ -15,11 +15,13 @@ sandbox per completion, every test in it.
 from __future__ import annotations
 
 import json
+import os
 import re
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+WORKERS_PER_CORE = 4
 MAX_PROCESSES = 4
 """Processes and threads a completion's code may have: a function needs one; its memory is at most this times
 ``memory_mb``."""
@@ -120,18 +122,25 @@ def parse_tests(tests: Any, row: int | None = None) -> list[dict[str, Any]]:
 
 
 def run_tests(codes: Sequence[str], entry_points: Sequence[str], tests: Sequence[Any], *,
-              seconds_per_test: float = 1.0, timeout_s: float = 10.0, memory_mb: int = 512,
+              seconds_per_test: float = 0.5, timeout_s: float = 5.0, memory_mb: int = 512,
               max_workers: int | None = None) -> list[TestReport]:
-    """Run each code's function on its row's tests in a sandbox of its own, in parallel; compare outside."""
+    """Run each code's function on its row's tests in a sandbox of its own, in parallel; compare outside.
+
+    A sampled completion that loops or hangs holds its sandbox until a limit stops it, so more run at once
+    than there are cores (``max_workers``, default 4 per core): a hung one waits without using a core, and a
+    busy one's CPU time is capped at its tests' time plus a second."""
     from posttrain import sandbox
 
     parsed = [parse_tests(t, row=i) for i, t in enumerate(tests)]
-    programs = [{"source": HARNESS, "files": {"solution.py": code},
-                 "stdin": json.dumps({"entry_point": entry, "inputs": [t["input"] for t in row_tests],
-                                      "seconds_per_test": seconds_per_test, "mark": RESULT_MARK})}
-                for code, entry, row_tests in zip(codes, entry_points, parsed)]
-    results = sandbox.run_many(programs, max_workers=max_workers, timeout_s=timeout_s, memory_mb=memory_mb,
-                               max_processes=MAX_PROCESSES)
+    jobs = []
+    for code, entry, row_tests in zip(codes, entry_points, parsed):
+        spec = {"entry_point": entry, "inputs": [t["input"] for t in row_tests], "seconds_per_test": seconds_per_test,
+                "mark": RESULT_MARK}
+        jobs.append({"source": HARNESS, "files": {"solution.py": code}, "stdin": json.dumps(spec)})
+    workers = max_workers or WORKERS_PER_CORE * (os.cpu_count() or 1)
+    cpu_budget = min(timeout_s, seconds_per_test * max((len(t) for t in parsed), default=1) + 1)
+    results = sandbox.run_many(jobs, max_workers=workers, timeout_s=timeout_s, cpu_time_s=cpu_budget,
+                               memory_mb=memory_mb, max_processes=MAX_PROCESSES)
     return [_report(result, row_tests) for result, row_tests in zip(results, parsed)]
 
 

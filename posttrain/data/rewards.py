@@ -500,7 +500,7 @@ def math_answer(rel_tol: float = 1e-6, abs_tol: float = 1e-9) -> RewardFn:
 
 
 @register_reward("code_tests")
-def code_tests(seconds_per_test: float = 1.0, timeout_s: float = 10.0, memory_mb: int = 512) -> RewardFn:
+def code_tests(seconds_per_test: float = 0.5, timeout_s: float = 5.0, memory_mb: int = 512) -> RewardFn:
     """The fraction of a row's unit tests the completion's function passes, run in the sandbox.
 
     Rows need ``entry_point`` (the function's name) and ``tests`` (a list of ``{"input": [args...],
