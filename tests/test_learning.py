@@ -82,7 +82,7 @@ def test_on_policy_distillation_reaches_the_teacher_in_four_times_the_default_bu
 
 def test_gkd_lifts_a_weak_student(teacher_and_student, tmp_path):
     """`posttrain train --algorithm gkd --model STUDENT --teacher TEACHER --task addition --no-packing`: +15 points
-    at the default budget (measured: 0.326 -> 0.560)."""
+    at the default budget (measured on 3 seeds: 0.326 -> 0.526-0.560)."""
     teacher, student = teacher_and_student
     result = train(Config.from_flat({"algorithm": "gkd", "model": str(student), "teacher": str(teacher),
                                      "task": "addition", "packing": False, "output": str(tmp_path / "gkd"), **QUIET}))
