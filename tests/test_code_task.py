@@ -41,6 +41,9 @@ def test_a_test_that_hangs_or_raises_fails_alone():
     assert score(hangs_on_4, raises_on_1) == [0.75, 0.75]
     reports = run_tests([extract_code(hangs_on_4)], ["add_3"], [ADD_3], seconds_per_test=0.5)
     assert reports[0].failures == ("timed out",)
+    loops = fenced("def add_3(x):\n    while True:\n        pass")
+    reports = run_tests([extract_code(loops)], ["add_3"], [ADD_3], seconds_per_test=0.5)
+    assert reports[0].failures == ("timed out", "timed out", *["not run: the function timed out on 2 tests already"] * 2)
 
 
 def test_broken_code_scores_zero_and_says_why():

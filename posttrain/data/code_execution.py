@@ -6,7 +6,8 @@ fresh :mod:`posttrain.sandbox` with a small harness that calls the function on e
 and prints what came back; the comparison with the expected outputs happens here, outside, so
 nothing inside the sandbox knows the answers (code that reads files, prints fake results or
 inspects its caller finds no expected value to copy). Each call has its own time limit inside the
-sandbox, so one input that loops forever fails that test only.
+sandbox, so one input that loops forever fails that test only (after two such inputs, the rest fail
+unrun).
 
 A step's completions run in parallel (:func:`posttrain.sandbox.run_many`, one per core): one
 sandbox per completion, every test in it.
@@ -21,6 +22,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+MAX_TIMEOUTS = 2
+"""After this many tests time out, the rest fail unrun: code that loops on two inputs loops on most (sampled
+completions do), and a step's scoring should not wait ``seconds_per_test`` for each."""
 WORKERS_PER_CORE = 4
 MAX_PROCESSES = 4
 """Processes and threads a completion's code may have: a function needs one; its memory is at most this times
@@ -55,9 +59,13 @@ try:
 except BaseException as error:
     function, failure = None, describe(error)
 results = []
+timeouts = 0
 for args in spec["inputs"]:
     if failure is not None:
         results.append({"error": failure})
+        continue
+    if timeouts >= spec["max_timeouts"]:
+        results.append({"error": "not run: the function timed out on " + str(timeouts) + " tests already"})
         continue
     signal.signal(signal.SIGALRM, on_alarm)
     signal.setitimer(signal.ITIMER_REAL, spec["seconds_per_test"])
@@ -67,6 +75,7 @@ for args in spec["inputs"]:
         results.append({"value": json.loads(json.dumps(value, default=repr))})
     except BaseException as error:
         signal.setitimer(signal.ITIMER_REAL, 0)
+        timeouts += isinstance(error, TestTimeout)
         results.append({"error": "timed out" if isinstance(error, TestTimeout) else describe(error)})
 sys.stdout.write("\n" + spec["mark"] + json.dumps(results) + "\n")
 sys.stdout.flush()
@@ -135,7 +144,7 @@ def run_tests(codes: Sequence[str], entry_points: Sequence[str], tests: Sequence
     jobs = []
     for code, entry, row_tests in zip(codes, entry_points, parsed):
         spec = {"entry_point": entry, "inputs": [t["input"] for t in row_tests], "seconds_per_test": seconds_per_test,
-                "mark": RESULT_MARK}
+                "max_timeouts": MAX_TIMEOUTS, "mark": RESULT_MARK}
         jobs.append({"source": HARNESS, "files": {"solution.py": code}, "stdin": json.dumps(spec)})
     workers = max_workers or WORKERS_PER_CORE * (os.cpu_count() or 1)
     cpu_budget = min(timeout_s, seconds_per_test * max((len(t) for t in parsed), default=1) + 1)
