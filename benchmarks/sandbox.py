@@ -2,10 +2,11 @@
 
     .venv/bin/python benchmarks/sandbox.py [--rows 128] [--repeats 3]
 
-Three workloads, each timed ``--repeats`` times (the median is printed): an empty program run one
+Four workloads, each timed ``--repeats`` times (the median is printed): an empty program run one
 at a time (the cost of a sandbox: bubblewrap's namespaces plus Python's start), and the ``code``
 task's reference solutions scored by the ``code_tests`` reward (one sandbox per completion, six
-tests in each) with 1, 2 and 4 workers. A training step of 32 prompts x 8 samples scores 256
+tests in each) with 1, 2 and 4 workers, and with the reward's defaults (four sandboxes per core) when one
+completion in eight loops forever in its function and one in eight hangs before defining it. A training step of 32 prompts x 8 samples scores 256
 completions; the figure to compare it with is that step's generation time.
 """
 
@@ -69,6 +70,18 @@ def main() -> None:
         seconds = timed(score, args.repeats)
         print(f"code task, {len(rows)} completions x 6 tests, {workers} worker(s): {len(rows) / seconds:.1f} "
               f"executions/s ({seconds:.2f} s; a step of 256 completions: {256 * seconds / len(rows):.1f} s)")
+    # sampled completions are not all well behaved: one in eight loops in the function, one in eight hangs at import
+    mixed = []
+    for i, (solution, entry) in enumerate(zip(solutions, columns["entry_point"])):
+        if i % 8 == 3:
+            solution = f"```python\ndef {entry}(*args):\n    while True:\n        pass\n```"
+        elif i % 8 == 6:
+            solution = "```python\nimport time\ntime.sleep(100)\n```"
+        mixed.append(solution)
+    seconds = timed(lambda: reward(prompts, mixed, **columns), args.repeats)
+    print(f"code task, the same with 1 in 8 looping and 1 in 8 hanging, the reward's defaults: "
+          f"{len(rows) / seconds:.1f} executions/s ({seconds:.2f} s; a step of 256 completions: "
+          f"{256 * seconds / len(rows):.1f} s)")
     assert reward(prompts[:4], solutions[:4], **{k: v[:4] for k, v in columns.items()}) == [1.0] * 4
 
 

@@ -51,13 +51,18 @@ def describe(error):
 
 
 namespace = {"__name__": "solution"}
+signal.signal(signal.SIGALRM, on_alarm)
+signal.setitimer(signal.ITIMER_REAL, spec["seconds_per_test"])  # defining the function gets a test's time too
 try:
     with open("/sandbox/solution.py") as source:
         exec(compile(source.read(), "solution.py", "exec"), namespace)
+    signal.setitimer(signal.ITIMER_REAL, 0)
     function = namespace.get(spec["entry_point"])
     failure = None if callable(function) else "no function named " + spec["entry_point"]
 except BaseException as error:
-    function, failure = None, describe(error)
+    signal.setitimer(signal.ITIMER_REAL, 0)
+    function = None
+    failure = "timed out defining the function" if isinstance(error, TestTimeout) else describe(error)
 results = []
 timeouts = 0
 for args in spec["inputs"]:
