@@ -71,7 +71,9 @@ def main() -> None:
     for i in range(len(rows)):
         for j in range(0, args.samples - 1, 2):
             a, b = i * args.samples + j, i * args.samples + j + 1
-            firsts.append(texts[a]), seconds.append(texts[b]), labels.append((right[a], right[b]))
+            firsts.append(texts[a])
+            seconds.append(texts[b])
+            labels.append((right[a], right[b]))
     started = time.perf_counter()
     verdicts = judge.prefer([rows[k // ((args.samples) // 2)]["prompt"] for k in range(len(firsts))], firsts, seconds)
     pairwise_seconds = time.perf_counter() - started

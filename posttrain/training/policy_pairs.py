@@ -99,7 +99,9 @@ def judged_pairs(judge: Judge, rows: list[dict[str, Any]], texts: list[str], gro
         group = texts[i * group_size:(i + 1) * group_size]
         for a, b in zip(group[0::2], group[1::2]):
             if a != b:
-                firsts.append(a), seconds.append(b), owners.append(row)
+                firsts.append(a)
+                seconds.append(b)
+                owners.append(row)
     verdicts = judge.prefer([row["prompt"] for row in owners], firsts, seconds)
     return [{**row, "chosen": (a, b)[v], "rejected": (b, a)[v], "score_chosen": 1.0, "score_rejected": 0.0}
             for row, a, b, v in zip(owners, firsts, seconds, verdicts) if v is not None]
