@@ -62,7 +62,7 @@ def main() -> None:
     columns = {k: [row[k] for row in rows for _ in range(args.samples)] for k in rows[0] if k != "prompt"}
     right = task.correct(prompts, texts, **columns)
 
-    judge = Judge(args.judge, batch_size=16)
+    judge = Judge(*load_model_and_tokenizer(args.judge), batch_size=16)
     started = time.perf_counter()
     scores = judge(prompts, texts)
     pointwise_seconds = time.perf_counter() - started

@@ -110,9 +110,9 @@ def test_a_socket_to_a_listener_on_the_host_does_not_connect():
 
 
 def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
-    before = _sandbox_tasks()
     result = run("""
         import os
+        print(os.getuid(), flush=True)
         while True:
             try:
                 os.fork()
@@ -120,7 +120,8 @@ def test_a_fork_bomb_is_contained_and_leaves_nothing_behind():
                 pass
     """, timeout_s=3, cpu_time_s=2)
     assert result.limit in ("processes", "cpu_time", "wall_time")
-    assert _sandbox_tasks() <= before  # when run returns, the pid namespace has taken every child with it
+    uid = int(result.stdout.split()[0])
+    assert _tasks_of(uid) == 0 or uid == os.getuid()  # when run returns, the namespace took every child with it
     assert run("print('still fine')").stdout == "still fine\n"  # and the next sandbox starts
 
 
@@ -250,21 +251,39 @@ def test_bad_arguments_name_the_problem():
         sandbox.run("print(1)", files={"../x": ""})
 
 
-def _sandbox_tasks() -> int:
-    """Processes on the machine running as a sandbox uid (under root) or inside a bwrap."""
+def _tasks_of(uid: int) -> int:
+    """Processes on the machine running as ``uid`` (under root, an execution's own)."""
     count = 0
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
         try:
             status = (entry / "status").read_text()
-            cmdline = (entry / "cmdline").read_bytes()
         except OSError:
             continue
-        uid = int(status.split("Uid:")[1].split()[0])
-        if uid >= 2_000_000_000 or b"/sandbox/main.py" in cmdline:
-            count += 1
+        count += int(status.split("Uid:")[1].split()[0]) == uid
     return count
+
+
+def test_concurrent_executions_in_two_processes_get_uids_of_their_own():
+    """Under root each execution runs as a uid of its own, also across processes: RLIMIT_NPROC counts per uid."""
+    if os.geteuid() != 0:
+        pytest.skip("the sandbox runs as the user's own uid when posttrain does not run as root")
+    import multiprocessing
+
+    context = multiprocessing.get_context("fork")
+    results = context.Queue()
+    workers = [context.Process(target=_uid_in_sandbox, args=(results,)) for _ in range(2)]
+    for worker in workers:
+        worker.start()
+    uids = [results.get(timeout=60) for _ in workers]
+    for worker in workers:
+        worker.join()
+    assert len(set(uids)) == 2 and all(uid >= 2_000_000_000 for uid in uids)
+
+
+def _uid_in_sandbox(results) -> None:
+    results.put(int(sandbox.run("import os; print(os.getuid())").stdout))
 
 
 def test_results_are_data_never_exceptions():

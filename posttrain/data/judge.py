@@ -9,8 +9,8 @@ nothing. ``Judge.prefer`` is the pairwise form: it asks for A or B with the pair
 keeps a verdict only when the two agree (a judge that always picks the first answer gives none),
 which is how on-policy preference pairs are labelled with ``--judge``.
 
-The judge runs batched on the device it was loaded on (the training device by default), greedy,
-under ``torch.no_grad``. Anything that maps a list of rendered prompts to a list of replies can
+The judge runs batched on its model's device, greedy, under ``torch.no_grad``; ``--judge MODEL`` loads
+it on the training device. Anything that maps a list of rendered prompts to a list of replies can
 stand in for the model (``Judge(complete=fn)``), which is how it is tested.
 """
 
@@ -44,10 +44,10 @@ class Judge:
 
     __name__ = "judge"
 
-    def __init__(self, model: str | Path | torch.nn.Module | None = None, tokenizer: Any = None, *,
+    def __init__(self, model: torch.nn.Module | None = None, tokenizer: Any = None, *,
                  complete: Callable[[list[str]], list[str]] | None = None, rubric: str = POINTWISE,
                  pairwise_rubric: str = PAIRWISE, scale: tuple[int, int] = (1, 10), batch_size: int = 16,
-                 max_new_tokens: int = 8, device: str = "auto"):
+                 max_new_tokens: int = 8):
         for name, text, fields in (("rubric", rubric, ("{prompt}", "{completion}")),
                                    ("pairwise_rubric", pairwise_rubric, ("{prompt}", "{first}", "{second}"))):
             missing = [f for f in fields if f not in text]
@@ -57,13 +57,18 @@ class Judge:
         if not scale[0] < scale[1]:
             raise ValueError(f"judge scale: got {scale}; give (lowest, highest) with lowest < highest")
         if (model is None) == (complete is None):
-            raise ValueError("Judge needs a model (a directory, built-in name or module) or complete=, not both")
+            raise ValueError("Judge needs a model (with its tokenizer) or complete=, not both")
         self.rubric, self.pairwise_rubric, self.scale = rubric, pairwise_rubric, scale
         self.batch_size, self.max_new_tokens = batch_size, max_new_tokens
         self._complete = complete
         self.model, self.tokenizer = None, tokenizer
         if model is not None:
-            self.model, self.tokenizer = _load(model, tokenizer, device)
+            if tokenizer is None:
+                raise ValueError("Judge given a model also needs its tokenizer")
+            tokenizer.padding_side = "left"  # generation continues every row from its last token
+            if tokenizer.pad_token_id is None:
+                tokenizer.pad_token = tokenizer.eos_token
+            self.model = model.eval().requires_grad_(False)
         self._scores: dict[tuple[str, str], float | None] = {}
         self._counts = {"calls": 0, "parse_failures": 0, "cache_hits": 0}
 
@@ -139,20 +144,6 @@ class Judge:
         counts, self._counts = self._counts, {"calls": 0, "parse_failures": 0, "cache_hits": 0}
         return {"judge/replies": counts["calls"], "judge/parse_failures": counts["parse_failures"],
                 "judge/cached": counts["cache_hits"]}
-
-
-def _load(model: str | Path | torch.nn.Module, tokenizer: Any, device: str) -> tuple[torch.nn.Module, Any]:
-    if isinstance(model, torch.nn.Module):
-        if tokenizer is None:
-            raise ValueError("Judge given a model object also needs its tokenizer")
-    else:
-        from posttrain.models.loading import load_model_and_tokenizer
-
-        model, tokenizer = load_model_and_tokenizer(str(model), device=device)
-    tokenizer.padding_side = "left"  # generation continues every row from its last token
-    if tokenizer.pad_token_id is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return model.eval().requires_grad_(False), tokenizer
 
 
 def _text(prompt: Any) -> str:

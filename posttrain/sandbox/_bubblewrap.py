@@ -9,8 +9,8 @@ every process in the sandbox with it. prlimit and bwrap start with an empty envi
 init is the sandbox's pid 1, and its ``/proc/1/environ`` is readable from inside.
 
 Processes are limited with ``RLIMIT_NPROC``, which counts every task of a uid. Under root, each
-concurrent execution therefore runs as a uid of its own (``UID_BASE`` + a slot), so the limit counts
-that execution's tasks only; otherwise it runs as the user, and the limit is the user's current
+concurrent execution therefore runs as a uid of its own (from the process's pid and a slot), so the limit
+counts that execution's tasks only; otherwise it runs as the user, and the limit is the user's current
 task count plus the execution's allowance.
 """
 
@@ -35,8 +35,11 @@ LIMITS = ("wall_time", "cpu_time", "memory", "processes", "output", "disk")
 """The names ``SandboxResult.limit`` takes when a limit stopped (or, for output, truncated) a program."""
 
 UID_BASE = 2_000_000_000
-"""Under root, execution slot k runs as uid and gid ``UID_BASE + k``: far above any account's."""
+"""Under root, execution slot k of process p runs as uid and gid ``UID_BASE + SLOTS * p + k``: far above any
+account's, and distinct between processes (two training processes must not share a process count)."""
 SLOTS = 256
+MAX_PID = 2**22
+"""Linux's largest pid_max: the uids stay below 2**32."""
 BWRAP_TASKS = 3
 """Tasks bubblewrap itself holds during an execution (measured: the outer bwrap, the pid namespace's
 init, and the user namespace's helper), added to ``max_processes`` in ``RLIMIT_NPROC``."""
@@ -223,8 +226,8 @@ def _bwrap_command(bwrap: str, interpreter: str, code_dir: Path, disk_mb: int) -
 
 
 _slots: queue.Queue[int] = queue.Queue()
-for _slot in range(SLOTS):
-    _slots.put(UID_BASE + _slot)
+_slots_pid: list[int] = []  # the process the slots were made for (a forked child makes its own)
+_slots_lock = threading.Lock()
 
 
 @contextmanager
@@ -233,6 +236,13 @@ def _execution_uid() -> Iterator[int | None]:
     if os.geteuid() != 0:
         yield None
         return
+    with _slots_lock:
+        if _slots_pid != [os.getpid()]:
+            _slots_pid[:] = [os.getpid()]
+            while not _slots.empty():
+                _slots.get_nowait()
+            for slot in range(SLOTS):
+                _slots.put(UID_BASE + SLOTS * (os.getpid() % MAX_PID) + slot)
     uid = _slots.get()
     try:
         yield uid

@@ -141,11 +141,14 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
 
 
 def make_judge(config: Config) -> Judge:
-    """The run's ``--judge``, batched like the reward model and on the training device."""
+    """The run's ``--judge``, loaded on the training device and batched like the reward model."""
+    from posttrain.models.loading import load_model_and_tokenizer
+
     data = config.data
-    return Judge(data.judge, rubric=load_rubric(data.judge_rubric, "pointwise"),
+    model, tokenizer = load_model_and_tokenizer(data.judge, device=config.model.device)
+    return Judge(model, tokenizer, rubric=load_rubric(data.judge_rubric, "pointwise"),
                  pairwise_rubric=load_rubric(data.judge_pairwise_rubric, "pairwise"),
-                 batch_size=config.optim.micro_batch_size, device=config.model.device)
+                 batch_size=config.optim.micro_batch_size)
 
 
 def eval_label(task: str) -> str:
