@@ -83,7 +83,8 @@ def run(source: str, *, stdin: str = "", timeout_s: float = 10.0, cpu_time_s: fl
         source: the program, run as ``python -E -s /sandbox/main.py ARGS`` with ``/tmp`` as its directory.
         stdin: its standard input.
         timeout_s: wall-clock limit in seconds; the whole sandbox is killed at it.
-        cpu_time_s: CPU-time limit (all its processes together); default ``timeout_s``.
+        cpu_time_s: CPU-time limit of each of its processes (``RLIMIT_CPU``), whole seconds, at least 1;
+            default ``timeout_s`` (the wall clock bounds them all together).
         memory_mb: address-space limit of each of its processes (``RLIMIT_AS``): the program's memory is at
             most ``memory_mb x max_processes``.
         max_processes: processes and threads it may have at once, itself included.
