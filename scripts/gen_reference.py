@@ -11,7 +11,7 @@ Every page is generated, so it cannot drift from what it describes:
 - metrics.md: every logged metric, from ``posttrain.tracking.glossary``;
 - functional.md: ``posttrain.functional.__all__``, signature and docstring;
 - registries.md: what the registries hold (presets, estimators, losses, rewards, ...) and how to add to them;
-- python.md: ``posttrain.__all__``, signature and docstring.
+- python.md: ``posttrain.__all__`` and ``posttrain.sandbox.__all__``, signature and docstring.
 
 Signatures and docstrings are shown verbatim in text blocks (docstrings are plain text with shapes and
 equations, not Markdown); tables escape what Markdown would read as markup.
@@ -406,22 +406,27 @@ complete loop; [The algorithms](../algorithms.md) gives each equation.
 def python_page() -> str:
     import posttrain
 
+    from posttrain import sandbox
+
     entries = [_python_entry(name, getattr(posttrain, name)) for name in sorted(posttrain.__all__, key=str.lower)
                if not name.startswith("_")]
+    entries += [_python_entry(name, getattr(sandbox, name), "posttrain.sandbox")
+                for name in sorted(sandbox.__all__, key=str.lower)]
     return page(
         "Python API",
         """
 What `import posttrain` gives. `posttrain.train(...)` runs a training as `posttrain train` does and
 `posttrain.evaluate(...)` scores a model as `posttrain eval` does; `posttrain.algorithm(...)` builds a
 preset; the `register_*` functions add presets and the pieces and rewards they name (see
-[Registries](registries.md)). The math is [posttrain.functional](functional.md).
+[Registries](registries.md)). The math is [posttrain.functional](functional.md). `posttrain.sandbox`
+runs model-written code ([rewarding code](../guides/code-execution.md)).
 """,
         *entries,
     )
 
 
-def _python_entry(name: str, obj: Any) -> str:
-    title = f"posttrain.{name}"
+def _python_entry(name: str, obj: Any, module: str = "posttrain") -> str:
+    title = f"{module}.{name}"
     if isinstance(obj, dict):
         return (f"## {title}\n\nA registry: a dict of {len(obj)} entries by name "
                 f"({', '.join(code(key) for key in obj)}). See [Registries](registries.md).\n")
@@ -440,7 +445,10 @@ def _python_entry(name: str, obj: Any) -> str:
 
 def _takes_anything(klass: type) -> bool:
     """Whether ``klass(...)``'s signature says nothing: ``(*args, **kwargs)``, as a Protocol's does."""
-    kinds = [p.kind for p in inspect.signature(klass).parameters.values()]
+    try:
+        kinds = [p.kind for p in inspect.signature(klass).parameters.values()]
+    except ValueError:  # a builtin's subclass (an exception) has no signature to show
+        return True
     return kinds == [inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD]
 
 
