@@ -108,3 +108,22 @@ def test_every_reference_solution_of_the_code_task_passes_its_tests():
     assert task.reward_funcs[0](prompts, [r["solution"] for r in rows], **columns) == [1.0] * len(rows)
     assert task.correct(prompts, ["```python\ndef nothing():\n    pass\n```"] * len(rows), **columns) == [False] * len(rows)
     assert all("output" not in r["prompt"][0]["content"] for r in rows)
+
+
+def test_a_completion_seen_before_is_not_run_again(monkeypatch):
+    from posttrain.data import code_execution
+
+    programs = []
+    real = code_execution.run_tests
+
+    def counting(codes, *args, **kwargs):
+        programs.extend(codes)
+        return real(codes, *args, **kwargs)
+
+    monkeypatch.setattr(code_execution, "run_tests", counting)
+    right, wrong = fenced("def add_3(x):\n    return x + 3"), fenced("def add_3(x):\n    return x")
+    reward = load_reward("code_tests")
+    assert reward([""] * 3, [right, wrong, right], entry_point=["add_3"] * 3, tests=[ADD_3] * 3) == [1.0, 0.0, 1.0]
+    assert reward([""], [right], entry_point=["add_3"], tests=[ADD_3]) == [1.0]
+    assert len(programs) == 2  # the repeat in the batch and the later call are served from what ran
+

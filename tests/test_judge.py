@@ -108,3 +108,16 @@ def test_a_judge_labels_the_policy_s_pairs_in_a_preference_run(tiny_model_dir, m
     with pytest.raises(ConfigError, match="judge: a preference run uses the judge to label pairs"):
         PreferenceSession.create(Config.from_flat(dict(algorithm="dpo", model=str(tiny_model_dir), task="addition",
                                                        judge="x", pairs_from="dataset", progress=False)))
+
+
+def test_judged_pairs_say_whether_the_chosen_is_the_right_one_per_pair():
+    """The same text can be right for one prompt and wrong for another: labels go by sample, not by text."""
+    from posttrain.training.policy_pairs import judged_pairs
+
+    judge = Judge(complete=Scripted(lambda t: "A" if t.split("Answer A:\n")[1].startswith("4") else "B"))
+    rows = [{"prompt": "2+2="}, {"prompt": "2+3="}]
+    texts = ["4", "5", "4", "5"]  # "4" right for the first prompt, wrong for the second
+    pairs, chosen_right = judged_pairs(judge, rows, texts, 2, [True, False, False, True])
+    assert [(p["prompt"], p["chosen"], p["rejected"]) for p in pairs] == [("2+2=", "4", "5"), ("2+3=", "4", "5")]
+    assert chosen_right == [True, False]
+

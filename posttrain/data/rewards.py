@@ -512,17 +512,23 @@ def code_tests(seconds_per_test: float = 0.5, timeout_s: float = 5.0, memory_mb:
     """
     from posttrain.data.code_execution import extract_code, run_tests
 
+    # (code, function, tests) -> score: a group's repeated completions, and evaluation asking for the reward
+    # and for correctness of the same completion, run once
+    scored: dict[tuple[str, str, str], float] = {}
+
     def code_tests(prompts: list, completions: list, entry_point: Sequence[str] | None = None,
                    tests: Sequence[Any] | None = None, **columns: Any) -> list[float | None]:
         if entry_point is None or tests is None:
             raise ValueError("reward 'code_tests' needs 'entry_point' and 'tests' columns in the dataset")
-        rows = [i for i, t in enumerate(tests) if t is not None]
-        reports = run_tests([extract_code(completion_text(completions[i]), entry_point[i]) for i in rows],
-                            [entry_point[i] for i in rows], [tests[i] for i in rows],
+        if len(scored) > 100_000:  # a long run's completions: keep memory bounded
+            scored.clear()
+        keys = [None if t is None else (extract_code(completion_text(c), e), e, t if isinstance(t, str) else repr(t))
+                for c, e, t in zip(completions, entry_point, tests)]
+        new = list(dict.fromkeys(k for k in keys if k is not None and k not in scored))
+        originals = {k: t for k, t in zip(keys, tests) if k in new}  # the tests as the row gave them
+        reports = run_tests([k[0] for k in new], [k[1] for k in new], [originals[k] for k in new],
                             seconds_per_test=seconds_per_test, timeout_s=timeout_s, memory_mb=memory_mb)
-        scores: list[float | None] = [None] * len(completions)
-        for i, report in zip(rows, reports):
-            scores[i] = report.fraction
-        return scores
+        scored.update((k, report.fraction) for k, report in zip(new, reports))
+        return [None if k is None else scored[k] for k in keys]
 
     return code_tests

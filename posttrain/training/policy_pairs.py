@@ -66,12 +66,10 @@ def sample_pairs(generator: Generator, tokenizer: Any, source: Task, rows: list[
         if judge is None:
             pairs += pairs_from_samples(part, texts, labels, group_size)
         else:
-            judged = judged_pairs(judge, part, texts, group_size)
+            judged, chosen_right = judged_pairs(judge, part, texts, group_size, labels)
             pairs += judged
-            right = dict(zip(texts, labels))
-            checked = [p for p in judged if right[p["chosen"]] != right[p["rejected"]]]
-            comparable += len(checked)
-            agreed += sum(right[p["chosen"]] for p in checked)
+            comparable += sum(right is not None for right in chosen_right)
+            agreed += sum(bool(right) for right in chosen_right)
         correct += labels
         drawn += len(part)
         if wanted is not None and len(pairs) >= wanted:
@@ -91,17 +89,25 @@ def sample_pairs(generator: Generator, tokenizer: Any, source: Task, rows: list[
     return pairs, metrics
 
 
-def judged_pairs(judge: Judge, rows: list[dict[str, Any]], texts: list[str], group_size: int) -> list[dict[str, Any]]:
+def judged_pairs(judge: Judge, rows: list[dict[str, Any]], texts: list[str], group_size: int,
+                 correct: list[bool]) -> tuple[list[dict[str, Any]], list[bool | None]]:
     """Each prompt's samples taken two by two (0 with 1, 2 with 3, ...), identical ones skipped; the judge's
-    choice, asked in both orders, is the chosen one, and a pair it does not agree with itself on is dropped."""
-    firsts, seconds, owners = [], [], []
+    choice, asked in both orders, is the chosen one, and a pair it does not agree with itself on is dropped.
+    Also, per pair kept: whether the chosen one is the right one by ``correct``, or None where both or
+    neither are."""
+    candidates = []  # (row, index of the first sample, index of the second)
     for i, row in enumerate(rows):
-        group = texts[i * group_size:(i + 1) * group_size]
-        for a, b in zip(group[0::2], group[1::2]):
-            if a != b:
-                firsts.append(a)
-                seconds.append(b)
-                owners.append(row)
-    verdicts = judge.prefer([row["prompt"] for row in owners], firsts, seconds)
-    return [{**row, "chosen": (a, b)[v], "rejected": (b, a)[v], "score_chosen": 1.0, "score_rejected": 0.0}
-            for row, a, b, v in zip(owners, firsts, seconds, verdicts) if v is not None]
+        for j in range(i * group_size, (i + 1) * group_size - 1, 2):
+            if texts[j] != texts[j + 1]:
+                candidates.append((row, j, j + 1))
+    verdicts = judge.prefer([row["prompt"] for row, _, _ in candidates], [texts[a] for _, a, _ in candidates],
+                            [texts[b] for _, _, b in candidates])
+    pairs, chosen_right = [], []
+    for (row, a, b), verdict in zip(candidates, verdicts):
+        if verdict is None:
+            continue
+        chosen, rejected = (a, b) if verdict == 0 else (b, a)
+        pairs.append({**row, "chosen": texts[chosen], "rejected": texts[rejected], "score_chosen": 1.0,
+                      "score_rejected": 0.0})
+        chosen_right.append(None if correct[chosen] == correct[rejected] else correct[chosen])
+    return pairs, chosen_right
