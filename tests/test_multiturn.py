@@ -14,6 +14,7 @@ from transformers import AutoModelForCausalLM, LlamaForCausalLM
 import posttrain
 from posttrain.models.modeling import collate, forward
 from posttrain.rollout.completions import Completions
+from posttrain.tracking.stats import wilson_interval
 
 PAD = 0
 
@@ -267,3 +268,17 @@ def test_posttrain_eval_scores_a_task_with_tools_on_its_episodes(printable_model
     _, [result] = evaluate_model(None, EvalSpec(tasks=["echoes"], eval_size=3), device="cpu")
     assert [row["completion"] for row in result.greedy] == ["[echo 0]=0;0", "[echo 1]=1;1", "2"]
     assert [row["correct"] for row in result.greedy] == [True, True, False]
+    # two of three episodes call the tool, once each: the rate, its Wilson interval and calls per episode
+    assert [row["tool_calls"] for row in result.greedy] == [1, 1, 0]
+    assert result.metrics["tool_call_rate"] == pytest.approx(2 / 3) and result.metrics["tool_calls"] == pytest.approx(2 / 3)
+    assert (result.metrics["tool_call_rate_low"], result.metrics["tool_call_rate_high"]) == pytest.approx(
+        wilson_interval(2, 3))
+
+
+def test_tool_calls_are_the_spans_of_inserted_tokens():
+    from posttrain.training.evaluation import tool_calls_of
+
+    inserted = torch.tensor([[0, 1, 1, 0, 1, 0], [0, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 1]], dtype=torch.bool)
+    completions = Completions(torch.zeros(3, 6, dtype=torch.long), torch.ones(3, 6), torch.zeros(3, dtype=torch.bool),
+                              inserted=inserted)
+    assert tool_calls_of(completions) == [2, 0, 2]

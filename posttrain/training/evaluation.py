@@ -35,7 +35,7 @@ from posttrain.parallel.distributed import say
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import Tools, make_episode_generator, tool_format
 from posttrain.rollout.generators import generate_texts, make_generator
-from posttrain.tracking.stats import across_variants, summarise
+from posttrain.tracking.stats import across_variants, summarise, wilson_interval
 from posttrain.training.session import (
     Workload,
     eos_token_ids,
@@ -184,6 +184,7 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
             texts, completions = generate_texts(generator, tokenizer, prompt_ids, k, rows=rows)
     correct, rewards = outcomes(greedy_texts, 1, greedy_completions)
     lengths = greedy_completions.lengths.float().tolist()
+    calls = tool_calls_of(greedy_completions) if work.tools and not work.environment else None
     if k > 1:
         flat, _ = outcomes(texts, k, completions)
         per_sample = [flat[i * k:(i + 1) * k] for i in range(len(rows))]
@@ -192,8 +193,25 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
                "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
                "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
               for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
-    return TaskResult(label, len(rows), summarise(correct, rewards, lengths, per_sample, answers), greedy, name,
-                      variant and variant.name)
+    metrics = summarise(correct, rewards, lengths, per_sample, answers)
+    if calls is not None:
+        for record, n in zip(greedy, calls):
+            record["tool_calls"] = n
+        called = sum(n > 0 for n in calls)
+        metrics["tool_call_rate"] = called / len(rows)
+        metrics["tool_call_rate_low"], metrics["tool_call_rate_high"] = wilson_interval(called, len(rows))
+        metrics["tool_calls"] = sum(calls) / len(rows)
+    return TaskResult(label, len(rows), metrics, greedy, name, variant and variant.name)
+
+
+def tool_calls_of(completions: Completions) -> list[int]:
+    """Tool calls in each episode: the spans of inserted tokens (each call's result is one span, and the
+    policy writes at least one token between two calls; a malformed call's error counts, as it is a call)."""
+    inserted = completions.inserted
+    if inserted is None:
+        return [0] * len(completions.completion_ids)
+    starts = inserted & ~torch.nn.functional.pad(inserted[:, :-1], (1, 0), value=False)
+    return starts.sum(dim=1).tolist()
 
 
 def variant_summaries(results: Sequence[TaskResult]) -> dict[str, dict[str, float | str]]:
@@ -220,6 +238,10 @@ def format_results(model: str, results: Sequence[TaskResult], spec: EvalSpec) ->
                      for name in (*(key for key in m if key.startswith("pass@") and key.count("_") == 0),
                                   f"maj@{k}") if name in m]
             lines.append(f"  {k} samples at temperature {spec.temperature:g}: " + "   ".join(parts))
+        if "tool_call_rate" in m:
+            lines.append(f"  tool calls: {m['tool_call_rate']:.3f} of episodes call a tool  95% CI "
+                         f"[{m['tool_call_rate_low']:.3f}, {m['tool_call_rate_high']:.3f}]   "
+                         f"{m['tool_calls']:.2f} calls per episode")
     for task, summary in variant_summaries(results).items():
         count = sum(result.task == task and result.variant is not None for result in results)
         lines.append(f"{model} on {task} across {count} prompt variants: mean accuracy {summary['mean']:.3f} "

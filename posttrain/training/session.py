@@ -328,9 +328,9 @@ class OnlineSession:
             if tools or work.environment:
                 return make_episode_generator(
                     r.backend, model, tokenizer, params, eos_ids,
-                    Tools(tools, timeout=_first(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
+                    Tools(tools, timeout=first_given(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
                     if tools else None,
-                    tool_format(_first(e.tool_format, work.tool_format, "auto"), tokenizer) if tools else None,
+                    tool_format(first_given(e.tool_format, work.tool_format, "auto"), tokenizer) if tools else None,
                     max_turns=e.max_turns, seed=seed, environment=work.environment, on_error=on_error)
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
                                   model_path=policy.config.name_or_path, seed=seed)
@@ -476,7 +476,7 @@ class OnlineSession:
             rows.append(row)
         return rows
 
-def _first(*values: Any) -> Any:
+def first_given(*values: Any) -> Any:
     """The first value that is not None (a run's setting, else its task's, else the default)."""
     return next(v for v in values if v is not None)
 

@@ -17,7 +17,7 @@ steps: checkpoints, resume, samples.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
 
@@ -178,10 +178,12 @@ def fingerprint(name: str, algorithm: str, policy: nn.Module) -> dict[str, Any]:
 
 
 def greedy_accuracy(generator: Any, tokenizer: Any, correct: Callable[..., list[bool]],
-                    rows: list[dict[str, Any]]) -> dict[str, float]:
+                    rows: list[dict[str, Any]], tools: Sequence[Callable] = ()) -> dict[str, float]:
     """``eval/accuracy`` (with its 95% Wilson interval, ``_low``/``_high``): the share of ``rows`` whose greedy
-    completion the task's ``correct(prompts, completions, **columns)`` accepts, for the offline trainers."""
-    texts, _ = generate_texts(generator, tokenizer, [encode_prompt(tokenizer, r["prompt"]) for r in rows], greedy=True)
+    completion the task's ``correct(prompts, completions, **columns)`` accepts, for the offline trainers
+    (prompts rendered with the ``tools`` the generator's episodes call)."""
+    prompts = [encode_prompt(tokenizer, r["prompt"], tools=tools) for r in rows]
+    texts, _ = generate_texts(generator, tokenizer, prompts, greedy=True)
     columns = {key: [r[key] for r in rows] for key in rows[0] if key != "prompt"}
     right = sum(correct([r["prompt"] for r in rows], texts, **columns))
     low, high = wilson_interval(right, len(rows))

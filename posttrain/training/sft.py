@@ -47,7 +47,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 import torch
 from torch import Tensor, nn
@@ -56,6 +56,7 @@ import posttrain.functional as F
 from posttrain.algorithms.presets import SupervisedAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.data.prompts import PromptSampler, hub_splits
+from posttrain.data.rewards import load_reward_function
 from posttrain.data.sft import (
     SFTExamples,
     TokenRows,
@@ -70,11 +71,12 @@ from posttrain.models.modeling import split_head, unwrapped
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
+from posttrain.rollout.episodes import Tools, make_episode_generator, tool_format
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.data.prompts import encode_prompt
-from posttrain.training.session import eos_token_ids
+from posttrain.training.session import eos_token_ids, first_given
 from posttrain.training.setup import (
     Inputs,
     build_optimization,
@@ -107,6 +109,7 @@ class SFTSession:
     update_check: UpdateCheck = field(init=False)  # an optimizer step that moves no weight is an error
     teacher: Any = None  # GKD's frozen teacher
     last_data: SFTExamples | None = None  # the examples the last step trained on (GKD: maybe the student's samples)
+    tools: tuple[Callable, ...] = ()  # rendered into chat prompts as the online trainer renders them; held-out episodes call them
 
     def __post_init__(self) -> None:
         self.update_check = UpdateCheck(self.policy, lora=bool(self.config.model.lora_r))
@@ -129,7 +132,12 @@ class SFTSession:
         if pc.packing and not is_supported_class(unwrapped(policy)):
             raise ConfigError(f"packing: {type(unwrapped(policy)).__name__} is not one of {', '.join(SUPPORTED)}, "
                               "whose attention transformers keeps within each packed example; set --no-packing")
-        encoded = dict(completion_only_loss=preset.completion_only_loss, max_length=pc.max_length)
+        e = config.episodes
+        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools), *(task.tools if task else ()))
+        if tools and preset.objective == "gkd":
+            raise ConfigError("tools: gkd's student samples single turns; distil tool use from demonstrations "
+                              "with sft, or on-policy with the online preset opd")
+        encoded = dict(completion_only_loss=preset.completion_only_loss, max_length=pc.max_length, tools=tools)
         train = usable(encode(train_rows, tokenizer, source=data.dataset or f"task {data.task}", **encoded), "training")
         test = usable(encode(test_rows, tokenizer, source=data.eval_dataset or f"task {data.task} (held-out)",
                              **encoded), "held-out") if test_rows else None
@@ -143,9 +151,15 @@ class SFTSession:
             budget = r.max_new_tokens or (task.max_new_tokens if task else 128)
             sampling = SamplingParams(budget, r.temperature, r.top_p, r.top_k)
             generator = make_generator("hf", policy, tokenizer, sampling, eos_token_ids(policy, tokenizer))
+            if tools:  # held-out accuracy as the online trainer measures it: episodes that call the tools
+                generator = make_episode_generator(
+                    "hf", policy, tokenizer, sampling, eos_token_ids(policy, tokenizer),
+                    Tools(tools, timeout=first_given(e.tool_timeout, task.tool_timeout if task else None, 10.0)),
+                    tool_format(first_given(e.tool_format, task.tool_format if task else None, "auto"), tokenizer),
+                    max_turns=e.max_turns)
         return cls(config, preset, policy, tokenizer, optimizer, scheduler, train, test, task, generator,
                    PromptSampler(len(train), config.run.seed), fingerprint=fingerprint(name, preset.name, policy),
-                   teacher=teacher)
+                   teacher=teacher, tools=tools)
 
     # -- the runner's protocol -----------------------------------------------------------------
 
@@ -179,8 +193,8 @@ def reject_unused(config: Config, preset: Any, inputs: Inputs) -> None:
         raise ConfigError(f"algorithm: {preset.name} is not an SFT preset; the SFT trainer runs sft and gkd")
     if preset.objective == "gkd" and config.preference.packing:
         raise ConfigError("packing: gkd compares two models' logits row by row; set --no-packing")
-    if inputs.tools or config.episodes.tools or config.episodes.environment:
-        raise ConfigError("tools: SFT trains on given demonstrations; multi-turn episodes are sampled by online "
+    if config.episodes.environment:
+        raise ConfigError("environment: SFT trains on given demonstrations; environments are played by online "
                           "presets (grpo, rloo, ...)")
     if inputs.reward_funcs or config.data.reward:
         raise ConfigError("reward: SFT learns from demonstrations, not rewards; an online preset (grpo, rloo, ...) "
@@ -369,5 +383,5 @@ def evaluate(s: SFTSession, limit: int | None = None) -> dict[str, float]:
         out["eval/nll"], out["eval/perplexity"] = nll, math.exp(nll)
     if s.task is not None and s.config.data.eval_size:
         rows = s.task.test[:s.config.data.eval_size][:limit]
-        out.update(greedy_accuracy(s.generator, s.tokenizer, s.task.correct, rows))
+        out.update(greedy_accuracy(s.generator, s.tokenizer, s.task.correct, rows, s.tools))
     return out

@@ -23,11 +23,12 @@ from __future__ import annotations
 
 import ast
 import dataclasses
+import json
 import operator
 import random
 import re
 from collections.abc import Callable
-from typing import Any
+from typing import Any, NamedTuple
 
 from posttrain.data.rewards import math_answer
 from posttrain.data.tasks.task import Task
@@ -40,8 +41,12 @@ ITEMS = ("apples", "pencils", "stickers", "marbles", "cookies", "books", "cards"
 PRICED = (("notebook", "notebooks"), ("pen", "pens"), ("sandwich", "sandwiches"), ("toy car", "toy cars"),
           ("ticket", "tickets"), ("cupcake", "cupcakes"))
 
-Problem = tuple[str, int]
-"""(question, answer)."""
+class Problem(NamedTuple):
+    """A word problem, its answer, and the arithmetic that gives it (what a demonstration computes)."""
+
+    question: str
+    answer: int
+    expression: str  # e.g. "20 - 3 * 4": evaluates to ``answer``
 
 
 def _two_names(rng: random.Random) -> tuple[str, str]:
@@ -53,7 +58,8 @@ def gain(rng: random.Random) -> Problem:
     """1 operation: a + b, single digits."""
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     a, b = rng.randint(2, 9), rng.randint(2, 9)
-    return f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?", a + b
+    return Problem(f"{name} has {a} {item}. {name} gets {b} more {item}. How many {item} does {name} have now?",
+                   a + b, f"{a} + {b}")
 
 
 def combine(rng: random.Random) -> Problem:
@@ -61,14 +67,16 @@ def combine(rng: random.Random) -> Problem:
     name, item = rng.choice(NAMES), rng.choice(ITEMS)
     first, second = rng.sample(("red", "blue", "green", "yellow"), 2)
     a, b = rng.randint(2, 9), rng.randint(2, 9)
-    return f"{name} has {a} {first} {item} and {b} {second} {item}. How many {item} does {name} have in all?", a + b
+    return Problem(f"{name} has {a} {first} {item} and {b} {second} {item}. How many {item} does {name} have in all?",
+                   a + b, f"{a} + {b}")
 
 
 def twice(rng: random.Random) -> Problem:
     """1 operation: 2 * a."""
     (name, friend), item = _two_names(rng), rng.choice(ITEMS)
     a = rng.randint(2, 12)
-    return f"{name} has {a} {item}. {friend} has twice as many {item} as {name}. How many {item} does {friend} have?", 2 * a
+    return Problem(f"{name} has {a} {item}. {friend} has twice as many {item} as {name}. How many {item} does {friend} "
+                   "have?", 2 * a, f"2 * {a}")
 
 
 def loss(rng: random.Random) -> Problem:
@@ -76,14 +84,16 @@ def loss(rng: random.Random) -> Problem:
     (name, friend), item = _two_names(rng), rng.choice(ITEMS)
     a = rng.randint(6, 20)
     b = rng.randint(1, a - 1)
-    return f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?", a - b
+    return Problem(f"{name} had {a} {item} and gave {b} of them to {friend}. How many {item} does {name} have left?",
+                   a - b, f"{a} - {b}")
 
 
 def total_cost(rng: random.Random) -> Problem:
     """1 operation: n * price."""
     name, (one, many) = rng.choice(NAMES), rng.choice(PRICED)
     n, price = rng.randint(2, 6), rng.randint(2, 9)
-    return f"A {one} costs ${price}. {name} buys {n} {many}. How many dollars does {name} spend?", n * price
+    return Problem(f"A {one} costs ${price}. {name} buys {n} {many}. How many dollars does {name} spend?", n * price,
+                   f"{n} * {price}")
 
 
 def change(rng: random.Random) -> Problem:
@@ -93,7 +103,7 @@ def change(rng: random.Random) -> Problem:
     bill = rng.choice([b for b in (20, 50, 100) if b > n * price])
     question = (f"{name} buys {n} {many} that cost ${price} each and pays with a ${bill} bill. "
                 f"How many dollars of change does {name} get?")
-    return question, bill - n * price
+    return Problem(question, bill - n * price, f"{bill} - {n} * {price}")
 
 
 def ages(rng: random.Random) -> Problem:
@@ -102,14 +112,15 @@ def ages(rng: random.Random) -> Problem:
     age, gap, years = rng.randint(5, 15), rng.randint(2, 9), rng.randint(2, 10)
     question = (f"{name} is {age} years old. {sibling} is {gap} years older than {name}. "
                 f"How old will {sibling} be in {years} years?")
-    return question, age + gap + years
+    return Problem(question, age + gap + years, f"{age} + {gap} + {years}")
 
 
 def distance(rng: random.Random) -> Problem:
     """1 operation: speed * hours."""
     name = rng.choice(NAMES)
     speed, hours = rng.choice((10, 20, 30, 40, 50, 60)), rng.randint(2, 5)
-    return f"{name} drives at {speed} miles per hour for {hours} hours. How many miles does {name} drive?", speed * hours
+    return Problem(f"{name} drives at {speed} miles per hour for {hours} hours. How many miles does {name} drive?",
+                   speed * hours, f"{speed} * {hours}")
 
 
 def sharing(rng: random.Random) -> Problem:
@@ -118,7 +129,7 @@ def sharing(rng: random.Random) -> Problem:
     people, each = rng.randint(2, 6), rng.randint(2, 9)
     question = (f"{name} has {people * each} {item} and shares them equally among {people} friends. "
                 f"How many {item} does each friend get?")
-    return question, each
+    return Problem(question, each, f"{people * each} / {people}")
 
 
 def reading(rng: random.Random) -> Problem:
@@ -126,7 +137,8 @@ def reading(rng: random.Random) -> Problem:
     name = rng.choice(NAMES)
     pages, weeks = rng.randint(2, 12), rng.randint(1, 3)
     week_text = "1 week" if weeks == 1 else f"{weeks} weeks"
-    return f"{name} reads {pages} pages every day. How many pages does {name} read in {week_text}?", pages * 7 * weeks
+    return Problem(f"{name} reads {pages} pages every day. How many pages does {name} read in {week_text}?",
+                   pages * 7 * weeks, f"{pages} * 7 * {weeks}")
 
 
 def saving(rng: random.Random) -> Problem:
@@ -136,7 +148,7 @@ def saving(rng: random.Random) -> Problem:
     spent = rng.randint(1, weekly * weeks - 1)
     question = (f"{name} saves ${weekly} every week for {weeks} weeks, then spends ${spent} on a game. "
                 f"How many dollars does {name} have left?")
-    return question, weekly * weeks - spent
+    return Problem(question, weekly * weeks - spent, f"{weekly} * {weeks} - {spent}")
 
 
 def packs(rng: random.Random) -> Problem:
@@ -147,7 +159,7 @@ def packs(rng: random.Random) -> Problem:
     found = rng.randint(1, 9)
     question = (f"{name} buys {n} packs of {item} with {size} {item} in each pack, gives away {given} {item}, "
                 f"and then finds {found} more. How many {item} does {name} have now?")
-    return question, n * size - given + found
+    return Problem(question, n * size - given + found, f"{n} * {size} - {given} + {found}")
 
 
 EASY: tuple[Callable[[random.Random], Problem], ...] = (gain, combine, twice, total_cost)
@@ -160,17 +172,19 @@ EASY_SHARE = 0.5
 
 def make_rows(seed: int, n_train: int, n_test: int) -> tuple[list[dict], list[dict]]:
     """Disjoint (train, test) rows: ``prompt`` (chat messages), ``answer`` (a string), ``template``, ``question``
-    (without the instruction)."""
+    (without the instruction), ``expression`` (its arithmetic) and ``solution`` (a worked answer:
+    "EXPRESSION = N. The answer is N.", what ``posttrain sft --task gsm`` imitates)."""
     rng = random.Random(seed)
     seen: set[str] = set()
     rows: list[dict[str, Any]] = []
     while len(rows) < n_test + n_train:
         template = rng.choice(EASY if rng.random() < EASY_SHARE else HARDER)
-        question, answer = template(rng)
+        question, answer, expression = template(rng)
         if question not in seen:
             seen.add(question)
             rows.append({"prompt": [{"role": "user", "content": f"{question}\n{INSTRUCTION}"}],
-                         "answer": str(answer), "template": template.__name__, "question": question})
+                         "answer": str(answer), "template": template.__name__, "question": question,
+                         "expression": expression, "solution": f"{expression} = {answer}. The answer is {answer}."})
     return rows[n_test:], rows[:n_test]
 
 
@@ -209,6 +223,18 @@ def calculator(expression: str) -> str:
 TOOL_INSTRUCTION = 'Use the calculator for the arithmetic, then end with "The answer is N." where N is a number.'
 
 
+def tool_solution(expression: str, answer: str) -> list[dict[str, Any]]:
+    """A demonstration of using the calculator, as segments of the completion: the call (trained), the result
+    the episode inserts (not trained: the tool writes it), the answer (trained). Both are written the way
+    the episodes' JSON format (Hermes') writes and reads them, so the warm-started model writes calls the
+    episodes parse (tests/test_tool_formats.py checks it against ``JSONCalls``)."""
+    call = json.dumps({"name": "calculator", "arguments": {"expression": expression}})
+    assert calculator(expression) == answer, (expression, answer)
+    return [{"text": f"<tool_call>{call}</tool_call>", "train": True},
+            {"text": f"<tool_response>\n{answer}\n</tool_response>\n", "train": False},
+            {"text": f"The answer is {answer}.", "train": True}]
+
+
 def make_tool_task(seed: int = 0) -> Task:
     """``--task gsm-calculator``: the same problems, with the :func:`calculator` tool (JSON calls, described in
     the system prompt where the chat template does not render tools) and a budget for the whole episode."""
@@ -216,7 +242,8 @@ def make_tool_task(seed: int = 0) -> Task:
 
     def with_tool(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [{**row, "prompt": [{"role": "user", "content": row["prompt"][0]["content"].replace(
-            INSTRUCTION, TOOL_INSTRUCTION)}]} for row in rows]
+            INSTRUCTION, TOOL_INSTRUCTION)}], "solution": tool_solution(row["expression"], row["answer"])}
+                for row in rows]
 
     return dataclasses.replace(
         task, name="gsm-calculator", train=with_tool(task.train), test=with_tool(task.test),

@@ -129,7 +129,7 @@ class GsmTemplatesDataset(ProceduralDataset):
     def __getitem__(self, idx: int) -> dict[str, Any]:
         rng = random.Random(self.seed + idx)
         template = rng.choice(gsm.EASY if rng.random() < self.config.easy_share else gsm.HARDER)
-        question, answer = template(rng)
+        question, answer, _ = template(rng)
         return {"question": question, "answer": str(answer), "metadata": {"template": template.__name__}}
 
     def score_answer(self, answer: str | None, entry: dict[str, Any]) -> float:
