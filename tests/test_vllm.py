@@ -1,5 +1,6 @@
-"""The vLLM backend: what runs without a GPU (errors, name mapping for weight sync, turning vLLM's
-samples into Completions), and an end-to-end check that runs only where vLLM and a GPU exist."""
+"""The vLLM backend without vLLM: errors, name mapping for weight sync, turning vLLM's samples into
+Completions, the check after each sync on a fake engine; and an end-to-end check on a CUDA GPU.
+tests/test_vllm_engine.py runs a real engine (vLLM's CPU build)."""
 
 from __future__ import annotations
 
@@ -15,14 +16,20 @@ from posttrain.rollout.vllm import check_vllm_available, completions_from_sample
 HAS_VLLM_GPU = torch.cuda.is_available() and importlib.util.find_spec("vllm") is not None
 
 
-def test_missing_gpu_or_package_is_a_clear_error(monkeypatch):
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-    with pytest.raises(RuntimeError, match="needs a CUDA GPU and none is available; use --backend hf"):
-        check_vllm_available()
-    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+def test_missing_package_or_a_cuda_build_without_a_gpu_is_a_clear_error(monkeypatch):
+    import posttrain.rollout.vllm as backend
+
     monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
-    with pytest.raises(RuntimeError, match=r"needs the vllm package.*pip install 'posttrain\[vllm\]'"):
+    with pytest.raises(RuntimeError, match=r"needs the vllm package, which is not installed: make vllm"):
         check_vllm_available()
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: object())
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setattr(backend, "vllm_is_cpu_build", lambda: False)
+    with pytest.raises(RuntimeError, match="this vLLM is a CUDA build and no CUDA GPU is available; on a CPU install "
+                                           "vLLM's CPU build"):
+        check_vllm_available()
+    monkeypatch.setattr(backend, "vllm_is_cpu_build", lambda: True)
+    check_vllm_available()  # the CPU build runs without a GPU
 
 
 @pytest.mark.skipif(importlib.util.find_spec("peft") is None, reason="peft (extra: lora) is not installed")
@@ -88,7 +95,7 @@ def test_vllm_greedy_matches_hf_and_follows_weight_updates(tiny_model_dir):
     assert sampled.completion_ids.shape[0] == 8 and sampled.sampling_logprobs.shape == sampled.mask.shape
 
 
-@pytest.mark.skipif(HAS_VLLM_GPU, reason="checks the error on a machine without vLLM or a GPU")
+@pytest.mark.skipif(importlib.util.find_spec("vllm") is not None, reason="checks the error where vLLM is absent")
 def test_selecting_vllm_here_is_a_config_error_before_any_model_loads(reward_file):
     from posttrain.config import ConfigError
     from posttrain.training.session import OnlineSession
@@ -138,11 +145,14 @@ class _FakeEngine:
 
     def __init__(self, model, broken: bool):
         self.model, self.broken = model, broken
-        runner = SimpleNamespace(model=SimpleNamespace(load_weights=self.load_weights))
-        self.llm_engine = SimpleNamespace(model_executor=SimpleNamespace(driver_worker=SimpleNamespace(model_runner=runner)))
+        self.worker = SimpleNamespace(model_runner=SimpleNamespace(reload_weights=self.reload_weights))
 
-    def load_weights(self, weights):
-        loaded = {name: tensor.detach().clone() for name, tensor in weights}
+    def collective_rpc(self, method):
+        return [method(self.worker)]
+
+    def reload_weights(self, weights_iterator, is_checkpoint_format):
+        assert is_checkpoint_format  # vLLM repacks checkpoint-format weights for its kernels
+        loaded = {name: tensor.detach().clone() for name, tensor in weights_iterator}
         if not self.broken:
             self.model.load_state_dict(loaded, strict=False)
 
@@ -172,7 +182,7 @@ def test_each_vllm_weight_sync_is_checked_on_the_engines_prompt_logprobs(broken,
     monkeypatch.setitem(sys.modules, "vllm", SimpleNamespace(SamplingParams=lambda **kwargs: SimpleNamespace(kwargs=kwargs)))
     policy = AutoModelForCausalLM.from_pretrained(tiny_model_dir)
     generator = object.__new__(VLLMGenerator)
-    generator.model, generator.syncs = policy, 0
+    generator.model, generator.syncs, generator.sleeping = policy, 0, False
     generator.llm = _FakeEngine(AutoModelForCausalLM.from_pretrained(tiny_model_dir), broken)
     generator.sync_check = SyncCheck(torch.tensor([1, 5, 6, 7, 8, 9]), torch.float32)
     generator.sync_weights()  # the policy is the engine's starting point: both pass

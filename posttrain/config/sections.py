@@ -257,7 +257,8 @@ class RolloutConfig:
     temperature: float = _help("Sampling temperature (log-probs are computed at the same temperature).", 1.0)
     top_p: float = _help("Nucleus sampling threshold (1.0 = off).", 1.0)
     top_k: int = _help("Top-k sampling (0 = off).", 0)
-    backend: str = _help("Generation backend: hf (transformers generate) or vllm (GPU only).", "hf")
+    backend: str = _help("Generation backend: hf (posttrain's decode loop) or vllm (a colocated vLLM engine: its CUDA build "
+                         "on a GPU, its CPU build from make vllm on a CPU).", "hf")
     max_no_signal_steps: int = _help(
         "Stop after this many consecutive steps in which every group's rewards were all equal (zero "
         "advantages: nothing is learned); a warning comes after 5. 0 = never stop.", 25,
