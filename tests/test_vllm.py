@@ -145,7 +145,8 @@ class _FakeEngine:
 
     def __init__(self, model, broken: bool):
         self.model, self.broken = model, broken
-        self.worker = SimpleNamespace(model_runner=SimpleNamespace(reload_weights=self.reload_weights))
+        self.worker = SimpleNamespace(model_runner=SimpleNamespace(reload_weights=self.reload_weights,
+                                                                   get_model=lambda: SimpleNamespace()))
 
     def collective_rpc(self, method):
         return [method(self.worker)]

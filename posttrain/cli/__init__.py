@@ -127,6 +127,20 @@ def build_parser() -> argparse.ArgumentParser:
     evaluate.add_argument("--completions", help="also write every problem's greedy completion, parsed answer and "
                           "verdict as JSONL to this file")
 
+    serve = commands.add_parser("serve", help="a rollout server: vLLM's OpenAI-compatible server that training runs "
+                                "(--rollout-server URL) sample from and publish their weights to",
+                                description="Start vLLM's OpenAI-compatible server with posttrain's worker extension "
+                                "(needs vLLM: make vllm). Flags after -- go to vLLM.")
+    serve.add_argument("--model", required=True, help="model directory or built-in name (smollm2-135m); the "
+                       "training run's model, whose weights it publishes here")
+    serve.add_argument("--port", type=int, default=8000, help="[default: 8000]")
+    serve.add_argument("--host", default="127.0.0.1", help="address to listen on; 0.0.0.0 for other machines "
+                       "[default: 127.0.0.1]")
+    serve.add_argument("--dtype", default="auto", help="weights' dtype in the server: auto (the model's), "
+                       "bfloat16, float32 [default: auto]")
+    serve.add_argument("--max-model-len", type=int, help="longest prompt + completion [default: the model's]")
+    serve.add_argument("--seed", type=int, default=0)
+
     algorithms = commands.add_parser("algorithms", help="list presets, or compare the named ones side by side")
     algorithms.add_argument("names", nargs="*")
     _add_compare_parsers(commands)
@@ -334,7 +348,12 @@ def eval_command(args: argparse.Namespace) -> int:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args, unknown = parser.parse_known_args(_hyphenated(sys.argv[1:] if argv is None else argv))
+    argv = list(sys.argv[1:] if argv is None else argv)
+    passed_on: list[str] = []  # serve: what follows -- goes to vLLM
+    if argv[:1] == ["serve"] and "--" in argv:
+        cut = argv.index("--")
+        argv, passed_on = argv[:cut], argv[cut + 1:]
+    args, unknown = parser.parse_known_args(_hyphenated(argv))
     if unknown:
         parser.error(_unrecognized(unknown))
     from transformers.utils import logging as hf_logging
@@ -351,6 +370,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return 0
         if args.command == "eval":
             return eval_command(args)
+        if args.command == "serve":
+            return serve_command(args, passed_on)
         if args.command == "compare":
             return compare_command(args)
         if args.command == "report":
@@ -376,6 +397,25 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"posttrain: error: {error.strerror}: {error.filename or error}; free space or fix the "
               "permissions, then resume the run (--resume RUN_DIR)", file=sys.stderr)
         return 2
+
+
+def serve_command(args: argparse.Namespace, passed_on: list[str]) -> int:
+    """Replace this process with vLLM's server (signals reach vLLM directly); its argv is printed first."""
+    import os
+    import shlex
+
+    from posttrain.models.loading import resolve_model_path
+    from posttrain.rollout.vllm_worker import serve_command as command
+
+    try:
+        argv, env = command(str(resolve_model_path(args.model)), host=args.host, port=args.port, dtype=args.dtype,
+                            max_model_len=args.max_model_len, seed=args.seed, extra=passed_on)
+    except RuntimeError as error:
+        print(f"posttrain: error: {error}", file=sys.stderr)
+        return 2
+    print("posttrain serve: " + shlex.join(argv), file=sys.stderr, flush=True)
+    os.execve(argv[0], argv, env)
+    return 0  # not reached
 
 
 def _error_text(error: BaseException) -> str:

@@ -259,6 +259,15 @@ class RolloutConfig:
     top_k: int = _help("Top-k sampling (0 = off).", 0)
     backend: str = _help("Generation backend: hf (posttrain's decode loop) or vllm (a colocated vLLM engine: its CUDA build "
                          "on a GPU, its CPU build from make vllm on a CPU).", "hf")
+    rollout_server: tuple[str, ...] = _help(
+        "URL of a rollout server started with posttrain serve (repeatable): the rollouts are sampled there, the "
+        "prompts shared among the servers, the policy's weights published to them before each rollout; a server "
+        "that fails is dropped and its prompts go to the others.", ())
+    rollout_timeout: float = _help("Seconds a rollout server may take to start, answer a request or load weights "
+                                   "before it is dropped.", 600.0)
+    weight_sync_dir: str | None = _help(
+        "Directory the weights are published to for the rollout servers (every server must read it: one machine, "
+        "or a shared disk). Default: weights/ in the run's output directory.")
     max_no_signal_steps: int = _help(
         "Stop after this many consecutive steps in which every group's rewards were all equal (zero "
         "advantages: nothing is learned); a warning comes after 5. 0 = never stop.", 25,
@@ -275,6 +284,10 @@ class RolloutConfig:
         require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
         require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
         require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
+        for url in self.rollout_server:
+            require(url.startswith(("http://", "https://")), "rollout_server",
+                    f"got {url!r}; give the server's URL, e.g. http://127.0.0.1:8000")
+        require(self.rollout_timeout > 0, "rollout_timeout", f"got {self.rollout_timeout}; use seconds > 0")
         require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
                  f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
         require.raise_any()

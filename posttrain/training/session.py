@@ -236,6 +236,14 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
                           "on your reward functions")
     if r.prompts_per_step > len(work.train_rows):
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
+    if r.rollout_server and (config.episodes.tools or config.episodes.environment or work.tools or work.environment):
+        raise ConfigError("rollout_server: multi-turn episodes (tools, environments) sample on this process; drop "
+                          "--rollout-server or the tools")
+    if r.rollout_server and r.backend == "vllm":
+        raise ConfigError("rollout_server: the servers sample the rollouts; drop --backend vllm (a colocated engine)")
+    if r.rollout_server and config.off_policy.async_rollout:
+        raise ConfigError("rollout_server: each rollout is sampled on the servers after the weights are published; "
+                          "drop async_rollout")
     if r.backend == "vllm":
         from posttrain.rollout.vllm import check_vllm_available
 
@@ -332,6 +340,14 @@ class OnlineSession:
                     if tools else None,
                     tool_format(first_given(e.tool_format, work.tool_format, "auto"), tokenizer) if tools else None,
                     max_turns=e.max_turns, seed=seed, environment=work.environment, on_error=on_error)
+            if r.rollout_server:
+                from pathlib import Path
+
+                from posttrain.rollout.remote import FilesystemWeights, RemoteGenerator
+
+                directory = Path(r.weight_sync_dir or Path(config.run.output) / "weights")
+                return RemoteGenerator(model, tokenizer, params, eos_ids, list(r.rollout_server),
+                                       FilesystemWeights(directory), timeout_s=r.rollout_timeout, seed=seed)
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
                                   model_path=policy.config.name_or_path, seed=seed)
 
@@ -346,8 +362,11 @@ class OnlineSession:
         work, prompt_ids = _within_budget(config, work, [
             encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
             for number, row in enumerate(work.train_rows, start=1)])
-        separate = sampling_copy is not None or config.off_policy.async_rollout or r.backend == "vllm"
-        sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator, config.model.mixed_precision,
+        separate = (sampling_copy is not None or config.off_policy.async_rollout or r.backend == "vllm"
+                    or bool(r.rollout_server))
+        # a rollout server may hold its weights in bf16 (posttrain serve --dtype): checked at bf16's tolerance
+        precision = "bf16" if r.rollout_server else config.model.mixed_precision
+        sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator, precision,
                                   separate and not config.off_policy.sampler_noise)  # noise: different on purpose
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator, prompt_ids,

@@ -1,0 +1,240 @@
+"""Rollouts from separate vLLM servers (``posttrain serve``), on this machine or others: ``--rollout-server URL``.
+
+:class:`RemoteGenerator` has the generators' interface (row ``i*G + j`` is sample ``j`` of prompt ``i``), so
+the training loop does not know where its samples come from. Each ``generate`` call:
+
+1. publishes the policy's current weights (merged under LoRA, the base model's names) through the
+   transport, as version ``v`` (one more than the last);
+2. on every server: ``/pause`` (in-flight requests finish first), load version ``v`` (``/collective_rpc``
+   into posttrain's worker extension, :mod:`posttrain.rollout.vllm_worker`), ``/reset_prefix_cache``,
+   ``/resume``. A server answers with the version it loaded; a sample is only drawn by a server that
+   loaded ``v``, so each sample's version is the trainer's;
+3. splits the prompts over the servers (contiguous shards, the servers in turn) and sends each shard as
+   one ``/v1/completions`` request of token ids (``n`` samples, the sampled tokens' log-probs, their ids).
+
+A server that refuses a connection, errors or does not answer within ``timeout_s`` is dropped for the rest
+of the run with a warning naming it, and its shard goes to the next live server, so no step is lost while
+one server is alive; with none, the error names every server and what each did. A trainer that restarts
+(``--resume``) publishes its weights before its first sample, since every call publishes.
+
+Transports (:class:`WeightTransport`): :class:`FilesystemWeights` writes a safetensors file per version into
+a directory every server can read (one machine, or machines sharing a disk), written under a temporary
+name and renamed, so a server never reads a partial file; the last two versions are kept. NCCL through
+vLLM's weight-transfer API is the GPU transport, not built yet.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Protocol
+
+import torch
+from torch import Tensor
+
+from posttrain.models.lora import forget_kept_casts
+from posttrain.models.modeling import probe_logprobs
+from posttrain.parallel.distributed import say
+from posttrain.rollout.completions import Completions, SamplingParams
+from posttrain.rollout.vllm import completions_from_samples, named_weights
+from posttrain.rollout.vllm_worker import WEIGHTS_FILE
+
+
+class RolloutServerError(RuntimeError):
+    """No rollout server could do what was asked; the message names each server and what it did."""
+
+
+def _request(url: str, path: str, body: dict | None, timeout: float, method: str = "POST") -> Any:
+    data = None if body is None else json.dumps(body).encode()
+    request = urllib.request.Request(url.rstrip("/") + path, data=data, method=method,
+                                     headers={"Content-Type": "application/json"})
+    with urllib.request.urlopen(request, timeout=timeout) as response:
+        text = response.read().decode()
+    return json.loads(text) if text.strip() else None
+
+
+def _reason(error: BaseException) -> str:
+    if isinstance(error, urllib.error.HTTPError):
+        detail = error.read().decode(errors="replace")[:300]
+        return f"HTTP {error.code}: {detail}"
+    if isinstance(error, urllib.error.URLError):
+        return f"unreachable ({error.reason})"
+    if isinstance(error, TimeoutError):
+        return "no answer within the timeout"
+    return f"{type(error).__name__}: {error}"
+
+
+def wait_until_ready(urls: list[str], timeout_s: float) -> None:
+    """Block until every server answers ``/health``; an error naming the ones that did not within ``timeout_s``."""
+    deadline, waiting = time.monotonic() + timeout_s, dict.fromkeys(urls, "not asked yet")
+    while waiting and time.monotonic() < deadline:
+        for url in list(waiting):
+            try:
+                _request(url, "/health", None, timeout=5, method="GET")
+                del waiting[url]
+            except (OSError, ValueError) as error:
+                waiting[url] = _reason(error)
+        if waiting:
+            time.sleep(0.5)
+    if waiting:
+        raise RolloutServerError(f"rollout servers not ready after {timeout_s:.0f} s: "
+                                 + "; ".join(f"{url}: {why}" for url, why in waiting.items())
+                                 + " (start each with posttrain serve --model MODEL --port PORT)")
+
+
+class WeightTransport(Protocol):
+    """How published weights reach the servers."""
+
+    def publish(self, weights: list[tuple[str, Tensor]], version: int) -> str:
+        """Make ``weights`` available as ``version``; what the servers' load call is given."""
+        ...
+
+
+@dataclass
+class FilesystemWeights:
+    """A safetensors file per version under ``directory`` (which every server must be able to read)."""
+
+    directory: Path
+    keep: int = 2
+
+    def publish(self, weights: list[tuple[str, Tensor]], version: int) -> str:
+        from safetensors.torch import save_file
+
+        target = self.directory / f"v{version:06d}"
+        partial = self.directory / f".v{version:06d}.partial"
+        shutil.rmtree(partial, ignore_errors=True)
+        partial.mkdir(parents=True)
+        # clone: tied and merged weights can share storage, which safetensors refuses to write twice
+        save_file({name: tensor.detach().to("cpu").clone().contiguous() for name, tensor in weights},
+                  str(partial / WEIGHTS_FILE))
+        shutil.rmtree(target, ignore_errors=True)
+        partial.rename(target)  # a server never sees a partly written version
+        for old in sorted(self.directory.glob("v*"))[:-self.keep]:
+            shutil.rmtree(old, ignore_errors=True)
+        return str(target.resolve())
+
+
+@dataclass
+class RemoteGenerator:
+    """Sampling on ``posttrain serve`` servers; weights published before each call (module docstring)."""
+
+    model: Any
+    tokenizer: Any
+    params: SamplingParams
+    eos_token_ids: list[int]
+    urls: list[str]
+    transport: WeightTransport
+    timeout_s: float = 600.0
+    seed: int = 0
+    version: int = -1  # the last version published (-1: none yet)
+    dead: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped
+    sync_seconds: float = 0.0  # the last publish and load, for the step's timing
+    sync_check: Any = None  # guards.SyncCheck, set by the session: each server's load is checked with it
+
+    def __post_init__(self) -> None:
+        self.eos_ids = torch.tensor(self.eos_token_ids, dtype=torch.long)
+        self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
+        wait_until_ready(self.urls, self.timeout_s)
+
+    @property
+    def live(self) -> list[str]:
+        return [url for url in self.urls if url not in self.dead]
+
+    def _drop(self, url: str, error: BaseException) -> None:
+        self.dead[url] = _reason(error)
+        say(f"warning: rollout server {url} dropped: {self.dead[url]}; {len(self.live)} left")
+        if not self.live:
+            raise RolloutServerError("no rollout server is left: " + "; ".join(f"{u}: {why}" for u, why in
+                                                                                self.dead.items()))
+
+    def sync_weights(self) -> None:
+        """Publish the policy's weights as the next version and load them on every live server."""
+        start = time.perf_counter()
+        merged = hasattr(self.model, "merge_adapter")
+        if merged:
+            self.model.merge_adapter()
+        try:
+            path = self.transport.publish(list(named_weights(self.model)), self.version + 1)
+        finally:
+            if merged:
+                self.model.unmerge_adapter()
+                forget_kept_casts(self.model)
+        self.version += 1
+        for url in self.live:
+            try:
+                _request(url, "/pause?mode=wait", None, self.timeout_s)
+                answer = _request(url, "/collective_rpc", {"method": "posttrain_load", "args": [path, str(self.version)]},
+                                  self.timeout_s)
+                _request(url, "/reset_prefix_cache", None, self.timeout_s)
+                _request(url, "/resume", None, self.timeout_s)
+                if [int(v) for v in answer["results"]] != [self.version] * len(answer["results"]):
+                    raise RolloutServerError(f"loaded version {answer['results']}, not {self.version}")
+            except (OSError, ValueError, KeyError, RolloutServerError) as error:
+                self._drop(url, error)
+                continue
+            if self.sync_check is not None:  # a wrong load is an error, not a dropped server
+                probe = self.sync_check.probe_ids
+                self.sync_check.verify(probe_logprobs(self.model, probe), self.server_logprobs(url, probe),
+                                       f"rollout server {url}", f"weight version {self.version}")
+        self.sync_seconds = time.perf_counter() - start
+
+    def server_logprobs(self, url: str, token_ids: Tensor) -> Tensor:
+        """[T] ids -> [T - 1] the server's log-probs of tokens 1.. (prompt log-probs at temperature 1)."""
+        ids = token_ids.tolist()
+        body = {"prompt": ids, "max_tokens": 1, "temperature": 1.0, "prompt_logprobs": 0, "return_token_ids": True}
+        entries = _request(url, "/v1/completions", body, self.timeout_s)["choices"][0]["prompt_logprobs"]
+        return torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries[1:], ids[1:])])
+
+    def _complete(self, url: str, shard: list[Tensor], num_samples: int, greedy: bool) -> list[dict]:
+        p = self.params
+        body = {"prompt": [ids.tolist() for ids in shard], "n": num_samples, "max_tokens": p.max_new_tokens,
+                "temperature": 0.0 if greedy else p.temperature, "top_p": 1.0 if greedy else p.top_p,
+                "top_k": -1 if greedy or not p.top_k else p.top_k, "logprobs": 0, "return_token_ids": True,
+                "stop_token_ids": self.eos_token_ids, "skip_special_tokens": False,
+                "seed": None if greedy else self.seed + self.version}
+        choices = _request(url, "/v1/completions", body, self.timeout_s)["choices"]
+        if len(choices) != len(shard) * num_samples:
+            raise RolloutServerError(f"{len(choices)} samples for {len(shard)} prompts x {num_samples}")
+        return sorted(choices, key=lambda choice: choice["index"])
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: Any = None) -> Completions:
+        self.sync_weights()
+        shards: list[list[Tensor]] = []
+        per = -(-len(prompt_ids) // max(len(self.live), 1))
+        for start in range(0, len(prompt_ids), per):
+            shards.append(prompt_ids[start:start + per])
+        results: list[list[dict] | None] = [None] * len(shards)
+        pending = list(range(len(shards)))
+        while pending:
+            servers = self.live
+            with ThreadPoolExecutor(len(pending)) as pool:
+                futures = {k: pool.submit(self._complete, servers[i % len(servers)], shards[k], num_samples, greedy)
+                           for i, k in enumerate(pending)}
+            failed = []
+            for i, (k, future) in enumerate(futures.items()):
+                try:
+                    results[k] = future.result()
+                except (OSError, ValueError, KeyError, RolloutServerError) as error:
+                    url = servers[i % len(servers)]
+                    if url not in self.dead:
+                        self._drop(url, error)  # raises when none is left
+                    failed.append(k)
+            pending = failed
+        choices = [choice for shard in results for choice in shard or []]
+        token_ids = [list(choice["token_ids"]) for choice in choices]
+        logprobs = [[float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)]
+                    for choice, ids in zip(choices, token_ids)]
+        eos = set(self.eos_token_ids)
+        for choice, ids, lps in zip(choices, token_ids, logprobs):
+            if choice.get("finish_reason") == "stop" and (not ids or ids[-1] not in eos):
+                ids.append(self.eos_token_ids[0])  # the mask must hold the EOS the loss trains
+                lps.append(0.0)
+        return completions_from_samples(token_ids, logprobs, self.eos_ids, self.pad_id)

@@ -1,0 +1,186 @@
+"""Rollout servers for real: ``posttrain serve`` processes on loopback (vLLM's CPU build, ``make vllm``), sampled
+from and synced by :class:`~posttrain.rollout.remote.RemoteGenerator` as a training run does.
+
+Marked ``vllm`` (``make test-vllm``): each server takes seconds to start. The model is a small random Llama
+(head size 64) in fp32 on both sides, so the servers' greedy samples must be the policy's own.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import socket
+import subprocess
+import sys
+import threading
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+
+pytestmark = [pytest.mark.vllm,
+              pytest.mark.skipif(importlib.util.find_spec("vllm") is None,
+                                 reason="vLLM is not installed (make vllm, then make test-vllm)")]
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    from posttrain.models.tiny import build_tiny_model, char_tokenizer
+
+    path = tmp_path_factory.mktemp("served-model")
+    tokenizer = char_tokenizer("0123456789+=,|")
+    build_tiny_model(tokenizer, seed=0, hidden_size=128, num_layers=2, num_heads=2,
+                     intermediate_size=256).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
+    port = free_port()
+    process = subprocess.Popen([sys.executable, "-m", "posttrain", "serve", "--model", str(model_dir), "--port",
+                                str(port), "--dtype", "float32", "--max-model-len", "128"],
+                               stdout=open(log, "w"), stderr=subprocess.STDOUT)
+    return process, f"http://127.0.0.1:{port}"
+
+
+@pytest.fixture(scope="module")
+def servers(model_dir, tmp_path_factory):
+    """Two servers of the same model (the tests that kill one start their own)."""
+    logs = tmp_path_factory.mktemp("server-logs")
+    started = [start_server(model_dir, logs / f"server{k}.log") for k in range(2)]
+    yield [url for _, url in started]
+    for process, _ in started:
+        process.kill()
+        process.wait()
+
+
+def make_generator(model_dir, urls, weights_dir, num_new=12):
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from posttrain.rollout.completions import SamplingParams
+    from posttrain.rollout.remote import FilesystemWeights, RemoteGenerator
+
+    policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    generator = RemoteGenerator(policy, tokenizer, SamplingParams(num_new, 1.0, 1.0, 0), [tokenizer.eos_token_id],
+                                list(urls), FilesystemWeights(weights_dir), timeout_s=180)
+    return policy, tokenizer, generator
+
+
+def prompts(tokenizer, n=6) -> list[torch.Tensor]:
+    return [torch.tensor(tokenizer(f"{k}{k + 3}+{2 * k}=")["input_ids"]) for k in range(n)]
+
+
+def hf_greedy(policy, tokenizer, ids) -> list[list[int]]:
+    from posttrain.rollout.completions import SamplingParams
+    from posttrain.rollout.generators import make_generator as local
+
+    out = local("hf", policy, tokenizer, SamplingParams(12, 1.0, 1.0, 0), [tokenizer.eos_token_id]).generate(
+        ids, num_samples=1, greedy=True)
+    return [row[mask.bool()].tolist() for row, mask in zip(out.completion_ids, out.mask)]
+
+
+def greedy(generator, ids) -> list[list[int]]:
+    out = generator.generate(ids, num_samples=1, greedy=True)
+    return [row[mask.bool()].tolist() for row, mask in zip(out.completion_ids, out.mask)]
+
+
+def version_of(url: str) -> int:
+    request = urllib.request.Request(url + "/collective_rpc", data=json.dumps({"method": "posttrain_version"}).encode(),
+                                     headers={"Content-Type": "application/json"}, method="POST")
+    return int(json.loads(urllib.request.urlopen(request, timeout=30).read())["results"][0])
+
+
+def test_servers_sample_what_the_policy_would_and_follow_each_sync(model_dir, servers, tmp_path):
+    policy, tokenizer, generator = make_generator(model_dir, servers, tmp_path / "weights")
+    ids = prompts(tokenizer)
+    assert greedy(generator, ids) == hf_greedy(policy, tokenizer, ids)  # prompts shared by the two servers
+    assert [version_of(url) for url in servers] == [0, 0]
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.add_(torch.randn_like(param) * 0.5)
+    after = greedy(generator, ids)
+    assert after == hf_greedy(policy, tokenizer, ids)
+    assert [version_of(url) for url in servers] == [1, 1]
+    assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000000", "v000001"]
+
+
+def test_sampled_logprobs_are_the_policys(model_dir, servers, tmp_path):
+    from posttrain.models.modeling import probe_logprobs
+
+    policy, tokenizer, generator = make_generator(model_dir, servers, tmp_path / "weights")
+    ids = prompts(tokenizer, 3)
+    out = generator.generate(ids, num_samples=4)
+    assert out.completion_ids.shape[0] == 12
+    for row in range(12):
+        prompt, n = ids[row // 4], int(out.mask[row].sum())
+        recomputed = probe_logprobs(policy, torch.cat([prompt, out.completion_ids[row, :n]]))[len(prompt) - 1:]
+        torch.testing.assert_close(out.sampling_logprobs[row, :n], recomputed.float(), atol=2e-3, rtol=0)
+
+
+def test_a_paused_server_holds_requests_until_it_resumes(servers):
+    url = servers[0]
+    post = lambda path, body=None: urllib.request.urlopen(urllib.request.Request(  # noqa: E731
+        url + path, data=json.dumps(body or {}).encode(), headers={"Content-Type": "application/json"},
+        method="POST"), timeout=60).read()
+    post("/pause?mode=keep")
+    done = threading.Event()
+    threading.Thread(target=lambda: (post("/v1/completions", {"prompt": [1, 4, 5], "max_tokens": 4}), done.set()),
+                     daemon=True).start()
+    assert not done.wait(3.0)  # held while paused
+    post("/resume")
+    assert done.wait(30.0)
+
+
+def test_a_killed_server_loses_no_samples_and_none_left_is_a_clear_error(model_dir, tmp_path):
+    from posttrain.rollout.remote import RolloutServerError
+
+    started = [start_server(model_dir, tmp_path / f"server{k}.log") for k in range(2)]
+    try:
+        policy, tokenizer, generator = make_generator(model_dir, [url for _, url in started], tmp_path / "weights")
+        ids = prompts(tokenizer)
+        expected = hf_greedy(policy, tokenizer, ids)
+        started[0][0].kill()
+        started[0][0].wait()
+        assert greedy(generator, ids) == expected  # its shard went to the other server
+        assert list(generator.dead) == [started[0][1]] and "unreachable" in generator.dead[started[0][1]]
+        started[1][0].kill()
+        started[1][0].wait()
+        with pytest.raises(RolloutServerError, match="no rollout server is left: http://127.0.0.1:"):
+            generator.generate(ids, num_samples=1, greedy=True)
+    finally:
+        for process, _ in started:
+            process.kill()
+
+
+def test_a_restarted_trainer_publishes_its_weights_before_it_samples(model_dir, servers, tmp_path):
+    policy, tokenizer, generator = make_generator(model_dir, servers, tmp_path / "first")
+    with torch.no_grad():
+        for param in policy.parameters():
+            param.mul_(0.7)
+    greedy(generator, prompts(tokenizer))  # the servers now hold the first trainer's weights
+    restarted, tokenizer, generator = make_generator(model_dir, servers, tmp_path / "second")  # the checkpoint's
+    ids = prompts(tokenizer)
+    assert greedy(generator, ids) == hf_greedy(restarted, tokenizer, ids)
+
+
+def test_train_with_rollout_servers(model_dir, servers, tmp_path):
+    import posttrain
+    from posttrain.config import Config
+    from posttrain.tracking.metrics import read_metrics
+
+    config = Config.from_flat({"model": str(model_dir), "task": "addition", "rollout_server": servers,
+                               "max_steps": 2, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 8,
+                               "eval_size": 0, "eval_every": 0, "output": str(tmp_path / "run"), "progress": False,
+                               "report_to": "none"})
+    posttrain.train(config)
+    steps = [row for row in read_metrics(tmp_path / "run") if "mismatch/kl_k3" in row]
+    assert len(steps) == 2 and all(row["mismatch/kl_k3"] < 1e-6 and row["sync/logprob_gap"] < 1e-4 for row in steps)
+    assert len(list((tmp_path / "run" / "weights").glob("v*"))) == 2  # the last two versions kept
