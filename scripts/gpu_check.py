@@ -12,6 +12,7 @@ still reported. The steps:
 - ``smollm2_bf16``: GRPO on SmolLM2-135M-Instruct in bfloat16 mixed precision, the Hugging Face sampler;
 - ``vllm``: the same with ``--backend vllm``; vLLM's log-probs of the sampled tokens against the
   trainer's are the ``mismatch/`` metrics the run logs (KL k1 and k3 per token, effective sample size);
+- ``vllm_tests``: the tests that start real vLLM engines and ``posttrain serve`` processes (pytest -m vllm);
 - ``nccl_one``, ``nccl_two``: the scenario of ``tests/test_distributed.py`` (a fixed generator, so
   that the processes' sampling streams do not matter) on the GPU, in one process and in two over NCCL;
   the report gives the largest difference of their losses and final weights (float32 sums in another
@@ -26,7 +27,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-STEPS = ("smollm2_bf16", "vllm", "nccl_one", "nccl_two")
+STEPS = ("smollm2_bf16", "vllm", "vllm_tests", "nccl_one", "nccl_two")
 TOLERANCE = 1e-4
 """Largest difference of a weight or a loss for which one process and two count as equal."""
 LOG_TAIL_LINES = 15

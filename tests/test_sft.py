@@ -221,6 +221,13 @@ def test_demonstrations_of_a_builtin_task_are_its_prompts_with_their_solutions(t
     assert trained_text(tok, data) == f"{row['solution']}<eos>"
 
 
+def test_a_chat_tasks_solution_is_the_assistants_message():
+    train, _, task = load_rows(None, None, "gsm", completion_only_loss=True)
+    row = task.train[0]
+    assert train[0]["completion"] == [{"role": "assistant", "content": row["solution"]}]
+    assert row["solution"] == f"{row['expression']} = {row['answer']}. The answer is {row['answer']}."
+
+
 def test_a_task_without_solutions_is_an_error(monkeypatch):
     from posttrain.data import tasks
     from posttrain.data.tasks.gsm import make_task

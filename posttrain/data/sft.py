@@ -159,8 +159,14 @@ def _check_messages(row: dict[str, Any], name: str, where: str) -> None:
 
 def demonstrations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """A built-in task's rows as prompt-completion demonstrations: the reference ``solution`` is the
-    completion; the other columns are kept."""
-    return [{**row, "completion": row["solution"]} for row in rows]
+    completion (the assistant's message after a chat prompt); the other columns are kept."""
+    def completion(row: dict[str, Any]) -> Any:
+        solution = row["solution"]
+        if is_chat(row["prompt"]) and isinstance(solution, str):
+            return [{"role": "assistant", "content": solution}]
+        return solution
+
+    return [{**row, "completion": completion(row)} for row in rows]
 
 
 def load_rows(dataset: str | None, eval_dataset: str | None, task: str | None, *, completion_only_loss: bool,
