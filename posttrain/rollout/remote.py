@@ -131,7 +131,6 @@ class RemoteGenerator:
     urls: list[str]
     transport: WeightTransport
     timeout_s: float = 600.0
-    seed: int = 0
     version: int = -1  # the last version published (-1: none yet)
     dead: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped
     sync_seconds: float = 0.0  # the last publish and load, for the step's timing
@@ -196,8 +195,9 @@ class RemoteGenerator:
         body = {"prompt": [ids.tolist() for ids in shard], "n": num_samples, "max_tokens": p.max_new_tokens,
                 "temperature": 0.0 if greedy else p.temperature, "top_p": 1.0 if greedy else p.top_p,
                 "top_k": -1 if greedy or not p.top_k else p.top_k, "logprobs": 0, "return_token_ids": True,
-                "stop_token_ids": self.eos_token_ids, "skip_special_tokens": False,
-                "seed": None if greedy else self.seed + self.version}
+                "stop_token_ids": self.eos_token_ids, "skip_special_tokens": False}
+        # no per-request seed: the API applies one seed to every prompt of a request, which would give all
+        # of them the same random draws; the server's own generator keeps samples independent
         choices = _request(url, "/v1/completions", body, self.timeout_s)["choices"]
         if len(choices) != len(shard) * num_samples:
             raise RolloutServerError(f"{len(choices)} samples for {len(shard)} prompts x {num_samples}")

@@ -347,7 +347,7 @@ class OnlineSession:
 
                 directory = Path(r.weight_sync_dir or Path(config.run.output) / "weights")
                 return RemoteGenerator(model, tokenizer, params, eos_ids, list(r.rollout_server),
-                                       FilesystemWeights(directory), timeout_s=r.rollout_timeout, seed=seed)
+                                       FilesystemWeights(directory), timeout_s=r.rollout_timeout)
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
                                   model_path=policy.config.name_or_path, seed=seed)
 
