@@ -42,6 +42,20 @@ def tiny_model_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def vllm_model_dir(tmp_path_factory) -> Path:
+    """A 2-layer random Llama over the addition task's characters with head size 64, which vLLM's CPU attention
+    supports (the tests that start real vLLM engines and servers)."""
+    from posttrain.models.tiny import build_tiny_model, char_tokenizer
+
+    path = tmp_path_factory.mktemp("vllm-model")
+    tokenizer = char_tokenizer("0123456789+=,|")
+    build_tiny_model(tokenizer, seed=0, hidden_size=128, num_layers=2, num_heads=2,
+                     intermediate_size=256).save_pretrained(path)
+    tokenizer.save_pretrained(path)
+    return path
+
+
+@pytest.fixture(scope="session")
 def reward_file(tmp_path_factory) -> Path:
     path = tmp_path_factory.mktemp("rewards") / "rewards.py"
     path.write_text(REWARDS)

@@ -7,7 +7,7 @@ Markdown file, so a traceback points at the failing line of the doc.
 Shell blocks (```bash, ```sh, ```shell, ```console and plain ```) are read as a shell
 reads them (continuation lines, comments, quotes, `$ ` prompts, `FOO=1` prefixes,
 `&&`, `;` and `|`, `$(...)`), and every command is checked without running it:
-`posttrain ...` (also `.venv/bin/posttrain`, `python -m posttrain`, and `-m posttrain.cli`
+`posttrain ...` (also `.venv/bin/posttrain` and `.venv-vllm/bin/posttrain`, `python -m posttrain`, and `-m posttrain.cli`
 under torchrun or accelerate launch, whose own options their parsers check) is parsed by
 the CLI's parser, and `train` and `compare` build their configs as the CLI does, so an
 unknown flag, a misspelled preset or an invalid value fails, naming the file and line.
@@ -263,8 +263,8 @@ UNCHECKED_PROGRAMS: dict[str, str] = {
 """Programs a doc may show without their commands being checked, each with the reason. A command of any
 program neither checked below nor listed here fails, so that no documented line is silently ignored."""
 
-PYTHONS = {"python", "python3", ".venv/bin/python", ".venv/bin/python3"}
-POSTTRAINS = {"posttrain", ".venv/bin/posttrain"}
+PYTHONS = {"python", "python3", ".venv/bin/python", ".venv/bin/python3", ".venv-vllm/bin/python"}
+POSTTRAINS = {"posttrain", ".venv/bin/posttrain", ".venv-vllm/bin/posttrain"}  # .venv-vllm: make vllm
 ASSIGNMENT = re.compile(r"[A-Za-z_][A-Za-z0-9_]*=")
 CONTROL_OPERATORS = {"&&", "||", ";", "|", "&"}
 REDIRECTIONS = {"&>", ">>", ">&", "<&", ">", "<"}
@@ -582,9 +582,13 @@ def check_algorithms(args: argparse.Namespace, workspace: Workspace) -> str:
     return "its table builds"
 
 
+def check_serve(args: argparse.Namespace, workspace: Workspace) -> str:
+    return "parsed (serve starts vLLM, which .venv lacks; tests/test_rollout_server.py starts it)"
+
+
 POSTTRAIN_COMMANDS: dict[str, Callable[[argparse.Namespace, Workspace], str]] = {
     "train": check_train, "compare": check_compare, "report": check_report, "eval": check_eval,
-    "algorithms": check_algorithms,
+    "algorithms": check_algorithms, "serve": check_serve,
 }
 """The check of each posttrain subcommand; a subcommand without one fails in the docs until it has one."""
 

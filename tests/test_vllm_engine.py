@@ -13,6 +13,7 @@ they are marked ``vllm`` and left out of the default suite.
 from __future__ import annotations
 
 import importlib.util
+from pathlib import Path
 
 import pytest
 import torch
@@ -23,15 +24,8 @@ pytestmark = [pytest.mark.vllm,
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    from posttrain.models.tiny import build_tiny_model, char_tokenizer
-
-    path = tmp_path_factory.mktemp("vllm-model")
-    tokenizer = char_tokenizer("0123456789+=,|")
-    model = build_tiny_model(tokenizer, seed=0, hidden_size=128, num_layers=2, num_heads=2, intermediate_size=256)
-    model.save_pretrained(path)
-    tokenizer.save_pretrained(path)
-    return path
+def model_dir(vllm_model_dir) -> Path:
+    return vllm_model_dir
 
 
 @pytest.fixture(scope="module")
