@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/generation.py                  # SmolLM2-135M-Instruct, 4 prompts x 4 samples, 64 tokens
     .venv/bin/python benchmarks/generation.py --prompts 16 --samples 1 --new-tokens 32
     .venv/bin/python benchmarks/generation.py --model tiny
+    .venv/bin/python benchmarks/generation.py --prompts 16 --samples 4 --new-tokens 128 --skip eos --dtype bfloat16
 
 Prompts are the gsm task's (chat template applied). Two kinds of run, each timed for both generators,
 alternating, ``--repeats`` times, medians reported:
@@ -124,16 +125,19 @@ def main() -> None:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--threads", type=int, default=torch.get_num_threads())
     parser.add_argument("--skip", choices=["fixed", "eos"], help="skip one kind of run")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="the model's weights (bfloat16: as a bf16 sampler, e.g. vLLM's, holds them)")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     keep_freed_memory()  # as every training run does (posttrain.training.api): no fresh pages per sampled step
     model_name, task = ("tiny-addition", "addition") if args.model == "tiny" else (args.model, "gsm")
     model, tokenizer = load_model_and_tokenizer(model_name, device="cpu")
+    model.to(getattr(torch, args.dtype))
     rows = list(get_task(task).train)[: args.prompts]
     prompts = [encode_prompt(tokenizer, row["prompt"]) for row in rows]
     print(f"{model_name}: {sum(p.numel() for p in model.parameters()):,} parameters; {len(prompts)} prompts "
           f"({min(map(len, prompts))}-{max(map(len, prompts))} tokens) x {args.samples} samples, "
-          f"{args.new_tokens} new tokens; {args.threads} threads; load average {os.getloadavg()[0]:.1f} "
+          f"{args.new_tokens} new tokens, {args.dtype}; {args.threads} threads; load average {os.getloadavg()[0]:.1f} "
           f"on {os.cpu_count()} CPUs", flush=True)
     torch.manual_seed(0)
     for name, generator in build(model, tokenizer, 2, [NEVER], args).items():  # warm-up
