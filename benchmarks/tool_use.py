@@ -134,7 +134,7 @@ def report(output: Path) -> str:
     return "\n".join(lines)
 
 
-def figure(output: Path, path: Path) -> None:
+def figure(output: Path, path: Path, commit: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -152,7 +152,7 @@ def figure(output: Path, path: Path) -> None:
     left.set(xlabel="RL step", ylabel="training reward (share right)", ylim=(0, 1))
     right.set(xlabel="RL step", ylabel="tool calls per episode", ylim=(-0.05, 1.5))
     left.legend(fontsize=8)
-    fig.suptitle("SmolLM2-135M-Instruct with a calculator: benchmarks/tool_use.py")
+    fig.suptitle(f"SmolLM2-135M-Instruct with a calculator: benchmarks/tool_use.py, commit {commit}")
     fig.tight_layout()
     fig.savefig(path, dpi=120)
 
@@ -163,6 +163,7 @@ def main() -> None:
     parser.add_argument("--jobs", type=int, default=2, help="chains of stages run side by side (one thread each)")
     parser.add_argument("--report-only", action="store_true")
     parser.add_argument("--figure", type=Path)
+    parser.add_argument("--commit", help="the commit the runs came from, for the figure's title [default: HEAD]")
     args = parser.parse_args()
     if not args.report_only:
         args.output.mkdir(parents=True, exist_ok=True)
@@ -174,7 +175,9 @@ def main() -> None:
                 job.result()
     print(report(args.output))
     if args.figure:
-        figure(args.output, args.figure)
+        commit = args.commit or subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True,
+                                               text=True).stdout.strip()
+        figure(args.output, args.figure, commit)
 
 
 if __name__ == "__main__":
