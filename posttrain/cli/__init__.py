@@ -263,10 +263,11 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     from posttrain.data.prompts import DataError
     from posttrain.data.scoring import RewardError
     from posttrain.training.checkpoint import CheckpointError, StorageError
+    from posttrain.rollout.remote import RolloutServerError
     from posttrain.training.guards import NoLearningSignal, WeightsNotUpdated
 
     return (ConfigError, DataError, RewardError, CheckpointError, StorageError, NoLearningSignal,
-            WeightsNotUpdated, FileNotFoundError, FileExistsError)
+            WeightsNotUpdated, RolloutServerError, FileNotFoundError, FileExistsError)
 
 
 def _hyphenated(argv: Sequence[str]) -> list[str]:

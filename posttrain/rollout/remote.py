@@ -150,7 +150,9 @@ class RemoteGenerator:
         say(f"warning: rollout server {url} dropped: {self.dead[url]}; {len(self.live)} left")
         if not self.live:
             raise RolloutServerError("no rollout server is left: " + "; ".join(f"{u}: {why}" for u, why in
-                                                                                self.dead.items()))
+                                                                                self.dead.items())
+                                     + "; the step did not train. Start a server (posttrain serve) and resume the "
+                                     "run from its last checkpoint (--resume RUN_DIR)")
 
     def sync_weights(self) -> None:
         """Publish the policy's weights as the next version and load them on every live server."""

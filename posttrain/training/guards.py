@@ -61,6 +61,11 @@ PROBE_TOKENS = 32
 """Tokens of the probe sequence whose log-probs the weight-sync check compares."""
 
 SYNC_TOLERANCE = {torch.float32: 1e-3, torch.bfloat16: 5e-2, torch.float16: 1e-2}
+BF16_WEIGHTS_TOLERANCE = 0.3
+"""The probe gap allowed a sampler whose weights themselves are rounded to bfloat16 (a rollout server: vLLM's
+CPU build serves an fp32 checkpoint in bf16). SmolLM2-135M served so measured 0.077-0.123 against its fp32
+trainer over a LoRA run's first four syncs (the probe is 31 tokens: a noisy mean); a misnamed load gives
+gaps of nats, and a stale one crosses it once the policy has moved that far."""
 """Mean absolute gap of per-token log-probs allowed between a sampler and the trainer computing in this dtype
 (the coarser of the two): float32 differs by summation order only (another thread count, another kernel);
 bfloat16 keeps 8 bits of mantissa, float16 11."""

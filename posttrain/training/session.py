@@ -49,7 +49,7 @@ from posttrain.tracking.metrics import VARIANT_SEPARATOR
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.controllers import EntropyControl
 from posttrain.training.groups import Groups
-from posttrain.training.guards import RewardWatch, SignalWatch, SyncCheck, UpdateCheck
+from posttrain.training.guards import BF16_WEIGHTS_TOLERANCE, RewardWatch, SignalWatch, SyncCheck, UpdateCheck
 from posttrain.training.optim import apply_gradients
 from posttrain.training.rollouts import AsyncRollouts, SyncRollouts
 from posttrain.training.setup import (
@@ -364,10 +364,10 @@ class OnlineSession:
             for number, row in enumerate(work.train_rows, start=1)])
         separate = (sampling_copy is not None or config.off_policy.async_rollout or r.backend == "vllm"
                     or bool(r.rollout_server))
-        # a rollout server may hold its weights in bf16 (posttrain serve --dtype): checked at bf16's tolerance
-        precision = "bf16" if r.rollout_server else config.model.mixed_precision
-        sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator, precision,
+        sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator, config.model.mixed_precision,
                                   separate and not config.off_policy.sampler_noise)  # noise: different on purpose
+        if sync_check is not None and r.rollout_server:  # a server may hold bf16 weights (posttrain serve --dtype)
+            sync_check.tolerance = max(sync_check.tolerance, BF16_WEIGHTS_TOLERANCE)
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator, prompt_ids,
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
