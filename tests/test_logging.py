@@ -2,6 +2,7 @@ import json
 import math
 import struct
 import sys
+import time
 
 import pytest
 import torch
@@ -246,7 +247,11 @@ def _wandb_sessions(run_dir):
 
     sessions = []
     for path in sorted(run_dir.glob("wandb/offline-run-*/run-*.wandb")):
-        records = [wandb_internal_pb2.Record.FromString(data) for data in _leveldb_log(path.read_bytes())]
+        for _ in range(100):  # W&B's service process writes the file; under load it can finish after finish()
+            records = [wandb_internal_pb2.Record.FromString(data) for data in _leveldb_log(path.read_bytes())]
+            if any(record.WhichOneof("record_type") == "exit" for record in records):
+                break
+            time.sleep(0.1)
         (run,) = [record.run for record in records if record.WhichOneof("record_type") == "run"]
         history = [{item.key or "/".join(item.nested_key): json.loads(item.value_json) for item in record.history.item}
                    for record in records if record.WhichOneof("record_type") == "history"]
