@@ -38,11 +38,10 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from posttrain.models.lora import forget_kept_casts
 from posttrain.models.modeling import probe_logprobs
 from posttrain.parallel.distributed import say
 from posttrain.rollout.completions import Completions, SamplingParams
-from posttrain.rollout.vllm import completions_from_samples, named_weights
+from posttrain.rollout.vllm import completions_from_samples, ending_in_eos, merged_weights
 from posttrain.rollout.vllm_worker import WEIGHTS_FILE
 
 
@@ -157,15 +156,8 @@ class RemoteGenerator:
     def sync_weights(self) -> None:
         """Publish the policy's weights as the next version and load them on every live server."""
         start = time.perf_counter()
-        merged = hasattr(self.model, "merge_adapter")
-        if merged:
-            self.model.merge_adapter()
-        try:
-            path = self.transport.publish(list(named_weights(self.model)), self.version + 1)
-        finally:
-            if merged:
-                self.model.unmerge_adapter()
-                forget_kept_casts(self.model)
+        with merged_weights(self.model) as weights:
+            path = self.transport.publish(weights, self.version + 1)
         self.version += 1
         for url in self.live:
             try:
@@ -234,9 +226,6 @@ class RemoteGenerator:
         token_ids = [list(choice["token_ids"]) for choice in choices]
         logprobs = [[float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)]
                     for choice, ids in zip(choices, token_ids)]
-        eos = set(self.eos_token_ids)
-        for choice, ids, lps in zip(choices, token_ids, logprobs):
-            if choice.get("finish_reason") == "stop" and (not ids or ids[-1] not in eos):
-                ids.append(self.eos_token_ids[0])  # the mask must hold the EOS the loss trains
-                lps.append(0.0)
-        return completions_from_samples(token_ids, logprobs, self.eos_ids, self.pad_id)
+        rows = [ending_in_eos(ids, lps, choice.get("finish_reason") == "stop", self.eos_ids)
+                for choice, ids, lps in zip(choices, token_ids, logprobs)]
+        return completions_from_samples([r[0] for r in rows], [r[1] for r in rows], self.eos_ids, self.pad_id)

@@ -26,6 +26,7 @@ from __future__ import annotations
 import importlib.util
 import os
 from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -103,6 +104,21 @@ def named_weights(policy: Any) -> Iterator[tuple[str, Tensor]]:
             yield target, param.detach()
 
 
+@contextmanager
+def merged_weights(policy: Any) -> Iterator[list[tuple[str, Tensor]]]:
+    """The policy's weights under the base model's names, LoRA adapters merged in for as long as the block
+    runs (the tensors are the policy's own: copy them inside the block)."""
+    merged = hasattr(policy, "merge_adapter")
+    if merged:
+        policy.merge_adapter()
+    try:
+        yield list(named_weights(policy))
+    finally:
+        if merged:
+            policy.unmerge_adapter()
+            forget_kept_casts(policy)  # unmerging is not exact: W + d - d
+
+
 class VLLMGenerator:
     """Sampling with a colocated vLLM engine; weights pushed from the policy before each rollout."""
 
@@ -144,17 +160,8 @@ class VLLMGenerator:
         if self.sleeping:
             self.llm.wake_up()
             self.sleeping = False
-        merged = hasattr(self.model, "merge_adapter")
-        if merged:
-            self.model.merge_adapter()
-        try:
-            weights = list(named_weights(self.model))
-
+        with merged_weights(self.model) as weights:
             self.llm.collective_rpc(lambda worker: reload_in_place(worker.model_runner, weights))
-        finally:
-            if merged:
-                self.model.unmerge_adapter()
-                forget_kept_casts(self.model)  # unmerging is not exact: W + d - d
         self.llm.reset_prefix_cache()
         self.syncs += 1
         if self.sync_check is not None:
@@ -204,8 +211,14 @@ def sample_row(sample: Any, eos_ids: Tensor) -> tuple[list[int], list[float]]:
     ids = list(sample.token_ids)
     logprobs = ([0.0] * len(ids) if sample.logprobs is None
                 else [step[token].logprob for token, step in zip(ids, sample.logprobs)])
-    if sample.finish_reason == "stop" and (not ids or ids[-1] not in eos_ids.tolist()):
-        ids, logprobs = ids + [int(eos_ids[0])], logprobs + [0.0]  # the mask must hold the EOS the loss trains
+    return ending_in_eos(ids, logprobs, sample.finish_reason == "stop", eos_ids)
+
+
+def ending_in_eos(ids: list[int], logprobs: list[float], stopped: bool, eos_ids: Tensor) -> tuple[list[int], list[float]]:
+    """A sample that stopped on EOS ends with an EOS id: vLLM leaves the stop token out when it was one of
+    ``stop_token_ids``, and the mask must hold the EOS the loss trains (its log-prob 0.0)."""
+    if stopped and (not ids or ids[-1] not in eos_ids.tolist()):
+        return ids + [int(eos_ids[0])], logprobs + [0.0]
     return ids, logprobs
 
 
