@@ -5,6 +5,7 @@ in order, a dead server's prompts re-sent to another, and the errors when none i
 
 from __future__ import annotations
 
+import copy
 import json
 import threading
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -14,19 +15,42 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
+from posttrain.models.modeling import probe_logprobs
 from posttrain.rollout.completions import SamplingParams
-from posttrain.rollout.remote import FilesystemWeights, RemoteGenerator, RolloutServerError
-from posttrain.rollout.vllm_worker import WEIGHTS_FILE
+from posttrain.rollout.remote import CollectiveWeights, FilesystemWeights, RemoteGenerator, RolloutServerError
+from posttrain.rollout.vllm_worker import WEIGHTS_FILE, WeightSync
+
+
+class StandInWorker(WeightSync):
+    """posttrain's worker extension on a transformers model: its runner's reload loads a state dict."""
+
+    def __init__(self, model):
+        class Runner:
+            def get_model(self):
+                return model
+
+            def reload_weights(self, weights_iterator, is_checkpoint_format):
+                model.load_state_dict(dict(weights_iterator), strict=False)
+
+        self.model_runner = Runner()
 
 
 class StandIn:
     """A server that answers each prompt's sample ``j`` with the tokens ``[first prompt token, j, EOS]``, and
-    records what it was asked; ``loads`` the version it reports (``wrong_version``: one off)."""
+    records what it was asked; ``loads`` the version it reports (``wrong_version``: one off).
 
-    def __init__(self, eos: int, wrong_version: bool = False, failing: bool = False):
+    Given ``model``, it loads each published version into it and answers log-probs as a server does: the
+    sampled tokens' under the loaded weights, and ``prompt_logprobs`` (the trainer's sync check)."""
+
+    def __init__(self, eos: int, wrong_version: bool = False, failing: bool = False, model=None):
         self.eos, self.wrong_version, self.failing, self.calls, self.prompts = eos, wrong_version, failing, [], []
-        self.version = -1
+        self.version, self.model, self.loaded = -1, model, []
+        self.worker = StandInWorker(model)
         stand_in = self
+
+        def logprobs(ids):  # [T] -> the log-probs of tokens 1.. under the loaded weights
+            with torch.no_grad():
+                return probe_logprobs(stand_in.model, torch.tensor(ids)).tolist()
 
         class Handler(BaseHTTPRequestHandler):
             def log_message(self, *args):
@@ -48,18 +72,32 @@ class StandIn:
                 length = int(self.headers.get("Content-Length") or 0)
                 body = json.loads(self.rfile.read(length) or b"{}")
                 stand_in.calls.append(self.path.split("?")[0])
-                if self.path == "/collective_rpc":
-                    path, version = body["args"]
-                    assert (Path(path) / WEIGHTS_FILE).is_file()
-                    stand_in.version = int(version) + (1 if stand_in.wrong_version else 0)
+                if self.path == "/collective_rpc" and body["method"] == "posttrain_join":
+                    self.reply({"results": [stand_in.worker.posttrain_join(*body["args"])]})
+                elif self.path == "/collective_rpc":
+                    if body["method"] == "posttrain_load":
+                        assert (Path(body["args"][0]) / WEIGHTS_FILE).is_file()
+                    if stand_in.model is not None:  # posttrain serve's own worker extension loads them
+                        getattr(stand_in.worker, body["method"])(*body["args"])
+                    stand_in.version = int(body["args"][1]) + (1 if stand_in.wrong_version else 0)
+                    stand_in.loaded.append(stand_in.version)
                     self.reply({"results": [str(stand_in.version)]})
                 elif self.path == "/v1/completions" and stand_in.failing:  # its engine died mid-rollout
                     self.send_error(500, "EngineDeadError")
+                elif self.path == "/v1/completions" and "prompt_logprobs" in body:
+                    ids = body["prompt"]
+                    entries = [None] + [{str(t): {"logprob": lp}} for t, lp in zip(ids[1:], logprobs(ids))]
+                    self.reply({"choices": [{"index": 0, "prompt_logprobs": entries}]})
                 elif self.path == "/v1/completions":
                     stand_in.prompts += body["prompt"]
-                    choices = [{"index": i * body["n"] + j, "token_ids": [prompt[0], j, stand_in.eos],
-                                "logprobs": {"token_logprobs": [-0.5, -0.25, -0.125]}, "finish_reason": "stop"}
-                               for i, prompt in enumerate(body["prompt"]) for j in range(body["n"])]
+                    choices = []
+                    for i, prompt in enumerate(body["prompt"]):
+                        for j in range(body["n"]):
+                            tokens = [prompt[0], j, stand_in.eos]
+                            sampled = (logprobs(prompt + tokens)[-3:] if stand_in.model is not None
+                                       else [-0.5, -0.25, -0.125])
+                            choices.append({"index": i * body["n"] + j, "token_ids": tokens,
+                                            "logprobs": {"token_logprobs": sampled}, "finish_reason": "stop"})
                     self.reply({"choices": choices})
                 else:
                     self.reply({})
@@ -158,3 +196,84 @@ def test_servers_that_never_start_are_named(policy, tmp_path):
     stand_in.stop()  # its port is now closed
     with pytest.raises(RolloutServerError, match=rf"not ready after 1 s: {stand_in.url}: unreachable.*posttrain serve"):
         generator(policy, [stand_in.url], tmp_path / "weights", timeout=1.0)
+
+
+def test_asynchronous_rollouts_from_servers_train_on_samples_one_version_stale(tiny_model_dir, tmp_path):
+    """async_rollout with servers: a thread of the trainer drives them, each request's weights published and
+    loaded before its samples; every step after the first trains on samples of the version before it, the
+    servers' log-probs are the weights they were drawn with, and each load passes the trainer's sync check."""
+    import posttrain
+    from posttrain.config import Config
+    from posttrain.tracking.metrics import read_metrics
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_model_dir)
+    server = StandIn(tokenizer.eos_token_id, model=AutoModelForCausalLM.from_pretrained(tiny_model_dir))
+    try:
+        config = Config.from_flat({"model": str(tiny_model_dir), "task": "addition", "rollout_server": [server.url],
+                                   "async_rollout": True, "max_staleness": 1, "max_steps": 4,
+                                   "prompts_per_step": 2, "group_size": 2, "max_new_tokens": 4, "eval_size": 0,
+                                   "eval_every": 0, "output": str(tmp_path / "run"), "progress": False,
+                                   "report_to": "none", "learning_rate": 1e-2})
+        posttrain.train(config)
+    finally:
+        server.stop()
+    steps = [row for row in read_metrics(tmp_path / "run") if "staleness/max" in row]
+    assert [row["staleness/max"] for row in steps] == [0, 1, 1, 1]
+    # one load per request: steps 0 and 1's batches at the start, then one ahead per step (the last one, for
+    # a step 4 that never runs, is what a checkpoint would keep): version numbers in order, none reused
+    assert server.loaded == [0, 1, 2, 3, 4]
+    assert all(row["mismatch/kl_k3"] < 1e-5 and row["sync/logprob_gap"] < 1e-4 for row in steps)
+
+
+@pytest.mark.parametrize("transport", ["filesystem", "gloo"])
+def test_each_transport_loads_the_trainers_weights_into_the_servers_worker(policy, tmp_path, transport):
+    """The worker extension posttrain serve runs, on a transformers model: after each sync it holds exactly
+    the trainer's weights, whether they came as a file or over a gloo group (joined once, reused)."""
+    model, tokenizer = policy
+    server = StandIn(tokenizer.eos_token_id, model=copy.deepcopy(model))
+    try:
+        weights = FilesystemWeights(tmp_path / "weights") if transport == "filesystem" else CollectiveWeights("gloo")
+        remote = RemoteGenerator(model, tokenizer, SamplingParams(4, 1.0, 1.0, 0), [tokenizer.eos_token_id],
+                                 [server.url], weights, timeout_s=30)
+        for step in range(2):
+            with torch.no_grad():
+                for param in model.parameters():
+                    param.add_(0.01 * torch.randn_like(param))
+            remote.generate([torch.tensor([5, 6, 7])], num_samples=1)
+            held = server.model.state_dict()
+            assert all(torch.equal(held[name], value) for name, value in model.state_dict().items())
+            assert server.loaded[-1] == step
+        if transport == "gloo":
+            assert [call for call in server.calls if call == "/collective_rpc"] == ["/collective_rpc"] * 3  # 1 join
+    finally:
+        server.stop()
+
+
+def test_a_server_whose_receive_fails_is_dropped_and_the_others_load(policy, tmp_path):
+    model, tokenizer = policy
+    alive, dying = (StandIn(tokenizer.eos_token_id, model=copy.deepcopy(model)) for _ in range(2))
+    try:
+        remote = RemoteGenerator(model, tokenizer, SamplingParams(4, 1.0, 1.0, 0), [tokenizer.eos_token_id],
+                                 [dying.url, alive.url], CollectiveWeights("gloo"), timeout_s=20)
+        remote.generate([torch.tensor([5, 6])], num_samples=1)  # both joined
+        dying.worker.posttrain_group = None  # its next receive fails before it takes a tensor (its group is gone)
+        out = remote.generate([torch.tensor([5, 6]), torch.tensor([8, 9])], num_samples=1)
+        assert out.completion_ids[:, 0].tolist() == [5, 8] and list(remote.dead) == [dying.url]
+        assert alive.loaded == [0, 1]
+    finally:
+        alive.stop()
+        dying.stop()
+
+
+def test_transport_settings_are_checked_before_anything_starts(tiny_model_dir, tmp_path):
+    import posttrain
+    from posttrain.config import Config, ConfigError
+
+    base = {"model": str(tiny_model_dir), "task": "addition", "rollout_server": ["http://127.0.0.1:9"],
+            "max_steps": 1, "output": str(tmp_path / "run"), "report_to": "none", "progress": False}
+    with pytest.raises(ConfigError, match="weight_transport: got 'rdma'; use filesystem, gloo or nccl"):
+        Config.from_flat({**base, "weight_transport": "rdma"})
+    with pytest.raises(ConfigError, match="weight_sync_address: got 'trainer:http'; use HOST or HOST:PORT"):
+        Config.from_flat({**base, "weight_sync_address": "trainer:http"})
+    with pytest.raises(ConfigError, match="weight_transport: nccl sends the weights from the trainer's GPU"):
+        posttrain.train(Config.from_flat({**base, "weight_transport": "nccl", "device": "cpu"}))

@@ -66,16 +66,17 @@ def servers(model_dir, tmp_path_factory):
         kill(process)
 
 
-def make_generator(model_dir, urls, weights_dir, num_new=12):
+def make_generator(model_dir, urls, weights_dir, num_new=12, transport="filesystem"):
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from posttrain.rollout.completions import SamplingParams
-    from posttrain.rollout.remote import FilesystemWeights, RemoteGenerator
+    from posttrain.rollout.remote import CollectiveWeights, FilesystemWeights, RemoteGenerator
 
     policy = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     generator = RemoteGenerator(policy, tokenizer, SamplingParams(num_new, 1.0, 1.0, 0), [tokenizer.eos_token_id],
-                                list(urls), FilesystemWeights(weights_dir), timeout_s=600)  # a loaded machine starts servers slowly
+                                list(urls), FilesystemWeights(weights_dir) if transport == "filesystem"
+                                else CollectiveWeights(transport), timeout_s=600)  # a loaded machine starts servers slowly
     return policy, tokenizer, generator
 
 
@@ -115,6 +116,20 @@ def test_servers_sample_what_the_policy_would_and_follow_each_sync(model_dir, se
     assert after == hf_greedy(policy, tokenizer, ids)
     assert [version_of(url) for url in servers] == [1, 1]
     assert sorted(p.name for p in (tmp_path / "weights").iterdir()) == ["v000000", "v000001"]
+
+
+@pytest.mark.parametrize("transport", ["gloo", pytest.param("nccl", marks=pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="nccl sends from a GPU (scripts/gpu_check.sh runs it)"))])
+def test_weights_sent_over_a_group_are_followed_as_a_file_is(model_dir, servers, tmp_path, transport):
+    """gloo and nccl: no file; each server joins the trainer's group once and loads what it is sent."""
+    policy, tokenizer, generator = make_generator(model_dir, servers, tmp_path / "weights", transport=transport)
+    ids = prompts(tokenizer)
+    for _ in range(2):
+        with torch.no_grad():
+            for param in policy.parameters():
+                param.add_(torch.randn_like(param) * 0.5)
+        assert greedy(generator, ids) == hf_greedy(policy, tokenizer, ids)
+    assert len(generator.transport.groups) == 2 and not (tmp_path / "weights").exists()
 
 
 def test_sampled_logprobs_are_the_policys(model_dir, servers, tmp_path):
@@ -187,3 +202,20 @@ def test_train_with_rollout_servers(model_dir, servers, tmp_path):
     steps = [row for row in read_metrics(tmp_path / "run") if "mismatch/kl_k3" in row]
     assert len(steps) == 2 and all(row["mismatch/kl_k3"] < 1e-6 and row["sync/logprob_gap"] < 1e-4 for row in steps)
     assert len(list((tmp_path / "run" / "weights").glob("v*"))) == 2  # the last two versions kept
+
+
+def test_train_with_asynchronous_rollouts_on_servers(model_dir, servers, tmp_path):
+    """async_rollout: the servers sample one step ahead while the trainer trains; the weights go over gloo."""
+    import posttrain
+    from posttrain.config import Config
+    from posttrain.tracking.metrics import read_metrics
+
+    config = Config.from_flat({"model": str(model_dir), "task": "addition", "rollout_server": servers,
+                               "async_rollout": True, "max_staleness": 1, "weight_transport": "gloo",
+                               "max_steps": 3, "prompts_per_step": 4, "group_size": 2, "max_new_tokens": 8,
+                               "eval_size": 0, "eval_every": 0, "output": str(tmp_path / "run"), "progress": False,
+                               "report_to": "none"})
+    posttrain.train(config)
+    steps = [row for row in read_metrics(tmp_path / "run") if "staleness/max" in row]
+    assert [row["staleness/max"] for row in steps] == [0, 1, 1]
+    assert all(row["mismatch/kl_k3"] < 1e-6 and row["sync/logprob_gap"] < 1e-4 for row in steps)

@@ -265,9 +265,15 @@ class RolloutConfig:
         "that fails is dropped and its prompts go to the others.", ())
     rollout_timeout: float = _help("Seconds a rollout server may take to start, answer a request or load weights "
                                    "before it is dropped.", 600.0)
+    weight_transport: str = _help(
+        "How the weights reach the rollout servers: filesystem (a file per version in weight_sync_dir), gloo (sent "
+        "over TCP to each server: no shared disk needed) or nccl (GPU to GPU; the trainer on a GPU).", "filesystem")
     weight_sync_dir: str | None = _help(
-        "Directory the weights are published to for the rollout servers (every server must read it: one machine, "
-        "or a shared disk). Default: weights/ in the run's output directory.")
+        "With weight_transport filesystem: the directory the weights are published to (every server must read "
+        "it: one machine, or a shared disk). Default: weights/ in the run's output directory.")
+    weight_sync_address: str = _help(
+        "With weight_transport gloo or nccl: HOST or HOST:PORT of this machine as the servers reach it, where the "
+        "trainer listens for them to join (port 0 or none: a free one).", "127.0.0.1")
     max_no_signal_steps: int = _help(
         "Stop after this many consecutive steps in which every group's rewards were all equal (zero "
         "advantages: nothing is learned); a warning comes after 5. 0 = never stop.", 25,
@@ -288,6 +294,11 @@ class RolloutConfig:
             require(url.startswith(("http://", "https://")), "rollout_server",
                     f"got {url!r}; give the server's URL, e.g. http://127.0.0.1:8000")
         require(self.rollout_timeout > 0, "rollout_timeout", f"got {self.rollout_timeout}; use seconds > 0")
+        require(self.weight_transport in ("filesystem", "gloo", "nccl"), "weight_transport",
+                f"got {self.weight_transport!r}; use filesystem, gloo or nccl")
+        port = self.weight_sync_address.rpartition(":")[2] if ":" in self.weight_sync_address else "0"
+        require(port.isdigit() and int(port) < 65536, "weight_sync_address",
+                f"got {self.weight_sync_address!r}; use HOST or HOST:PORT, e.g. 10.0.0.5:29600")
         require(self.max_no_signal_steps >= 0, "max_no_signal_steps",
                  f"got {self.max_no_signal_steps}; use 0 (never stop) or more")
         require.raise_any()
@@ -358,8 +369,9 @@ class OffPolicyConfig:
     async_rollout: bool = _help(
         "Sample in a process of its own, with its own copy of the weights, up to max_staleness steps ahead of the "
         "trainer, which trains meanwhile: each step trains on completions sampled by the policy max_staleness "
-        "versions before it (posttrain.training.rollouts). The sampler's log-probs are kept, so the correction "
-        "and the mismatch/ metrics apply.", False)
+        "versions before it (posttrain.training.rollouts). With rollout_server the servers sample, driven from a "
+        "thread of the trainer. The sampler's log-probs are kept, so the correction and the mismatch/ metrics "
+        "apply.", False)
     max_staleness: int = _help(
         "With async_rollout: how many policy versions (optimizer steps of the preset) a step's completions may be "
         "behind the policy it updates. 0 samples each batch when its step begins, as a synchronous run does, "

@@ -17,16 +17,31 @@ of the run with a warning naming it, and its shard goes to the next live server,
 one server is alive; with none, the error names every server and what each did. A trainer that restarts
 (``--resume``) publishes its weights before its first sample, since every call publishes.
 
-Transports (:class:`WeightTransport`): :class:`FilesystemWeights` writes a safetensors file per version into
-a directory every server can read (one machine, or machines sharing a disk), written under a temporary
-name and renamed, so a server never reads a partial file; the last two versions are kept. NCCL through
-vLLM's weight-transfer API is the GPU transport, not built yet.
+Asynchronous rollouts (``async_rollout``) sample from the servers on a thread of the trainer
+(:class:`posttrain.rollout.worker.ThreadRolloutWorker`) with a copy of the policy taken when each request
+was made; :meth:`RemoteGenerator.for_model` gives that copy a generator that shares the servers, the
+version counter and a lock with the trainer's own (evaluation, ReMax's greedy baseline), so each call
+publishes, loads and samples as one unit and a version number is never used twice.
+
+Transports (:class:`WeightTransport`, ``--weight-transport``):
+
+- :class:`FilesystemWeights` (``filesystem``, the default) writes a safetensors file per version into a
+  directory every server can read (one machine, or machines sharing a disk), under a temporary name and
+  renamed, so a server never reads a partial file; the last two versions are kept; each server loads it.
+- :class:`CollectiveWeights` (``gloo``, ``nccl``) broadcasts the tensors from the trainer to each server's
+  worker over a two-member ``torch.distributed`` group (the trainer's rendezvous store, the server joining
+  it through ``/collective_rpc``): nothing touches a disk, so servers on machines without a shared one work,
+  and on GPUs ``nccl`` moves the weights GPU to GPU. It is posttrain's own group rather than vLLM's NCCL
+  weight-transfer engine so that the trainer needs no vLLM and the same code runs with ``gloo`` on a CPU
+  (what the tests run) as with ``nccl`` on GPUs.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
+import threading
 import time
 import urllib.error
 import urllib.request
@@ -88,11 +103,19 @@ def wait_until_ready(urls: list[str], timeout_s: float) -> None:
 
 
 class WeightTransport(Protocol):
-    """How published weights reach the servers."""
+    """How a version of the weights reaches each server."""
 
-    def publish(self, weights: list[tuple[str, Tensor]], version: int) -> str:
-        """Make ``weights`` available as ``version``; what the servers' load call is given."""
+    def publish(self, weights: list[tuple[str, Tensor]], version: int) -> None:
+        """Make ``weights`` available as ``version``, once, before any server loads it."""
         ...
+
+    def load(self, url: str, weights: list[tuple[str, Tensor]], version: int, timeout_s: float) -> list[int]:
+        """Load ``version`` on the (paused) server at ``url``; the versions its workers report."""
+        ...
+
+
+def _versions(answer: Any) -> list[int]:
+    return [int(v) for v in answer["results"]]
 
 
 @dataclass
@@ -102,7 +125,7 @@ class FilesystemWeights:
     directory: Path
     keep: int = 2
 
-    def publish(self, weights: list[tuple[str, Tensor]], version: int) -> str:
+    def publish(self, weights: list[tuple[str, Tensor]], version: int) -> None:
         from safetensors.torch import save_file
 
         target = self.directory / f"v{version:06d}"
@@ -116,7 +139,82 @@ class FilesystemWeights:
         partial.rename(target)  # a server never sees a partly written version
         for old in sorted(self.directory.glob("v*"))[:-self.keep]:
             shutil.rmtree(old, ignore_errors=True)
-        return str(target.resolve())
+
+    def load(self, url: str, weights: list[tuple[str, Tensor]], version: int, timeout_s: float) -> list[int]:
+        path = str((self.directory / f"v{version:06d}").resolve())
+        return _versions(_request(url, "/collective_rpc", {"method": "posttrain_load", "args": [path, str(version)]},
+                                  timeout_s))
+
+
+@dataclass
+class CollectiveWeights:
+    """Weights broadcast over a ``torch.distributed`` group per server (``backend`` gloo or nccl).
+
+    This process hosts the rendezvous store at ``host:port`` (port 0: a free one), which every server must
+    reach: ``host`` is this machine's address as the servers see it. A server joins on its first load (and
+    again after a trainer restart: each trainer's groups live under a prefix of their own)."""
+
+    backend: str = "gloo"
+    host: str = "127.0.0.1"
+    port: int = 0
+    groups: dict[str, Any] = field(default_factory=dict)  # url -> the group this process shares with it
+
+    def __post_init__(self) -> None:
+        import uuid
+
+        import torch.distributed as dist
+
+        self.store = dist.TCPStore(self.host, self.port, is_master=True, wait_for_workers=False)
+        self.address = f"{self.host}:{self.store.port}"
+        self.prefix = f"posttrain-{uuid.uuid4().hex[:12]}"
+
+    def publish(self, weights: list[tuple[str, Tensor]], version: int) -> None:
+        pass  # nothing to prepare: each load sends the tensors themselves
+
+    def _group(self, url: str, timeout_s: float) -> Any:
+        import datetime
+
+        import torch.distributed as dist
+
+        if url in self.groups:
+            return self.groups[url]
+        prefix = f"{self.prefix}/{len(self.groups)}"
+        with ThreadPoolExecutor(1) as pool:  # both members block in the rendezvous: the server's on a thread
+            joined = pool.submit(_request, url, "/collective_rpc", {
+                "method": "posttrain_join", "args": [self.address, prefix, self.backend, str(timeout_s)]}, timeout_s)
+            store, timeout = dist.PrefixStore(prefix, self.store), datetime.timedelta(seconds=timeout_s)
+            group = (dist.ProcessGroupNCCL(store, 0, 2) if self.backend == "nccl"
+                     else dist.ProcessGroupGloo(store, 0, 2, timeout))
+            joined.result()
+        self.groups[url] = group
+        return group
+
+    def load(self, url: str, weights: list[tuple[str, Tensor]], version: int, timeout_s: float) -> list[int]:
+        group = self._group(url, timeout_s)
+        meta = [[name, str(t.dtype).removeprefix("torch."), list(t.shape)] for name, t in weights]
+        pool = ThreadPoolExecutor(1)
+        try:
+            received = pool.submit(_request, url, "/collective_rpc",
+                                   {"method": "posttrain_receive", "args": [json.dumps(meta), str(version)]},
+                                   timeout_s)
+            device = torch.device("cuda", torch.cuda.current_device()) if self.backend == "nccl" else "cpu"
+            for _, tensor in weights:
+                group.broadcast(tensor.detach().to(device).contiguous(), 0).wait()
+            return _versions(received.result(timeout=timeout_s))
+        except BaseException:
+            self.groups.pop(url, None)  # a broken group is not reused: the server joins a new one
+            raise
+        finally:
+            pool.shutdown(wait=False)  # a server stuck in its receive must not hold this process
+
+
+@dataclass
+class Servers:
+    """What every generator on the same servers shares: which are dead, the last version, one call at a time."""
+
+    dead: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped
+    version: int = -1  # the last version published (-1: none yet)
+    lock: threading.Lock = field(default_factory=threading.Lock)
 
 
 @dataclass
@@ -130,15 +228,27 @@ class RemoteGenerator:
     urls: list[str]
     transport: WeightTransport
     timeout_s: float = 600.0
-    version: int = -1  # the last version published (-1: none yet)
-    dead: dict[str, str] = field(default_factory=dict)  # url -> why it was dropped
+    servers: Servers = field(default_factory=Servers)
     sync_seconds: float = 0.0  # the last publish and load, for the step's timing
     sync_check: Any = None  # guards.SyncCheck, set by the session: each server's load is checked with it
+    samples_elsewhere = True  # the compute is the servers': an asynchronous sampler needs a thread, not a process
 
     def __post_init__(self) -> None:
         self.eos_ids = torch.tensor(self.eos_token_ids, dtype=torch.long)
         self.pad_id = self.tokenizer.pad_token_id if self.tokenizer.pad_token_id is not None else self.eos_token_ids[0]
-        wait_until_ready(self.urls, self.timeout_s)
+        wait_until_ready(self.live, self.timeout_s)
+
+    def for_model(self, model: Any) -> RemoteGenerator:
+        """A generator that publishes ``model``'s weights to the same servers (sharing their state)."""
+        return dataclasses.replace(self, model=model)
+
+    @property
+    def version(self) -> int:
+        return self.servers.version
+
+    @property
+    def dead(self) -> dict[str, str]:
+        return self.servers.dead
 
     @property
     def live(self) -> list[str]:
@@ -156,25 +266,26 @@ class RemoteGenerator:
     def sync_weights(self) -> None:
         """Publish the policy's weights as the next version and load them on every live server."""
         start = time.perf_counter()
+        version = self.version + 1
         with merged_weights(self.model) as weights:
-            path = self.transport.publish(weights, self.version + 1)
-        self.version += 1
-        for url in self.live:
-            try:
-                _request(url, "/pause?mode=wait", None, self.timeout_s)
-                answer = _request(url, "/collective_rpc", {"method": "posttrain_load", "args": [path, str(self.version)]},
-                                  self.timeout_s)
-                _request(url, "/reset_prefix_cache", None, self.timeout_s)
-                _request(url, "/resume", None, self.timeout_s)
-                if [int(v) for v in answer["results"]] != [self.version] * len(answer["results"]):
-                    raise RolloutServerError(f"loaded version {answer['results']}, not {self.version}")
-            except (OSError, ValueError, KeyError, RolloutServerError) as error:
-                self._drop(url, error)
-                continue
-            if self.sync_check is not None:  # a wrong load is an error, not a dropped server
-                probe = self.sync_check.probe_ids
-                self.sync_check.verify(probe_logprobs(self.model, probe), self.server_logprobs(url, probe),
-                                       f"rollout server {url}", f"weight version {self.version}")
+            self.transport.publish(weights, version)
+            self.servers.version = version
+            for url in self.live:
+                try:
+                    _request(url, "/pause?mode=wait", None, self.timeout_s)
+                    loaded = self.transport.load(url, weights, version, self.timeout_s)
+                    _request(url, "/reset_prefix_cache", None, self.timeout_s)
+                    _request(url, "/resume", None, self.timeout_s)
+                    if loaded != [version] * len(loaded):
+                        raise RolloutServerError(f"loaded version {[str(v) for v in loaded]}, not {version}")
+                except (OSError, ValueError, KeyError, RuntimeError) as error:  # RuntimeError: a broken group
+                    self._drop(url, error)
+        if self.sync_check is not None:  # a wrong load is an error, not a dropped server
+            probe = self.sync_check.probe_ids
+            expected = probe_logprobs(self.model, probe)
+            for url in self.live:
+                self.sync_check.verify(expected, self.server_logprobs(url, probe), f"rollout server {url}",
+                                       f"weight version {version}")
         self.sync_seconds = time.perf_counter() - start
 
     def server_logprobs(self, url: str, token_ids: Tensor) -> Tensor:
@@ -200,7 +311,11 @@ class RemoteGenerator:
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
                  rows: Any = None) -> Completions:
-        self.sync_weights()
+        with self.servers.lock:  # another generator on these servers (module docstring) waits its turn
+            self.sync_weights()
+            return self._sample(prompt_ids, num_samples, greedy)
+
+    def _sample(self, prompt_ids: list[Tensor], num_samples: int, greedy: bool) -> Completions:
         shards: list[list[Tensor]] = []
         per = -(-len(prompt_ids) // max(len(self.live), 1))
         for start in range(0, len(prompt_ids), per):

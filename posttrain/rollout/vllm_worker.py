@@ -2,9 +2,10 @@
 
 vLLM mixes an extension class into its worker; its methods are called by name through the server's
 ``/collective_rpc`` (``VLLM_SERVER_DEV_MODE=1``), with string arguments. :class:`WeightSync` loads the
-weights a trainer published (:mod:`posttrain.rollout.remote`): a directory of safetensors files in the
-base model's names, loaded in place as the colocated backend loads its weights
-(:func:`posttrain.rollout.vllm.reload_in_place`), and remembers their version, which the server reports.
+weights a trainer published (:mod:`posttrain.rollout.remote`), in the base model's names: a directory of
+safetensors files, or tensors the trainer broadcasts over a group the worker joined. Either is loaded in
+place as the colocated backend loads its weights (:func:`posttrain.rollout.vllm.reload_in_place`), and
+their version remembered, which the server reports.
 """
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ WEIGHTS_FILE = "model.safetensors"
 
 
 class WeightSync:
-    """Mixed into vLLM's worker: ``posttrain_load(path, version)`` and ``posttrain_version()``."""
+    """Mixed into vLLM's worker: ``posttrain_load(path, version)`` (a published file), ``posttrain_join`` and
+    ``posttrain_receive`` (weights broadcast by the trainer), ``posttrain_version()``."""
 
     def posttrain_load(self, path: str, version: str) -> str:
         """Load the weights published at ``path`` (a directory holding :data:`WEIGHTS_FILE`) in place."""
@@ -32,6 +34,42 @@ class WeightSync:
         runner: Any = self.model_runner  # type: ignore[attr-defined]  # the worker's, once mixed in
         weights = load_file(str(Path(path) / WEIGHTS_FILE), device=str(next(runner.get_model().parameters()).device))
         reload_in_place(runner, list(weights.items()))
+        self.posttrain_weight_version = int(version)
+        return version
+
+    def posttrain_join(self, address: str, prefix: str, backend: str, timeout_s: str) -> str:
+        """Join the trainer's two-member group (rank 1) at ``address`` (its store) under ``prefix``: the
+        weights' channel of :class:`posttrain.rollout.remote.CollectiveWeights`. A trainer that restarts
+        calls again with its own prefix; the old group is let go."""
+        import datetime
+
+        import torch.distributed as dist
+
+        host, port = address.rsplit(":", 1)
+        store = dist.PrefixStore(prefix, dist.TCPStore(host, int(port), is_master=False,
+                                                       timeout=datetime.timedelta(seconds=float(timeout_s))))
+        timeout = datetime.timedelta(seconds=float(timeout_s))
+        self.posttrain_group = (dist.ProcessGroupNCCL(store, 1, 2) if backend == "nccl"
+                                else dist.ProcessGroupGloo(store, 1, 2, timeout))
+        return prefix
+
+    def posttrain_receive(self, meta: str, version: str) -> str:
+        """Receive the tensors ``meta`` lists (JSON ``[[name, dtype, shape], ...]``, in the order the trainer
+        broadcasts them) over the joined group and load them in place."""
+        import json
+
+        import torch
+
+        from posttrain.rollout.vllm import reload_in_place
+
+        runner: Any = self.model_runner  # type: ignore[attr-defined]
+        device = next(runner.get_model().parameters()).device
+        weights = []
+        for name, dtype, shape in json.loads(meta):
+            tensor = torch.empty(shape, dtype=getattr(torch, dtype), device=device)
+            self.posttrain_group.broadcast(tensor, 0).wait()  # type: ignore[attr-defined]
+            weights.append((name, tensor))
+        reload_in_place(runner, weights)
         self.posttrain_weight_version = int(version)
         return version
 

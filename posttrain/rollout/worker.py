@@ -15,6 +15,9 @@ unpickled; anything else must be importable (defined at a module's top level).
 The worker's torch random generator starts from the state the trainer gives it and is the only one
 its sampling draws from, so a worker that receives the requests a synchronous run would make, in the
 same order, samples the same tokens.
+
+A generator whose compute runs elsewhere (rollout servers: ``samples_elsewhere``) needs no process of
+its own: :class:`ThreadRolloutWorker` answers the same requests, in order, on a thread of the trainer.
 """
 
 from __future__ import annotations
@@ -25,6 +28,7 @@ import pickle
 import queue
 import signal
 import sys
+import threading
 import time
 import traceback
 import weakref
@@ -142,6 +146,50 @@ class RolloutWorker:
 
     def _died(self) -> RolloutWorkerError:
         return RolloutWorkerError(f"the rollout process died (exit code {self.process.exitcode}) without an answer")
+
+
+class ThreadRolloutWorker:
+    """:class:`RolloutWorker`'s interface on a thread: for a generator that only waits on servers.
+
+    Its copy of the model receives each request's weights as the process worker's does; the generator
+    publishes them to the servers. Its random generator is the trainer's state, kept unchanged: the
+    servers draw the samples with theirs."""
+
+    def __init__(self, generator: Any, model: torch.nn.Module, *, rng_state: Tensor):
+        self.generator, self.model, self._rng_state = generator, model, rng_state
+        self.parameters = dict(model.named_parameters())
+        self.requests: queue.Queue[Request | None] = queue.Queue()
+        self.results: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.outstanding = 0
+        self.thread = threading.Thread(target=self._serve, name="posttrain-rollout", daemon=True)
+        self.thread.start()
+
+    def submit(self, request: Request) -> None:
+        self.requests.put(request)
+        self.outstanding += 1
+
+    def receive(self) -> Result:
+        kind, payload = self.results.get()
+        self.outstanding -= 1
+        if kind == "error":
+            raise payload
+        return payload
+
+    def rng_state(self) -> Tensor:
+        if self.outstanding:
+            raise RuntimeError("rng_state: receive the outstanding results first")
+        return self._rng_state
+
+    def close(self) -> None:
+        self.requests.put(None)
+        self.thread.join()
+
+    def _serve(self) -> None:
+        while (request := self.requests.get()) is not None:
+            try:
+                self.results.put(("result", _generate(self.generator, self.model, self.parameters, request)))
+            except BaseException as error:  # noqa: BLE001  # the trainer raises it at its receive
+                self.results.put(("error", error))
 
 
 def _stop(process: Any, requests: Any, results: Any) -> None:

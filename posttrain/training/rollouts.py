@@ -29,7 +29,7 @@ from posttrain.config import ConfigError
 from posttrain.models.modeling import probe_logprobs
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions
-from posttrain.rollout.worker import Request, RolloutWorker
+from posttrain.rollout.worker import Request, RolloutWorker, ThreadRolloutWorker
 
 
 class RolloutSession(Protocol):
@@ -111,7 +111,7 @@ class AsyncRollouts:
     def __init__(self, max_staleness: int, threads: int | None = None):
         self.max_staleness = max_staleness
         self.threads = threads  # the rollout process's torch threads (None: see ``start``)
-        self.worker: RolloutWorker | None = None
+        self.worker: RolloutWorker | ThreadRolloutWorker | None = None
         self.next_id = 0
         self.in_flight: deque[tuple[int, list[int], int]] = deque()  # (request id, prompts, version), in order
         self.answered: dict[int, Round] = {}
@@ -140,6 +140,13 @@ class AsyncRollouts:
         rest), as two threads each would oversubscribe the cores. With K = 0 they take turns and the
         rollout process gets as many as the trainer (the synchronous run's count, so the same arithmetic)."""
         if self.worker is not None:
+            return
+        if getattr(s.generator, "samples_elsewhere", False):  # rollout servers: a thread waits on them
+            s.refresh_sampler()
+            model = copy.deepcopy(s.sampling_copy if s.sampling_copy is not None else s.policy)
+            rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
+            self.worker = ThreadRolloutWorker(s.generator.for_model(model), model, rng_state=rng)
+            self.sent_version = s.step
             return
         total = torch.get_num_threads()
         threads = self.threads or (max(1, total // 2) if self.max_staleness else total)

@@ -239,11 +239,12 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
     if r.rollout_server and (config.episodes.tools or config.episodes.environment or work.tools or work.environment):
         raise ConfigError("rollout_server: multi-turn episodes (tools, environments) sample on this process; drop "
                           "--rollout-server or the tools")
+    on_gpu = config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available())
+    if r.rollout_server and r.weight_transport == "nccl" and not on_gpu:
+        raise ConfigError("weight_transport: nccl sends the weights from the trainer's GPU; train on a GPU "
+                          "(--device cuda) or use gloo")
     if r.rollout_server and r.backend == "vllm":
         raise ConfigError("rollout_server: the servers sample the rollouts; drop --backend vllm (a colocated engine)")
-    if r.rollout_server and config.off_policy.async_rollout:
-        raise ConfigError("rollout_server: each rollout is sampled on the servers after the weights are published; "
-                          "drop async_rollout")
     if r.backend == "vllm":
         from posttrain.rollout.vllm import check_vllm_available
 
@@ -343,11 +344,15 @@ class OnlineSession:
             if r.rollout_server:
                 from pathlib import Path
 
-                from posttrain.rollout.remote import FilesystemWeights, RemoteGenerator
+                from posttrain.rollout.remote import CollectiveWeights, FilesystemWeights, RemoteGenerator
 
-                directory = Path(r.weight_sync_dir or Path(config.run.output) / "weights")
-                return RemoteGenerator(model, tokenizer, params, eos_ids, list(r.rollout_server),
-                                       FilesystemWeights(directory), timeout_s=r.rollout_timeout)
+                if r.weight_transport == "filesystem":
+                    transport: Any = FilesystemWeights(Path(r.weight_sync_dir or Path(config.run.output) / "weights"))
+                else:
+                    host, _, port = r.weight_sync_address.partition(":")
+                    transport = CollectiveWeights(r.weight_transport, host, int(port or 0))
+                return RemoteGenerator(model, tokenizer, params, eos_ids, list(r.rollout_server), transport,
+                                       timeout_s=r.rollout_timeout)
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
                                   model_path=policy.config.name_or_path, seed=seed)
 
