@@ -81,6 +81,14 @@ class Bench:
     bf16: bool = False  # mixed precision in both: float32 weights, bfloat16 autocast (not run by default)
     lora: int = 0  # LoRA rank on every projection (alpha = 2 x rank) in both; 0: full fine-tuning
     beta: float = 0.04  # GRPO's KL coefficient; 0 drops the reference pass in both
+    replay: bool = False  # recipes/smollm2-math.yaml's step on its own prompts, completions sampled once (EOS on)
+    micro_batch: int = 64  # rows per forward/backward pass in both
+
+    @property
+    def systems(self) -> tuple[str, ...]:
+        """The replayed recipe step also runs posttrain with prompt sharing and length grouping off, and TRL
+        in float32 as well as in bf16 (the faster TRL counts)."""
+        return ("posttrain", "posttrain-padded", "trl", "trl-fp32") if self.replay else SYSTEMS
 
     def describe(self) -> str:
         what = "3.2M random-init Llama, char tokenizer" if self.model == "tiny" else "SmolLM2-135M-Instruct"
@@ -88,6 +96,9 @@ class Bench:
             what += f", LoRA r{self.lora}" if self.lora else ", full FT"
         what += ", no KL (no reference pass)" if self.kind == "grpo" and not self.beta else ""
         what += ", bf16 autocast" if self.bf16 else ""
+        if self.replay:
+            return (f"Dr.GRPO {self.prompts} prompts x {self.group} x up to {self.new_tokens} tokens (EOS on, "
+                    f"replayed), micro-batches of {self.micro_batch}, the SmolLM2 recipe's prompts, {what}")
         if self.kind == "grpo":
             return f"GRPO {self.prompts} prompts x {self.group} x {self.new_tokens} tokens, {what}"
         return f"DPO {self.prompts} pairs/step, {what}"
@@ -106,6 +117,10 @@ BENCHES = {b.name: b for b in (
           warmup=1, steps=3, quick_steps=1),
     Bench("grpo-smollm2-lora-bf16", "grpo", "smollm2", prompts=8, group=4, new_tokens=128, lora=16, beta=0.0,
           warmup=1, steps=3, quick_steps=1, bf16=True),
+    # recipes/smollm2-math.yaml's real step: its prompts (59-78 tokens with the chat template), completions
+    # that stop where the model stops, micro-batches of 16; each step's completions sampled once, replayed
+    Bench("grpo-smollm2-recipe", "grpo", "smollm2", prompts=16, group=4, new_tokens=128, lora=16, beta=0.0,
+          warmup=1, steps=3, quick_steps=1, bf16=True, replay=True, micro_batch=16),
 )}
 DEFAULT = [name for name, b in BENCHES.items() if not b.bf16 and not b.lora]
 """What runs without ``--only``: the float32 full fine-tuning configurations the targets are stated for."""
@@ -245,6 +260,189 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
     return records
 
 
+RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-math.yaml"
+
+
+def replay_file(b: Bench) -> Path:
+    """Where the replayed completions of ``b``'s steps are cached (built once by ``make_replay``)."""
+    from posttrain.models.tiny import cache_root
+
+    return cache_root() / "bench" / f"{b.name}-{b.warmup + b.steps}-steps-seed{SEED}-v1.json"
+
+
+def make_replay(b: Bench) -> None:
+    """Sample ``b``'s steps of the recipe once: its prompts in its sampler's order, ``b.group`` completions
+    each from SmolLM2 at the recipe's temperature, stopping at EOS or the budget; written as token ids."""
+    import torch
+
+    from posttrain.config import Config, load_yaml
+    from posttrain.training.session import OnlineSession
+
+    total = b.warmup + b.steps
+    target = replay_file(b)
+    with tempfile.TemporaryDirectory() as out:
+        config = Config.from_flat({**load_yaml(RECIPE), "max_steps": total, "eval_size": 0, "eval_every": 0,
+                                   "eval_tasks": [], "output": out, "report_to": "none", "progress": False,
+                                   "seed": SEED, "device": "cpu", "max_minutes": None})
+        s = OnlineSession.create(config)
+        torch.manual_seed(SEED)
+        steps = []
+        for _ in range(total):
+            indices = s.sampler.next(b.prompts)
+            comp = s.generator.generate([s.encoded_prompts[i] for i in indices], num_samples=b.group,
+                                        rows=[s.train_rows[i] for i in indices])
+            steps.append({"prompt_ids": [s.encoded_prompts[i].tolist() for i in indices],
+                          "completion_ids": [row[mask.bool()].tolist() for row, mask in zip(comp.completion_ids,
+                                                                                             comp.mask)]})
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_text(json.dumps({"steps": steps}))
+
+
+def ensure_replay(b: Bench) -> Path:
+    target = replay_file(b)
+    if not target.is_file():
+        print(f"  sampling the replayed completions once ({b.warmup + b.steps} steps): {target}", flush=True)
+        subprocess.check_call([sys.executable, __file__, "--make-replay", b.name])
+    return target
+
+
+def replay_rows(b: Bench, total: int) -> tuple[list[dict[str, str]], list[list[int]], list[list[list[int]]]]:
+    """The replay's first ``total`` steps as a dataset: row k (a key, ``replay-k``) is the k-th prompt drawn,
+    with its prompt ids and its ``b.group`` completions."""
+    steps = json.loads(ensure_replay(b).read_text())["steps"][:total]
+    prompts = [ids for step in steps for ids in step["prompt_ids"]]
+    completions = [step["completion_ids"][i * b.group:(i + 1) * b.group] for step in steps
+                   for i in range(len(step["prompt_ids"]))]
+    return [{"prompt": f"replay-{k}"} for k in range(len(prompts))], prompts, completions
+
+
+def token_counts(b: Bench, total: int) -> dict[str, float]:
+    """Per step, the replay's real tokens (prompt + completion of every row) and what one padded pass per
+    micro-batch of ``b.micro_batch`` rows computes (each row padded to the micro-batch's longest prompt and
+    longest completion)."""
+    _, prompts, completions = replay_rows(b, total)
+    rows = [(len(prompts[k // b.group]), len(c)) for k, c in enumerate(c for group in completions for c in group)]
+    real = sum(p + c for p, c in rows)
+    padded = sum(len(chunk) * (max(p for p, _ in chunk) + max(c for _, c in chunk))
+                 for chunk in (rows[i:i + b.micro_batch] for i in range(0, len(rows), b.micro_batch)))
+    return {"real_tokens_per_step": real / total, "padded_tokens_per_step": padded / total,
+            "prompt_tokens_mean": statistics.mean(len(p) for p in prompts),
+            "completion_tokens_mean": statistics.mean(c for _, c in rows)}
+
+
+def recipe_config(b: Bench, data: Path, total: int, rows: list[dict[str, str]]) -> dict[str, Any]:
+    """recipes/smollm2-math.yaml's training settings on the replay's rows (the reward: vowel_reward, cheap)."""
+    return dict(
+        algorithm="dr_grpo", mini_batches=1, model=str(model_dir(b.model)),
+        dataset=str(write_jsonl(rows, data / "prompts.jsonl")), reward=(f"{Path(__file__).resolve()}:vowel_reward",),
+        prompts_per_step=b.prompts, group_size=b.group, max_new_tokens=b.new_tokens, temperature=0.7,
+        learning_rate=1e-4, micro_batch_size=b.micro_batch, max_steps=total, eval_size=0, progress=False,
+        report_to="none", seed=SEED, device="cpu", lr_schedule="constant", mixed_precision="bf16" if b.bf16 else "no",
+        lora_r=b.lora, lora_alpha=2.0 * b.lora)
+
+
+def posttrain_replay(b: Bench, path: Path, data: Path, total: int, padded: bool = False) -> list[dict[str, float]]:
+    """The recipe's step on replayed completions: the session's prompts are the replay's token ids, its
+    sampler draws them in order, and its generator hands back the replayed completions (no sampling)."""
+    import torch
+
+    from posttrain.config import Config
+    from posttrain.parallel.allocator import keep_freed_memory
+    from posttrain.rollout.completions import completion_mask, Completions
+    from posttrain.training.online import train_step
+    from posttrain.training.session import OnlineSession
+
+    keep_freed_memory()
+    rows, prompts, completions = replay_rows(b, total)
+    flat = recipe_config(b, data, total, rows)
+    if padded:
+        flat.update(share_prompts=False, trim_padding=False)
+    s = OnlineSession.create(Config.from_flat(flat))
+    s.encoded_prompts = [torch.tensor(ids) for ids in prompts]
+
+    class InOrder:
+        def __init__(self):
+            self.position = 0
+
+        def next(self, count):
+            self.position += count
+            return list(range(self.position - count, self.position))
+
+    class Replay:
+        def generate(self, prompt_ids, *, num_samples, greedy=False, rows=None):
+            samples = [ids for row in rows for ids in completions[int(row["prompt"].split("-")[1])]]
+            width = max(len(ids) for ids in samples)
+            tokens = torch.full((len(samples), width), s.pad_id, dtype=torch.long)
+            for k, ids in enumerate(samples):
+                tokens[k, :len(ids)] = torch.tensor(ids)
+            mask, truncated = completion_mask(tokens, torch.tensor(s.eos_ids))
+            return Completions(tokens.masked_fill(mask == 0, s.pad_id), mask, truncated)
+
+    s.sampler, s.generator = InOrder(), Replay()
+    records = []
+    for _ in range(total):
+        t0 = time.perf_counter()
+        metrics = train_step(s)
+        s.step += 1
+        seconds = time.perf_counter() - t0
+        g = s.last_groups
+        completion_tokens = int(g.completions.mask.sum())
+        records.append({**step_record(seconds, metrics["time/generation"], metrics["time/scoring"], 0,
+                                      completion_tokens + sum(len(p) for p in g.prompt_ids)),
+                        "posttrain_time_training": metrics["time/training"]})
+    return records
+
+
+def trl_replay(b: Bench, path: Path, data: Path, total: int, bf16: bool = True) -> list[dict[str, float]]:
+    """The same replayed step through TRL's GRPOTrainer: its ``rollout_func`` returns the replay's prompt and
+    completion ids, so TRL trains on the very tokens posttrain does; Dr.GRPO's loss, LoRA r16 on every
+    projection, micro-batches of ``b.micro_batch`` accumulated into one optimizer step per generation."""
+    import dataclasses
+
+    from datasets import Dataset
+    from trl import GRPOConfig, GRPOTrainer
+    from peft import LoraConfig
+
+    rows, prompts, completions = replay_rows(b, total)
+    common = trl_common(dataclasses.replace(b, bf16=bf16), data, total)
+    accumulation = b.prompts * b.group // b.micro_batch
+    common.update(gradient_accumulation_steps=accumulation, learning_rate=1e-4)
+    args = GRPOConfig(
+        **common, per_device_train_batch_size=b.micro_batch, num_generations=b.group,
+        steps_per_generation=accumulation, num_iterations=1, max_completion_length=b.new_tokens, temperature=0.7,
+        top_p=1.0, top_k=0, beta=0.0, epsilon=0.2, loss_type="dr_grpo", scale_rewards="none", use_vllm=False,
+        log_completions=False, shuffle_dataset=False,
+    )
+    taken: dict[int, int] = {}
+
+    def replay(batch_prompts, trainer):
+        prompt_ids, completion_ids = [], []
+        for prompt in batch_prompts:
+            k = int(prompt.split("-")[1])
+            j = taken[k] = taken.get(k, -1) + 1
+            prompt_ids.append(prompts[k])
+            completion_ids.append(completions[k][j % b.group])
+        return {"prompt_ids": prompt_ids, "completion_ids": completion_ids, "logprobs": None}
+
+    peft_config = LoraConfig(r=b.lora, lora_alpha=2 * b.lora, lora_dropout=0.0, target_modules=LORA_TARGETS,
+                             bias="none", task_type="CAUSAL_LM")
+    trainer = GRPOTrainer(model=str(path), reward_funcs=vowel_reward, args=args, peft_config=peft_config,
+                          train_dataset=Dataset.from_list(rows), processing_class=load_tokenizer(path),
+                          rollout_func=replay)
+    clock = step_clock()
+
+    def generated(args, result) -> dict[str, int]:
+        prompt_ids, completion_ids = result[0], result[1]
+        completion = sum(len(c) for c in completion_ids)
+        return {"gen_tokens": 0, "train_tokens": completion + sum(len(p) for p in prompt_ids)}
+
+    clock.wrap(trainer, "_generate", "generation", generated)
+    clock.wrap(trainer, "_calculate_rewards", "scoring")
+    trainer.add_callback(clock)
+    trainer.train()
+    return clock.records
+
+
 def posttrain_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, float]]:
     from posttrain.parallel.allocator import keep_freed_memory
     from posttrain.config import Config
@@ -379,7 +577,10 @@ def trl_dpo(b: Bench, path: Path, data: Path, total: int) -> list[dict[str, floa
 
 
 RUNNERS = {("posttrain", "grpo"): posttrain_grpo, ("posttrain", "dpo"): posttrain_dpo,
-           ("trl", "grpo"): trl_grpo, ("trl", "dpo"): trl_dpo}
+           ("trl", "grpo"): trl_grpo, ("trl", "dpo"): trl_dpo,
+           ("posttrain", "replay"): posttrain_replay,
+           ("posttrain-padded", "replay"): lambda *a: posttrain_replay(*a, padded=True),
+           ("trl", "replay"): trl_replay, ("trl-fp32", "replay"): lambda *a: trl_replay(*a, bf16=False)}
 
 
 def child(name: str, system: str, warmup: int, steps: int, result: Path) -> None:
@@ -387,7 +588,7 @@ def child(name: str, system: str, warmup: int, steps: int, result: Path) -> None
     b = BENCHES[name]
     path = model_dir(b.model)
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-") as data:
-        records = RUNNERS[system, b.kind](b, path, Path(data), warmup + steps)
+        records = RUNNERS[system, "replay" if b.replay else b.kind](b, path, Path(data), warmup + steps)
     if len(records) != warmup + steps:
         raise RuntimeError(f"{system} ran {len(records)} steps, expected {warmup + steps}")
     result.write_text(json.dumps({
@@ -461,15 +662,17 @@ def print_table(results: dict[str, Any]) -> None:
               "gen+score+train s", "tokens gen/train per step")
     rows = [header]
     for name, r in results.items():
-        for system in SYSTEMS:
+        for system in BENCHES[name].systems:
             m = r[system]
             rows.append((name, system, fmt(m["s_per_step"], 3), fmt(m["gen_tokens_per_s"], 0),
                          fmt(m["train_tokens_per_s"], 0), fmt(m["peak_rss_gb"]),
                          f"{m['generation_s']:.2f}+{m['scoring_s']:.3f}+{m['training_s']:.2f}",
                          f"{m['gen_tokens_per_step']:.0f}/{m['train_tokens_per_step']:.0f}"))
-        q = r["ratio"]
-        rows.append((name, "posttrain/TRL", fmt(q["s_per_step"]), fmt(q["gen_tokens_per_s"]),
-                     fmt(q["train_tokens_per_s"]), fmt(q["peak_rss_gb"]), "", ""))
+        for label, key in (("posttrain/TRL", "ratio"), ("posttrain/padded", "ratio_to_padded")):
+            if key in r:
+                q = r[key]
+                rows.append((name, label, fmt(q["s_per_step"]), fmt(q["gen_tokens_per_s"]),
+                             fmt(q["train_tokens_per_s"]), fmt(q["peak_rss_gb"]), "", ""))
     widths = [max(len(row[i]) for row in rows) for i in range(len(header))]
     for i, row in enumerate(rows):
         print("  ".join(cell.ljust(w) if j < 2 else cell.rjust(w) for j, (cell, w) in enumerate(zip(row, widths))))
@@ -502,7 +705,11 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--steps", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--result", type=Path, help=argparse.SUPPRESS)
+    parser.add_argument("--make-replay", metavar="CONFIG", help=argparse.SUPPRESS)
     args = parser.parse_args()
+    if args.make_replay:
+        make_replay(BENCHES[args.make_replay])
+        return
     if args.child:
         child(*args.child, args.warmup, args.steps, args.result)
         return
@@ -518,6 +725,9 @@ def main() -> None:
         raise SystemExit("TRL is not installed: pip install -e '.[bench]'")
     for model in sorted({BENCHES[n].model for n in names}):
         model_dir(model)  # build or convert once, before any timed run
+    for name in names:
+        if BENCHES[name].replay:
+            ensure_replay(BENCHES[name])  # sampled once, before any timed run
     if os.getloadavg()[0] > 0.5 * (os.cpu_count() or 1):
         print(f"warning: load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} CPUs: other work competes for "
               "the cores and the timings follow it (threads that wait on busy cores slow down far more than their "
@@ -531,21 +741,32 @@ def main() -> None:
             warmup = 1 if args.quick else b.warmup
             print(f"\n{name}: {b.describe()}; {warmup} warm-up + {steps} timed steps x {repeats} repeats; "
                   f"load average {os.getloadavg()[0]:.2f}", flush=True)
-            runs: dict[str, list] = {system: [] for system in SYSTEMS}
+            if b.replay:
+                counts = token_counts(b, warmup + steps)
+                print("  per step: {real_tokens_per_step:.0f} real tokens, {padded_tokens_per_step:.0f} in one padded "
+                      "pass per micro-batch; prompts {prompt_tokens_mean:.1f} tokens, completions "
+                      "{completion_tokens_mean:.1f} on average".format(**counts), flush=True)
+            runs: dict[str, list] = {system: [] for system in b.systems}
             for repeat in range(repeats):
-                for system in SYSTEMS:
+                for system in b.systems:
                     run = run_child(name, system, warmup, steps, args.threads, Path(logs))
                     runs[system].append(run)
                     s = summarise_run(run)
                     print(f"  {system:9s} run {repeat + 1}: {s['s_per_step']:.3f} s/step, peak RSS "
                           f"{s['peak_rss_gb']:.2f} GB, {run['wall_s']:.0f}s wall, load {run['load_average']:.2f}",
                           flush=True)
-            medians = {system: median_of([summarise_run(r) for r in runs[system]]) for system in SYSTEMS}
+            medians = {system: median_of([summarise_run(r) for r in runs[system]]) for system in b.systems}
+            trl = min((system for system in b.systems if system.startswith("trl")),
+                      key=lambda system: medians[system]["s_per_step"])  # TRL's faster configuration counts
             results[name] = {
                 "description": b.describe(), "settings": {**asdict(b), "warmup": warmup, "steps": steps},
-                **medians, "ratio": {k: ratio(medians["posttrain"][k], medians["trl"][k]) for k in RATIO_KEYS},
-                "runs": runs,
+                **medians, "ratio": {k: ratio(medians["posttrain"][k], medians[trl][k]) for k in RATIO_KEYS},
+                "ratio_against": trl, "runs": runs,
             }
+            if b.replay:
+                results[name]["ratio_to_padded"] = {k: ratio(medians["posttrain"][k], medians["posttrain-padded"][k])
+                                                    for k in RATIO_KEYS}
+                results[name]["tokens"] = token_counts(b, warmup + steps)
     load = os.getloadavg()
     print(f"\nmedians over {repeats} repeat(s); ratio = posttrain / TRL; {time.perf_counter() - started:.0f}s in all; "
           f"load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs\n")

@@ -14,7 +14,7 @@ import torch
 from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from posttrain.config import ConfigError, ModelConfig
-from posttrain.models.modeling import batched_logprobs
+from posttrain.models.modeling import batched_logprobs, micro_batch_rows, token_budget_micro_batches
 from posttrain.models import loading
 from posttrain.training.online import reference_logprobs, train_step
 from posttrain.data.rewards import math_answer
@@ -341,3 +341,31 @@ def test_lora_checkpoint_into_another_rank_names_the_mismatch(tiny_model_dir, re
     other = lora_session(tiny_model_dir, reward_file, lora_target_modules=["q_proj"])
     with pytest.raises(CheckpointError, match="LoRA adapters it is loaded into: missing keys"):
         load_checkpoint(latest_checkpoint(tmp_path / "run"), model=other.policy)
+
+
+def test_token_budget_micro_batches_best_fit_decreasing_by_hand():
+    # items (rows, tokens), budget 10: 7 opens a bin, 6 opens another, 4 fits beside 6 (best fit: 4 left
+    # there, 3 beside 7), 3 goes beside 7, 12 (over the budget) alone
+    items = [([0], 3), ([1, 2], 7), ([3], 12), ([4], 4), ([5], 6)]
+    assert token_budget_micro_batches(items, 10) == [[0, 1, 2], [3], [4, 5]]
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_token_budget_micro_batches_cover_each_row_once_within_the_budget(seed):
+    generator = torch.Generator().manual_seed(seed)
+    prompts = [torch.full((int(torch.randint(3, 9, (), generator=generator)),), g) for g in range(6) for _ in range(4)]
+    lengths = torch.randint(1, 30, (24,), generator=generator)
+    for share in (True, False):
+        batches = micro_batch_rows(prompts, lengths, rows=None, tokens=64, share_prompts=share)
+        rows = sorted(int(r) for batch in batches for r in batch)
+        assert rows == list(range(24))
+        for batch in batches:
+            distinct = {int(r): len(prompts[int(r)]) for r in batch}
+            by_prompt: dict[int, int] = {}
+            for r in batch.tolist():
+                by_prompt[int(prompts[r][0])] = len(prompts[r])
+            prompt_tokens = sum(by_prompt.values()) if share else sum(distinct.values())
+            cost = prompt_tokens + int(lengths[batch].sum())
+            assert cost <= 64 or len(batch) == 1
+    assert [b.tolist() for b in micro_batch_rows(prompts, lengths, rows=10, tokens=None)] == [
+        list(range(0, 10)), list(range(10, 20)), list(range(20, 24))]

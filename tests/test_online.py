@@ -189,11 +189,16 @@ def test_best_of_n_trains_on_the_best_sample_of_each_group(tiny_model_dir, rewar
 
 
 @pytest.mark.parametrize("name", ["grpo", "cispo", "dr_grpo"])  # the three aggregations
-def test_micro_batching_gives_the_same_gradient(name, tiny_model_dir, reward_file):
-    """The normaliser is the optimizer step's: micro-batches of 3 accumulate the whole batch's gradient."""
+@pytest.mark.parametrize("passes", [{"micro_batch_size": 3}, {"max_tokens_per_micro_batch": 60},
+                                    {"share_prompts": False, "trim_padding": False}],
+                         ids=["3-rows", "60-tokens", "padded"])
+def test_micro_batching_gives_the_same_gradient(name, passes, tiny_model_dir, reward_file):
+    """The normaliser is the optimizer step's: micro-batches of 3 rows, or of at most 60 tokens, accumulate
+    the whole batch's gradient; one padded pass per micro-batch (no prompt sharing, no length groups) gives
+    the gradient of the default passes."""
     grads = []
-    for micro in (64, 3):
-        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, micro_batch_size=micro))
+    for settings in ({"micro_batch_size": 64}, passes):
+        s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, **settings))
         captured = []
 
         def capture(s=s, captured=captured):

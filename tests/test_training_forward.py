@@ -70,6 +70,69 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
 
 
+@pytest.mark.parametrize("checkpointed", [False, True], ids=["", "checkpointed"])
+@pytest.mark.parametrize("shared", [False, True], ids=["distinct-prompts", "shared-prompts"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "llama-biases-untied-rope-scaled", "qwen2"])
+def test_packed_pass_equals_the_models_own_forward_over_padded_rows(kind, lora, shared, checkpointed, monkeypatch):
+    """One packed pass (posttrain.models.packing: no padding, a shared prompt placed once, attention kept
+    inside each group) against the model's own forward over whole padded rows: log-probs, entropies,
+    values and every gradient, to float32 rounding; with gradient checkpointing the recomputed layers
+    get the layout again."""
+    from posttrain.models import modeling
+    from posttrain.models.modeling import ValueHead, checkpoint_layers, collate
+    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.packing import has_packed_attention
+
+    if lora and importlib.util.find_spec("peft") is None:
+        pytest.skip("peft (extra: lora) is not installed")
+    model = build(kind).train()
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    assert use_packed_attention(model) and has_packed_attention(modeling.split_head(model)[0])
+    if checkpointed:
+        checkpoint_layers(model)
+    torch.manual_seed(1)
+    value_head = ValueHead(32)
+    torch.nn.init.normal_(value_head.linear.weight)
+    a, b, c = torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])
+    prompts = [a, b, a, c, b] if shared else [a, b, c, torch.tensor([20]), torch.tensor([21, 22, 23, 24])]
+    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19], [25, 0, 0, 0], [26, 27, 28, 0]])
+    mask = (completions != 0).long()
+    monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)  # these prompts are too short to pay
+    batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
+    assert (batch.owner_n is not None) is shared
+    upstream = torch.randn(5, 4)
+    params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
+
+    def run():
+        for p in params:
+            p.grad = None
+        out = modeling.forward(model, batch, temperature=0.7, with_entropy=True, value_head=value_head)
+        ((out.logprobs * upstream + out.values) * batch.mask).sum().backward()
+        return out, [p.grad.clone() for p in params]
+
+    body = modeling.split_head(model)[0]
+    calls = []
+    body_forward = body.forward
+    monkeypatch.setattr(body, "forward", lambda **kw: calls.append(kw["input_ids"].shape) or body_forward(**kw))
+    packed, packed_grads = run()
+    # one row: each prompt once (shared) or per row, and every completion but its last token
+    prompt_tokens = (3 + 1 + 2) if shared else (3 + 1 + 2 + 1 + 4)
+    assert calls == [torch.Size([1, prompt_tokens + (3 + 2 + 4 + 1 + 3) - 5])]
+    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    direct, direct_grads = run()
+    real = batch.mask.bool()
+    torch.testing.assert_close(packed.logprobs[real], direct.logprobs[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.entropy[real], direct.entropy[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(packed.values[real], direct.values[real], rtol=1e-5, atol=1e-5)
+    assert (packed.logprobs[~real] == 0).all()
+    for mine, theirs in zip(packed_grads, direct_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
+
+
 @pytest.mark.parametrize("path", ["folded-shared", "folded-whole-rows", "models-own-forward"])
 @pytest.mark.parametrize("completion_width", [1, 3])
 def test_training_forward_equals_the_log_softmax_of_each_rows_full_logits(path, completion_width, monkeypatch):

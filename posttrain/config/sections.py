@@ -424,6 +424,19 @@ class OptimConfig:
     micro_batch_size: int = _help(
         "Sequences per forward/backward pass; gradients accumulate to the full optimizer step.", 64,
     )
+    max_tokens_per_micro_batch: int | None = _help(
+        "Size micro-batches by tokens instead of rows (online trainers): rows are placed by length, best-fit "
+        "decreasing, into micro-batches of at most this many prompt + completion tokens (a group's prompt, "
+        "computed once, counted once); a longer row runs alone. Replaces micro_batch_size; the loss is the "
+        "same.")
+    share_prompts: bool = _help(
+        "Online trainers: rows of a micro-batch that share a prompt (a group's samples) run it through the "
+        "model once and attend to its keys and values (where that saves enough positions to pay); the same "
+        "log-probs, losses and gradients. false: every row runs its prompt.", True)
+    trim_padding: bool = _help(
+        "Online trainers: a micro-batch's rows run grouped by completion length, each group trimmed to its "
+        "own longest row, so the padding of completions that ended early is not computed; the same "
+        "log-probs, losses and gradients. false: one pass over the padded micro-batch.", True)
     value_loss_coef: float = _help("Weight of the value loss (PPO's value head).", 0.1)
     ref_refresh_every: int = _help("Copy the policy into the reference model every N steps (0 = never).", 0)
     max_bad_steps: int = _help("Stop after this many consecutive steps with a non-finite loss or gradient.", 3)
@@ -441,6 +454,8 @@ class OptimConfig:
         require(self.lr_schedule in LR_SCHEDULES, "lr_schedule",
                  f"got {self.lr_schedule!r}; use one of {', '.join(LR_SCHEDULES)}")
         require(self.micro_batch_size >= 1, "micro_batch_size", f"got {self.micro_batch_size}; use 1 or more")
+        require(self.max_tokens_per_micro_batch is None or self.max_tokens_per_micro_batch >= 1,
+                "max_tokens_per_micro_batch", f"got {self.max_tokens_per_micro_batch}; use 1 or more (or none)")
         require(self.max_grad_norm >= 0, "max_grad_norm", f"got {self.max_grad_norm}; use 0 (off) or more")
         require(self.ref_refresh_every >= 0, "ref_refresh_every", f"got {self.ref_refresh_every}; use 0 or more")
         require(self.max_bad_steps >= 1, "max_bad_steps", f"got {self.max_bad_steps}; use 1 or more")

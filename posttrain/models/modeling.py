@@ -25,6 +25,8 @@ from torch import Tensor, nn
 import posttrain.functional as F
 from posttrain.config import ConfigError
 from posttrain.models.architecture import cache_unsupported_reason, is_supported_class
+from posttrain.models.packing import (PACKED_SDPA, PACKED_SDPA_FLOAT32, has_packed_attention, packed_hidden,
+                                      register_packed_attention)
 from posttrain.parallel.allocator import bound_kernel_caches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -120,6 +122,7 @@ def register_attention_implementations() -> None:
 
     AttentionInterface.register(FLOAT32_SDPA, _sdpa_in_float32)
     AttentionMaskInterface.register(FLOAT32_SDPA, sdpa_mask)  # the masks "sdpa" gets
+    register_packed_attention()
 
 
 def _sdpa_in_float32(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
@@ -167,6 +170,21 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
             base.set_attn_implementation(FLOAT32_SDPA)
 
 
+def use_packed_attention(model: nn.Module) -> bool:
+    """Give ``model`` (a transformers model on transformers' SDPA attention) the packed attention; whether
+    it has it. Models on another attention implementation (eager, FlashAttention) keep theirs and train
+    through length groups instead (:func:`posttrain.models.modeling.completion_hidden`)."""
+    base = unwrapped(model)
+    current = getattr(base.config, "_attn_implementation", None)
+    target = {"sdpa": PACKED_SDPA, FLOAT32_SDPA: PACKED_SDPA_FLOAT32}.get(current, current)
+    if target not in (PACKED_SDPA, PACKED_SDPA_FLOAT32):
+        return False
+    if target != current:
+        register_packed_attention()
+        base.set_attn_implementation(target)
+    return True
+
+
 def autocast_dtype(model: nn.Module) -> torch.dtype | None:
     """The dtype :func:`use_mixed_precision` set for ``model``'s decoder stack (None: its own dtype)."""
     return getattr(decoder_body(model), "posttrain_autocast_dtype", None)
@@ -208,6 +226,8 @@ class TokenBatch:
     completion_ids, mask: [n, T] (T trimmed to this micro-batch's longest completion)
     first_U: [U] the first row of each distinct prompt, owner_n: [n] each row's index into first_U;
     both None unless rows share prompts enough to be worth it (:func:`worth_sharing`).
+    trim_padding: run rows grouped by completion length, each group trimmed to its longest
+    (:func:`completion_hidden`); False: one pass over the whole padded micro-batch.
     """
 
     input_ids: Tensor
@@ -217,6 +237,7 @@ class TokenBatch:
     mask: Tensor
     first_U: Tensor | None = None
     owner_n: Tensor | None = None
+    trim_padding: bool = True
 
     @property
     def prompt_width(self) -> int:
@@ -224,12 +245,13 @@ class TokenBatch:
 
 
 def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device,
-            present: Tensor | None = None) -> TokenBatch:
+            present: Tensor | None = None, *, share_prompts: bool = True, trim_padding: bool = True) -> TokenBatch:
     """Concatenate left-padded prompts with right-padded completions (trimmed to the longest), and
     note which rows share a prompt (a GRPO group's samples, a preference pair's two answers).
 
     ``mask`` [n, T] marks the tokens scored (the policy's); ``present`` [n, T] every token attention sees,
-    inserted ones included (multi-turn episodes; default: ``mask``)."""
+    inserted ones included (multi-turn episodes; default: ``mask``). ``share_prompts`` and ``trim_padding``
+    False give the padded reference path (the ``share_prompts`` and ``trim_padding`` settings)."""
     present = mask if present is None else present
     width = max(int(present.sum(-1).max()), 1)
     completion_ids, mask, present = completion_ids[:, :width], mask[:, :width], present[:, :width]
@@ -240,13 +262,14 @@ def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_
     index: dict[tuple[int, ...], int] = {}
     owner = [index.setdefault(tuple(p.tolist()), len(index)) for p in prompt_ids]
     shared = None, None
-    if len(index) < len(prompt_ids) and worth_sharing(len(prompt_ids), len(index), prompts.shape[1], width):
+    if share_prompts and len(index) < len(prompt_ids) and worth_sharing(len(prompt_ids), len(index),
+                                                                         prompts.shape[1], width):
         first_row: dict[int, int] = {}
         for row, o in enumerate(owner):
             first_row.setdefault(o, row)
         shared = torch.tensor([first_row[o] for o in range(len(index))]), torch.tensor(owner)
     tensors = (input_ids, attention, position_ids, completion_ids, mask, *shared)
-    return TokenBatch(*(None if t is None else t.to(device) for t in tensors))
+    return TokenBatch(*(None if t is None else t.to(device) for t in tensors), trim_padding=trim_padding)
 
 
 def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: int) -> bool:
@@ -295,6 +318,49 @@ def length_buckets(lengths: list[int], cost: int = BUCKET_COST) -> list[list[int
     return groups[::-1]
 
 
+def token_budget_micro_batches(items: list[tuple[list[int], int]], budget: int) -> list[list[int]]:
+    """Rows placed into micro-batches of at most ``budget`` tokens each, best-fit decreasing.
+
+    ``items``: ``(rows, tokens)``, the rows that go together (a group sharing its prompt) and what they
+    cost. An item over the budget runs alone. Largest items first, each into the micro-batch it fills
+    most closely, or a new one: a few micro-batches, each near the budget. Returns each micro-batch's
+    rows in ascending order, the micro-batches in the order of their first row; every row exactly once.
+    """
+    bins: list[tuple[int, list[int]]] = []  # (tokens left, rows)
+    for rows, tokens in sorted(items, key=lambda item: -item[1]):
+        fitting = [k for k, (left, _) in enumerate(bins) if left >= tokens]
+        if fitting:
+            k = min(fitting, key=lambda k: bins[k][0])
+            bins[k] = (bins[k][0] - tokens, bins[k][1] + list(rows))
+        else:
+            bins.append((budget - tokens, list(rows)))
+    return sorted((sorted(rows) for _, rows in bins), key=lambda rows: rows[0])
+
+
+def micro_batch_rows(prompt_ids: list[Tensor], lengths: Tensor, *, rows: int | None, tokens: int | None,
+                     share_prompts: bool = True) -> list[Tensor]:
+    """The row indices of each micro-batch of a batch: ``rows`` at a time in order, or (``tokens``) by
+    :func:`token_budget_micro_batches`, a run of rows with the same prompt (a group) kept together
+    while it fits, its prompt counted once when ``share_prompts``. ``lengths`` [n]: completion tokens."""
+    n = len(prompt_ids)
+    if tokens is None:
+        return [torch.arange(start, min(start + rows, n)) for start in range(0, n, rows)]
+    items: list[tuple[list[int], int]] = []
+    start = 0
+    while start < n:  # runs of consecutive rows with the same prompt
+        end = start + 1
+        while end < n and torch.equal(prompt_ids[end], prompt_ids[start]):
+            end += 1
+        prompt, completions = len(prompt_ids[start]), [int(x) for x in lengths[start:end]]
+        whole = (prompt if share_prompts else prompt * (end - start)) + sum(completions)
+        if whole <= tokens:
+            items.append((list(range(start, end)), whole))
+        else:
+            items += [([start + k], prompt + c) for k, c in enumerate(completions)]
+        start = end
+    return [torch.tensor(batch) for batch in token_budget_micro_batches(items, tokens)]
+
+
 def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     """[n, T, D] the final hidden states that predict each completion token (position P + t - 1 for token t);
     zero past a row's last completion token.
@@ -315,7 +381,10 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     p = batch.prompt_width
     present = batch.attention_mask[:, p:]
     lengths = (present * torch.arange(1, width + 1, device=present.device)).amax(-1).clamp(min=1)  # last present + 1
-    groups = length_buckets(lengths.tolist(), BUCKET_COST)
+    if batch.trim_padding and has_packed_attention(body) and bool((present.sum(-1) == lengths).all()):
+        # one packed pass: no padding at all, each shared prompt once (posttrain.models.packing)
+        return packed_hidden(body, batch.input_ids, batch.attention_mask, p, lengths, batch.owner_n, width)
+    groups = length_buckets(lengths.tolist(), BUCKET_COST) if batch.trim_padding else [list(range(n))]
     recomputed = torch.is_grad_enabled() and is_checkpointed(body)  # a prompt pass would write its cache twice
     shared = not (batch.first_U is None or batch.owner_n is None or recomputed
                   or cache_unsupported_reason(body.config) is not None)  # a cache of full-attention layers is needed
@@ -325,7 +394,7 @@ def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
     parts = []
     for group in groups:
         rows = torch.tensor(group, device=batch.input_ids.device)
-        w = int(lengths[rows].max())
+        w = int(lengths[rows].max()) if batch.trim_padding else width
         if shared:
             parts.append(_completion_on_prompt_cache(body, batch, prompt, rows, w))
         else:
@@ -442,17 +511,23 @@ def batched_logprobs(
     temperature: float = 1.0,
     value_head: ValueHead | None = None,
     present: Tensor | None = None,
+    share_prompts: bool = True,
+    trim_padding: bool = True,
+    max_tokens_per_micro_batch: int | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None), 0 outside ``mask``
-    (``present``: every token attention sees, as in :func:`collate`)."""
+    (``present``, ``share_prompts``, ``trim_padding``: as in :func:`collate`; micro-batches as
+    :func:`micro_batch_rows` makes them)."""
     device = next(model.parameters()).device
     total, width = completion_ids.shape
     logprobs = torch.zeros(total, width)
     values = torch.zeros(total, width) if value_head is not None else None
-    for start in range(0, total, micro_batch_size):
-        rows = slice(start, start + micro_batch_size)
-        batch = collate(prompt_ids[rows], completion_ids[rows], mask[rows], pad_id, device,
-                        None if present is None else present[rows])
+    seen = mask if present is None else present
+    for rows in micro_batch_rows(prompt_ids, seen.sum(-1), rows=micro_batch_size, tokens=max_tokens_per_micro_batch,
+                                 share_prompts=share_prompts):
+        batch = collate([prompt_ids[int(r)] for r in rows], completion_ids[rows], mask[rows], pad_id, device,
+                        None if present is None else present[rows], share_prompts=share_prompts,
+                        trim_padding=trim_padding)
         out = forward(model, batch, temperature=temperature, value_head=value_head)
         t = out.logprobs.shape[1]
         logprobs[rows, :t] = out.logprobs.float().cpu()

@@ -31,15 +31,16 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
+from typing import Any
 
 import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain.config import CORRECTIONS, OffPolicyConfig
+from posttrain.config import CORRECTIONS, OffPolicyConfig, OptimConfig
 from posttrain.data.scoring import Scores
 from posttrain.functional._value import explained_variance
-from posttrain.models.modeling import batched_logprobs, collate, forward
+from posttrain.models.modeling import batched_logprobs, collate, forward, micro_batch_rows
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.episodes import EpisodeStats
@@ -226,8 +227,14 @@ def rollout_logprobs(s: OnlineSession, groups: Groups) -> tuple[Tensor, Tensor |
     """[N, T] the sampling policy's log-probs of the groups' tokens, and its values (PPO) or None."""
     comp = groups.completions
     return batched_logprobs(s.policy, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
-                            micro_batch_size=s.config.optim.micro_batch_size,
-                            temperature=s.config.rollout.temperature, value_head=s.value_head, present=comp.present)
+                            temperature=s.config.rollout.temperature, value_head=s.value_head, present=comp.present,
+                            **passes(s.config.optim))
+
+
+def passes(optim: OptimConfig) -> dict[str, Any]:
+    """How the forward passes are cut and run (micro-batches, prompt sharing, padding): the settings."""
+    return dict(micro_batch_size=optim.micro_batch_size, max_tokens_per_micro_batch=optim.max_tokens_per_micro_batch,
+                share_prompts=optim.share_prompts, trim_padding=optim.trim_padding)
 
 
 def reference_logprobs(s: OnlineSession, groups: Groups, model: object = None) -> Tensor:
@@ -235,8 +242,8 @@ def reference_logprobs(s: OnlineSession, groups: Groups, model: object = None) -
     comp, model = groups.completions, s.ref if model is None else model
     with offload.resident(model):
         logprobs, _ = batched_logprobs(model, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
-                                       micro_batch_size=s.config.optim.micro_batch_size,
-                                       temperature=s.config.rollout.temperature, present=comp.present)
+                                       temperature=s.config.rollout.temperature, present=comp.present,
+                                       **passes(s.config.optim))
     return logprobs
 
 
@@ -313,7 +320,10 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
         minis = mini_batch_rows(len(mask), alg.mini_batches, s.config.run.seed, s.step, epoch)
         for mini in minis:
             normalizer = step_normalizer(mask[mini], alg.aggregation)
-            micros = [micro for micro in mini.split(optim.micro_batch_size) if len(micro)]
+            seen = groups.completions.present[mini]
+            micros = [mini[rows] for rows in micro_batch_rows(
+                [groups.prompt_ids[int(r)] for r in mini], seen.sum(-1), rows=optim.micro_batch_size,
+                tokens=optim.max_tokens_per_micro_batch, share_prompts=optim.share_prompts) if len(rows)]
             with fsdp.full_parameters(s.policy):
                 for i, micro in enumerate(micros):
                     fsdp.sync_gradients(s.policy, i == len(micros) - 1)  # FSDP reduces at the last backward
@@ -389,7 +399,8 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     """Forward, loss and backward for one micro-batch; returns its metrics."""
     alg, comp = s.alg, groups.completions
     batch = collate([groups.prompt_ids[int(r)] for r in rows], comp.completion_ids[rows], comp.mask[rows],
-                    s.pad_id, s.device, comp.present[rows])
+                    s.pad_id, s.device, comp.present[rows], share_prompts=s.config.optim.share_prompts,
+                    trim_padding=s.config.optim.trim_padding)
     out = forward(s.policy, batch, temperature=s.config.rollout.temperature, with_entropy=True,
                   value_head=s.value_head, entropy_grad=entropy_coef > 0)
     t = out.logprobs.shape[1]

@@ -32,6 +32,7 @@ from posttrain.models.modeling import (
     checkpoint_layers,
     resolve_device,
     use_mixed_precision,
+    use_packed_attention,
 )
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.rollout.generators import generate_texts
@@ -133,6 +134,8 @@ def load_policy(config: Config, name: str, inputs: Inputs, *, needs_reference: b
     if m.lora_r:
         policy = apply_lora(policy, m)  # base weights frozen; the reference is the base model
     policy.train(train_mode)
+    if config.optim.trim_padding:  # packed training passes where the attention allows (models.packing)
+        use_packed_attention(policy)
     reference = reference_model(policy, m.offload_reference) if needs_reference else None
     if m.gradient_checkpointing:
         checkpoint_layers(policy)

@@ -1,0 +1,192 @@
+"""Packed training passes: a micro-batch's rows concatenated into one row without padding, each group's
+prompt placed once, attention kept inside each group by posttrain's attention function.
+
+Layout. The rows of a micro-batch form groups: the rows that share a prompt (a GRPO group's samples, when
+prompts are shared) or each row alone. A group is one contiguous span of the packed row: its prompt, then
+each member's completion inputs (the completion tokens but the last, which predicts nothing). Positions
+restart at every group: the prompt's run ``0..P-1`` and every completion continues from ``P``, exactly
+the positions the padded path gives its real tokens.
+
+Attention. Within a group, a prompt token sees the prompt's earlier tokens, and a completion token sees
+the whole prompt and its own completion's earlier tokens, never a sibling's. That is the padded path's
+attention, restricted to real tokens, so the hidden states are the same up to float rounding (tested).
+A single sequence is one causal SDPA call (``is_causal`` lets the CPU kernel skip the blocks above the
+diagonal); a shared prompt's group is one causal call for the prompt and one per completion, over the
+prompt's keys and values and its own (an explicit ``[m, P + m]`` mask): a sibling's tokens are never
+computed against, where one masked call over the whole group would compute every pair of its tokens. No CPU kernel takes variable-length batches (FlashAttention's
+varlen has no CPU path, FlexAttention no CPU backward), so the groups run one call each: a few per layer
+at the recipe's shape, against one GEMM pass over every real token instead of the padded rectangle.
+
+The attention function is registered with transformers under :data:`PACKED_SDPA` (and its float32 form
+for CPU mixed precision) and dispatches on its keyword argument: a forward without a layout runs
+transformers' SDPA as before, so generation, evaluation and the reference pass are unchanged, and a
+recomputed (gradient-checkpointed) layer gets its layout again from the saved arguments.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor, nn
+
+PACKED_SDPA = "posttrain_packed_sdpa"
+PACKED_SDPA_FLOAT32 = "posttrain_packed_sdpa_float32"
+"""transformers' SDPA attention, or with a layout the packed attention; the ``_float32`` one computes
+attention in float32 with autocast off (what :data:`posttrain.models.modeling.FLOAT32_SDPA` does on a CPU
+under mixed precision)."""
+
+
+@dataclass
+class Span:
+    """One group in the packed row: ``[start, start + prompt)`` its prompt, then its members' completion
+    inputs at ``blocks`` (offset from ``start``, length); a single sequence when it has one member."""
+
+    start: int
+    prompt: int
+    blocks: list[tuple[int, int]]
+    masks: list[Tensor] | None = None  # per block [m, prompt + m] bool: the whole prompt, then causal
+
+    @property
+    def pieces(self) -> list[int]:
+        """The lengths the attention splits this span into: the whole (one sequence), or the prompt and
+        each completion."""
+        if self.masks is None:
+            at, m = self.blocks[-1]
+            return [at + m]
+        return [self.prompt] + [m for _, m in self.blocks]
+
+
+@dataclass
+class PackedLayout:
+    """Where each group lies in the packed row, and where each row's predicting hidden states are.
+
+    index_NT: [n, T] the packed position whose hidden state predicts completion token t of row n (0 where
+    there is none); valid_NT: [n, T] bool, those that exist."""
+
+    spans: list[Span]
+    index_NT: Tensor
+    valid_NT: Tensor
+
+    def to(self, device: torch.device) -> PackedLayout:
+        spans = [Span(s.start, s.prompt, s.blocks, None if s.masks is None else [m.to(device) for m in s.masks])
+                 for s in self.spans]
+        return PackedLayout(spans, self.index_NT.to(device), self.valid_NT.to(device))
+
+
+def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: Tensor,
+         owner_n: Tensor | None) -> tuple[Tensor, Tensor, PackedLayout]:
+    """A collated micro-batch (left-padded prompts, then completions; ``lengths`` [n] each row's completion
+    tokens attention sees) as one packed row: (input_ids [1, S], position_ids [1, S], layout).
+    ``owner_n`` [n]: the index of each row's distinct prompt, rows with the same one sharing it; None:
+    every row its own prompt."""
+    n, width = len(lengths), int(lengths.max())
+    owners = owner_n.tolist() if owner_n is not None else list(range(n))
+    members: dict[int, list[int]] = {}
+    for row, owner in enumerate(owners):
+        members.setdefault(owner, []).append(row)
+    ids, positions, spans = [], [], []
+    index = torch.zeros(n, width, dtype=torch.long)
+    start = 0
+    for rows in members.values():
+        first = rows[0]
+        prompt = input_ids[first, :prompt_width][attention_mask[first, :prompt_width].bool()]
+        p = len(prompt)
+        ids.append(prompt)
+        positions.append(torch.arange(p))
+        blocks = []  # each member's completion inputs: (offset in the group, length)
+        offset = p
+        for row in rows:
+            m = int(lengths[row]) - 1  # the last completion token predicts nothing
+            ids.append(input_ids[row, prompt_width:prompt_width + m])
+            positions.append(torch.arange(p, p + m))
+            index[row, 0] = start + p - 1  # completion token 0 is predicted by the prompt's last position
+            index[row, 1:m + 1] = torch.arange(start + offset, start + offset + m)
+            blocks.append((offset, m))
+            offset += m
+        masks = None
+        if len(rows) > 1:  # a completion sees the whole prompt and its own earlier tokens
+            masks = [torch.cat([torch.ones(m, p, dtype=torch.bool), torch.ones(m, m, dtype=torch.bool).tril()], 1)
+                     for _, m in blocks]
+        spans.append(Span(start, p, blocks, masks))
+        start += offset
+    valid = torch.arange(width)[None, :] < lengths[:, None]
+    packed_ids = torch.cat(ids)[None]
+    packed_positions = torch.cat(positions)[None]
+    return packed_ids, packed_positions, PackedLayout(spans, index, valid)
+
+
+def packed_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: Tensor,
+                  owner_n: Tensor | None, width: int) -> Tensor:
+    """[n, width, D] the final hidden states predicting each completion token, from one packed pass of
+    ``body`` (a decoder stack whose attention is :data:`PACKED_SDPA`); zero past a row's last token."""
+    device = input_ids.device
+    ids, positions, layout = pack(input_ids.cpu(), attention_mask.cpu(), prompt_width, lengths.cpu(),
+                                  None if owner_n is None else owner_n.cpu())
+    layout = layout.to(device)
+    hidden = body(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
+                  posttrain_layout=layout).last_hidden_state[0]  # [S, D]
+    index, valid = layout.index_NT.to(device), layout.valid_NT.to(device)
+    out = hidden.index_select(0, index.view(-1)).view(*index.shape, -1) * valid[..., None]
+    return torch.nn.functional.pad(out, (0, 0, 0, width - out.shape[1]))
+
+
+def _packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout,
+                      scaling: float | None) -> tuple[Tensor, None]:
+    """[1, H, S, d] query, [1, H_kv, S, d] key and value -> [1, S, H, d]: SDPA per group of the layout."""
+    groups = query.shape[1] // key.shape[1]
+    if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
+        key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    # one split into every prompt and completion piece: its backward is one concatenation, where a slice per
+    # piece would each allocate and fill a gradient of the whole row
+    sizes = [size for span in layout.spans for size in span.pieces]
+    pieces = zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
+    outputs = []
+    for span in layout.spans:
+        q, k, v = next(pieces)
+        if span.masks is None:  # one sequence: causal, and the kernel skips the blocks above the diagonal
+            outputs.append(sdpa(q, k, v, is_causal=True, scale=scaling))
+            continue
+        prompt_keys, prompt_values = k, v
+        outputs.append(sdpa(q, k, v, is_causal=True, scale=scaling))
+        for mask in span.masks:  # each completion: the prompt, then its own tokens
+            q, k, v = next(pieces)
+            outputs.append(sdpa(q, torch.cat([prompt_keys, k], 2), torch.cat([prompt_values, v], 2), attn_mask=mask,
+                                scale=scaling))
+    return torch.cat(outputs, 2).transpose(1, 2).contiguous(), None
+
+
+def _attention(in_float32: bool):
+    def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
+                  **kwargs):
+        from transformers.integrations.sdpa_attention import sdpa_attention_forward
+
+        layout = kwargs.pop("posttrain_layout", None)
+        if not in_float32:
+            if layout is not None:
+                return _packed_attention(query, key, value, layout, kwargs.get("scaling"))
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        with torch.autocast(query.device.type, enabled=False):
+            query, key, value = query.float(), key.float(), value.float()
+            if layout is not None:
+                return _packed_attention(query, key, value, layout, kwargs.get("scaling"))
+            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+    return attention
+
+
+def register_packed_attention() -> None:
+    """Register :data:`PACKED_SDPA` and :data:`PACKED_SDPA_FLOAT32` with transformers (idempotent)."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+
+    AttentionInterface.register(PACKED_SDPA, _attention(in_float32=False))
+    AttentionInterface.register(PACKED_SDPA_FLOAT32, _attention(in_float32=True))
+    for name in (PACKED_SDPA, PACKED_SDPA_FLOAT32):
+        AttentionMaskInterface.register(name, sdpa_mask)  # the masks "sdpa" gets, for unpacked passes
+
+
+def has_packed_attention(model: nn.Module) -> bool:
+    config = getattr(model, "config", None)
+    return getattr(config, "_attn_implementation", None) in (PACKED_SDPA, PACKED_SDPA_FLOAT32)
