@@ -98,7 +98,8 @@ class Bench:
         what += ", bf16 autocast" if self.bf16 else ""
         if self.replay:
             return (f"Dr.GRPO {self.prompts} prompts x {self.group} x up to {self.new_tokens} tokens (EOS on, "
-                    f"replayed), micro-batches of {self.micro_batch}, the SmolLM2 recipe's prompts, {what}")
+                    f"replayed), the SmolLM2 recipe's prompts and micro-batches (TRL and the padded reference: "
+                    f"{self.micro_batch} rows a pass), {what}")
         if self.kind == "grpo":
             return f"GRPO {self.prompts} prompts x {self.group} x {self.new_tokens} tokens, {what}"
         return f"DPO {self.prompts} pairs/step, {what}"
@@ -117,8 +118,9 @@ BENCHES = {b.name: b for b in (
           warmup=1, steps=3, quick_steps=1),
     Bench("grpo-smollm2-lora-bf16", "grpo", "smollm2", prompts=8, group=4, new_tokens=128, lora=16, beta=0.0,
           warmup=1, steps=3, quick_steps=1, bf16=True),
-    # recipes/smollm2-math.yaml's real step: its prompts (59-78 tokens with the chat template), completions
-    # that stop where the model stops, micro-batches of 16; each step's completions sampled once, replayed
+    # recipes/smollm2-math.yaml's real step: its prompts (with the chat template), completions that stop where
+    # the model stops, its micro-batches; each step's completions sampled once and replayed in every system.
+    # micro_batch: TRL's rows per pass, and the padded reference's (the step before packing)
     Bench("grpo-smollm2-recipe", "grpo", "smollm2", prompts=16, group=4, new_tokens=128, lora=16, beta=0.0,
           warmup=1, steps=3, quick_steps=1, bf16=True, replay=True, micro_batch=16),
 )}
@@ -270,12 +272,18 @@ def replay_file(b: Bench) -> Path:
     return cache_root() / "bench" / f"{b.name}-{b.warmup + b.steps}-steps-seed{SEED}-v1.json"
 
 
+def load_yaml(path: Path) -> dict[str, Any]:
+    from posttrain.config import load_yaml as load
+
+    return load(path)
+
+
 def make_replay(b: Bench) -> None:
     """Sample ``b``'s steps of the recipe once: its prompts in its sampler's order, ``b.group`` completions
     each from SmolLM2 at the recipe's temperature, stopping at EOS or the budget; written as token ids."""
     import torch
 
-    from posttrain.config import Config, load_yaml
+    from posttrain.config import Config
     from posttrain.training.session import OnlineSession
 
     total = b.warmup + b.steps
@@ -331,12 +339,16 @@ def token_counts(b: Bench, total: int) -> dict[str, float]:
 
 
 def recipe_config(b: Bench, data: Path, total: int, rows: list[dict[str, str]]) -> dict[str, Any]:
-    """recipes/smollm2-math.yaml's training settings on the replay's rows (the reward: vowel_reward, cheap)."""
+    """recipes/smollm2-math.yaml's training settings on the replay's rows (the reward: vowel_reward, cheap),
+    its micro-batches as the recipe sets them (a token budget, or rows)."""
+    recipe = load_yaml(RECIPE)
     return dict(
         algorithm="dr_grpo", mini_batches=1, model=str(model_dir(b.model)),
         dataset=str(write_jsonl(rows, data / "prompts.jsonl")), reward=(f"{Path(__file__).resolve()}:vowel_reward",),
         prompts_per_step=b.prompts, group_size=b.group, max_new_tokens=b.new_tokens, temperature=0.7,
-        learning_rate=1e-4, micro_batch_size=b.micro_batch, max_steps=total, eval_size=0, progress=False,
+        learning_rate=1e-4, micro_batch_size=recipe.get("micro_batch_size", b.micro_batch),
+        max_tokens_per_micro_batch=recipe.get("max_tokens_per_micro_batch"), max_steps=total, eval_size=0,
+        progress=False,
         report_to="none", seed=SEED, device="cpu", lr_schedule="constant", mixed_precision="bf16" if b.bf16 else "no",
         lora_r=b.lora, lora_alpha=2.0 * b.lora)
 
@@ -355,8 +367,9 @@ def posttrain_replay(b: Bench, path: Path, data: Path, total: int, padded: bool 
     keep_freed_memory()
     rows, prompts, completions = replay_rows(b, total)
     flat = recipe_config(b, data, total, rows)
-    if padded:
-        flat.update(share_prompts=False, trim_padding=False)
+    if padded:  # the step as it was computed before packing: padded passes of b.micro_batch rows
+        flat.update(share_prompts=False, trim_padding=False, micro_batch_size=b.micro_batch,
+                    max_tokens_per_micro_batch=None)
     s = OnlineSession.create(Config.from_flat(flat))
     s.encoded_prompts = [torch.tensor(ids) for ids in prompts]
 

@@ -3,6 +3,7 @@ against the model's own forward over whole rows and the unfused log-softmax."""
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 
 import pytest
@@ -295,3 +296,46 @@ def test_gradient_checkpointing_names_a_model_without_decoder_layers():
 
     with pytest.raises(ConfigError, match="gradient_checkpointing: Linear has no decoder layers"):
         checkpoint_layers(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("autocast", [False, True], ids=["float32", "bf16-autocast"])
+def test_fused_adapter_product_equals_peft_forward_and_gradients(autocast):
+    """posttrain.models.lora's fused LoRA linear against peft's own forward: outputs and the gradients of
+    the input and both adapters (float32 rounding in float32; bf16 rounding under autocast), and peft's
+    forward wherever the adapters are switched off."""
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("peft (extra: lora) is not installed")
+    from peft import LoraConfig, get_peft_model
+
+    from posttrain.models.lora import fuse_adapter_products
+
+    if autocast and not torch.backends.mkldnn.is_available():
+        pytest.skip("no bf16 on this CPU")
+    model = get_peft_model(build("llama"), LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "up_proj"],
+                                                      init_lora_weights=False))
+    layer = model.base_model.model.model.layers[0].mlp.up_proj
+    torch.manual_seed(0)
+    x = torch.randn(2, 5, layer.in_features)
+    upstream = torch.randn(2, 5, layer.out_features)
+
+    def run():
+        inputs = x.clone().requires_grad_()
+        for p in layer.parameters():
+            p.grad = None
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+            out = layer(inputs)
+        (out.float() * upstream).sum().backward()
+        grads = [inputs.grad] + [p.grad.clone() for p in layer.parameters() if p.requires_grad]
+        return out.float(), grads
+
+    peft_out, peft_grads = run()
+    fuse_adapter_products(model)
+    assert isinstance(layer.forward, functools.partial)
+    fused_out, fused_grads = run()
+    tolerance = dict(rtol=2e-2, atol=2e-2) if autocast else dict(rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(fused_out, peft_out, **tolerance)
+    assert len(fused_grads) == 3
+    for mine, theirs in zip(fused_grads, peft_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, **tolerance)
+    with model.disable_adapter():
+        assert torch.equal(layer(x), layer.base_layer(x))

@@ -430,13 +430,14 @@ class OptimConfig:
         "computed once, counted once); a longer row runs alone. Replaces micro_batch_size; the loss is the "
         "same.")
     share_prompts: bool = _help(
-        "Online trainers: rows of a micro-batch that share a prompt (a group's samples) run it through the "
-        "model once and attend to its keys and values (where that saves enough positions to pay); the same "
-        "log-probs, losses and gradients. false: every row runs its prompt.", True)
+        "Online and preference trainers: rows of a micro-batch that share a prompt (a group's samples, a pair's "
+        "two answers) run it once, each completion attending to it (where that saves enough positions to pay); "
+        "the same log-probs, losses and gradients. false: every row runs its prompt.", True)
     trim_padding: bool = _help(
-        "Online trainers: a micro-batch's rows run grouped by completion length, each group trimmed to its "
-        "own longest row, so the padding of completions that ended early is not computed; the same "
-        "log-probs, losses and gradients. false: one pass over the padded micro-batch.", True)
+        "Online and preference trainers: a micro-batch's rows run as one packed row, no padding computed, "
+        "attention kept inside each sequence (with transformers' SDPA attention, the default; with another, "
+        "rows grouped by completion length, each group trimmed to its longest); the same log-probs, losses "
+        "and gradients. false: one pass over the padded micro-batch.", True)
     value_loss_coef: float = _help("Weight of the value loss (PPO's value head).", 0.1)
     ref_refresh_every: int = _help("Copy the policy into the reference model every N steps (0 = never).", 0)
     max_bad_steps: int = _help("Stop after this many consecutive steps with a non-finite loss or gradient.", 3)

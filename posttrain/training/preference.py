@@ -272,12 +272,20 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | No
 # ---------------------------------------------------------------------------------------
 
 
-def sequence_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int) -> tuple[Tensor, Tensor]:
-    """Summed completion log-probs [M] and completion token counts [M] of M sequences, in one forward pass."""
+def sequence_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int, *,
+                   share_prompts: bool = True, trim_padding: bool = True) -> tuple[Tensor, Tensor]:
+    """Summed completion log-probs [M] and completion token counts [M] of M sequences, in one forward pass
+    (``share_prompts``, ``trim_padding``: the settings, as in ``collate``)."""
     ids_MT, mask_MT = right_pad(completions, pad_id)
-    batch = collate(prompts, ids_MT, mask_MT, pad_id, model.device)
+    batch = collate(prompts, ids_MT, mask_MT, pad_id, model.device, share_prompts=share_prompts,
+                    trim_padding=trim_padding)
     logp_MT = forward(model, batch).logprobs.masked_fill(batch.mask == 0, 0.0)
     return logp_MT.sum(-1), batch.mask.sum(-1)
+
+
+def passes(s: Any) -> dict[str, bool]:
+    """The prompt-sharing and padding settings of a session's passes."""
+    return {"share_prompts": s.config.optim.share_prompts, "trim_padding": s.config.optim.trim_padding}
 
 
 def example_sequences(data: PreferenceExamples, idx: list[int]) -> tuple[list[Tensor], list[Tensor]]:
@@ -299,9 +307,9 @@ def mismatched_sequences(data: PreferenceExamples, idx: list[int],
 
 @torch.no_grad()
 def chunked_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int,
-                  chunk: int) -> tuple[Tensor, Tensor]:
+                  chunk: int, **passes: bool) -> tuple[Tensor, Tensor]:
     """``sequence_logps`` without gradient, ``chunk`` sequences per forward pass: ([M], [M])."""
-    parts = [sequence_logps(model, prompts[i:i + chunk], completions[i:i + chunk], pad_id)
+    parts = [sequence_logps(model, prompts[i:i + chunk], completions[i:i + chunk], pad_id, **passes)
              for i in range(0, len(prompts), chunk)]
     return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
 
@@ -350,7 +358,7 @@ def reference_logps(s: PreferenceSession, idx: list[int]) -> Tensor | None:
     if s.ref_logps is not None:
         return s.ref_logps[:, idx].to(s.policy.device)
     with torch.no_grad(), offload.resident(s.ref):
-        logps, _ = sequence_logps(s.ref, *example_sequences(s.train, idx), s.pad_id)
+        logps, _ = sequence_logps(s.ref, *example_sequences(s.train, idx), s.pad_id, **passes(s))
     return logps.view(len(s.train.completion_ids), -1)
 
 
@@ -363,8 +371,8 @@ def kl_inputs(s: PreferenceSession, idx: list[int]) -> dict[str, Tensor]:
     mine = (distributed.shard(prompts), distributed.shard(completions))
     chunk = s.config.optim.micro_batch_size
     with offload.resident(s.ref):
-        ref_logps = chunked_logps(s.ref, *mine, s.pad_id, chunk)[0]
-    return {"kl_logps": distributed.gather_rows(chunked_logps(s.policy, *mine, s.pad_id, chunk)[0]),
+        ref_logps = chunked_logps(s.ref, *mine, s.pad_id, chunk, **passes(s))[0]
+    return {"kl_logps": distributed.gather_rows(chunked_logps(s.policy, *mine, s.pad_id, chunk, **passes(s))[0]),
             "kl_ref_logps": distributed.gather_rows(ref_logps)}
 
 
@@ -407,7 +415,7 @@ def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
                       kl: dict[str, Tensor]) -> dict[str, Tensor]:
     """One forward pass over the examples' K * n sequences, the loss, backward; returns the detached inputs."""
     k, n = len(s.train.completion_ids), len(idx)
-    logps, lengths = sequence_logps(s.policy, *example_sequences(s.train, idx), s.pad_id)
+    logps, lengths = sequence_logps(s.policy, *example_sequences(s.train, idx), s.pad_id, **passes(s))
     inputs = loss_inputs(s.preset, s.train, idx, logps.view(k, n), lengths.view(k, n), reference_logps(s, idx))
     loss, _ = s.preset.preference_loss(**inputs, **kl)
     (loss * share).backward()  # a mean over n examples, weighted n / N: the step's mean over N
