@@ -1,0 +1,89 @@
+"""posttrain's steps of the SmolLM2 recipe on replayed completions, under chosen settings, with an optional
+profile: where a step's time goes.
+
+    .venv/bin/python benchmarks/recipe_step.py                                   # the recipe's settings
+    .venv/bin/python benchmarks/recipe_step.py --set trim_padding=false --set share_prompts=false \\
+        --set micro_batch_size=16 --set max_tokens_per_micro_batch=null          # the padded reference
+    .venv/bin/python benchmarks/recipe_step.py --profile                         # torch.profiler's table
+
+The replay and the session are ``benchmarks/run.py``'s ``grpo-smollm2-recipe`` (the same prompts and
+completions, sampled once and cached); this runs one warm-up step, then ``--steps`` timed ones, in this
+process. ``--set FIELD=VALUE`` overrides a config field (a YAML value). For comparisons that matter use
+``run.py``, which runs each system in a fresh process, several times.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import yaml
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+import run  # noqa: E402  # benchmarks/run.py: the replay and the recipe's settings
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up (at most 3)")
+    parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
+    parser.add_argument("--profile", action="store_true", help="profile one step instead of timing")
+    args = parser.parse_args()
+
+    import torch
+
+    from posttrain.config import Config
+    from posttrain.rollout.completions import Completions, completion_mask
+    from posttrain.training.online import train_step
+    from posttrain.training.session import OnlineSession
+
+    b = run.BENCHES["grpo-smollm2-recipe"]
+    total = b.warmup + b.steps
+    overrides = dict(item.split("=", 1) for item in args.set)
+    with tempfile.TemporaryDirectory() as data:
+        rows, prompts, completions = run.replay_rows(b, total)
+        flat = run.recipe_config(b, Path(data), total, rows)
+        flat.update({key: yaml.safe_load(value) for key, value in overrides.items()})
+        s = OnlineSession.create(Config.from_flat(flat))
+        s.encoded_prompts = [torch.tensor(ids) for ids in prompts]
+        eos = torch.tensor(s.eos_ids)
+
+        class InOrder:
+            position = 0
+
+            def next(self, count: int) -> list[int]:
+                self.position += count
+                return list(range(self.position - count, self.position))
+
+        class Replay:
+            def generate(self, prompt_ids, *, num_samples, greedy=False, rows=None):
+                samples = [ids for row in rows for ids in completions[int(row["prompt"].split("-")[1])]]
+                tokens = torch.full((len(samples), max(map(len, samples))), s.pad_id, dtype=torch.long)
+                for k, ids in enumerate(samples):
+                    tokens[k, :len(ids)] = torch.tensor(ids)
+                mask, truncated = completion_mask(tokens, eos)
+                return Completions(tokens.masked_fill(mask == 0, s.pad_id), mask, truncated)
+
+        s.sampler, s.generator = InOrder(), Replay()
+        train_step(s)  # warm-up
+        s.step += 1
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                train_step(s)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
+            return
+        for _ in range(min(args.steps, total - 1)):
+            start = time.perf_counter()
+            train_step(s)
+            s.step += 1
+            print(f"step {s.step}: {time.perf_counter() - start:.2f} s", flush=True)
+
+
+if __name__ == "__main__":
+    main()
