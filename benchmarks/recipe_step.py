@@ -34,41 +34,13 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile one step instead of timing")
     args = parser.parse_args()
 
-    import torch
-
-    from posttrain.config import Config
-    from posttrain.rollout.completions import Completions, completion_mask
     from posttrain.training.online import train_step
-    from posttrain.training.session import OnlineSession
 
     b = run.BENCHES["grpo-smollm2-recipe"]
     total = b.warmup + b.steps
-    overrides = dict(item.split("=", 1) for item in args.set)
+    overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
     with tempfile.TemporaryDirectory() as data:
-        rows, prompts, completions = run.replay_rows(b, total)
-        flat = run.recipe_config(b, Path(data), total, rows)
-        flat.update({key: yaml.safe_load(value) for key, value in overrides.items()})
-        s = OnlineSession.create(Config.from_flat(flat))
-        s.encoded_prompts = [torch.tensor(ids) for ids in prompts]
-        eos = torch.tensor(s.eos_ids)
-
-        class InOrder:
-            position = 0
-
-            def next(self, count: int) -> list[int]:
-                self.position += count
-                return list(range(self.position - count, self.position))
-
-        class Replay:
-            def generate(self, prompt_ids, *, num_samples, greedy=False, rows=None):
-                samples = [ids for row in rows for ids in completions[int(row["prompt"].split("-")[1])]]
-                tokens = torch.full((len(samples), max(map(len, samples))), s.pad_id, dtype=torch.long)
-                for k, ids in enumerate(samples):
-                    tokens[k, :len(ids)] = torch.tensor(ids)
-                mask, truncated = completion_mask(tokens, eos)
-                return Completions(tokens.masked_fill(mask == 0, s.pad_id), mask, truncated)
-
-        s.sampler, s.generator = InOrder(), Replay()
+        s = run.replay_session(b, Path(data), total, **overrides)
         train_step(s)  # warm-up
         s.step += 1
         if args.profile:

@@ -228,7 +228,6 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
     from posttrain.parallel.allocator import keep_freed_memory
     from posttrain.rollout.generators import FastGenerator
     from posttrain.config import Config
-    from posttrain.training.online import train_step
     from posttrain.training.session import OnlineSession
 
     keep_freed_memory()  # as posttrain.training.api does for every CLI run
@@ -247,19 +246,7 @@ def posttrain_grpo(b: Bench, path: Path, data: Path, total: int, **overrides: An
     s.policy.generation_config.min_new_tokens = b.new_tokens  # for POSTTRAIN_HF_GENERATE=1 (generate() reads it)
     if isinstance(s.generator, FastGenerator):
         s.generator.eos_ids = torch.tensor([-1])
-    records = []
-    for _ in range(total):
-        t0 = time.perf_counter()
-        metrics = train_step(s)
-        s.step += 1
-        seconds = time.perf_counter() - t0
-        g = s.last_groups
-        completion_tokens = int(g.completions.lengths.sum())
-        prompt_tokens = sum(len(p) for p in g.prompt_ids)
-        records.append({**step_record(seconds, metrics["time/generation"], metrics["time/scoring"],
-                                      completion_tokens, completion_tokens + prompt_tokens),
-                        "posttrain_time_training": metrics["time/training"]})
-    return records
+    return timed_steps(s, total)
 
 
 RECIPE = Path(__file__).resolve().parents[1] / "recipes" / "smollm2-math.yaml"
@@ -353,45 +340,45 @@ def recipe_config(b: Bench, data: Path, total: int, rows: list[dict[str, str]]) 
         lora_r=b.lora, lora_alpha=2.0 * b.lora)
 
 
-def posttrain_replay(b: Bench, path: Path, data: Path, total: int, padded: bool = False) -> list[dict[str, float]]:
-    """The recipe's step on replayed completions: the session's prompts are the replay's token ids, its
-    sampler draws them in order, and its generator hands back the replayed completions (no sampling)."""
+def replay_session(b: Bench, data: Path, total: int, **overrides: Any) -> Any:
+    """An OnlineSession of the recipe on the replay: its prompts are the replay's token ids, its sampler
+    draws them in order, and its generator hands back the replayed completions (no sampling).
+    ``overrides``: config fields over the recipe's."""
     import torch
 
     from posttrain.config import Config
-    from posttrain.parallel.allocator import keep_freed_memory
-    from posttrain.rollout.completions import completion_mask, Completions
-    from posttrain.training.online import train_step
+    from posttrain.rollout.completions import Completions, completion_mask
     from posttrain.training.session import OnlineSession
 
-    keep_freed_memory()
     rows, prompts, completions = replay_rows(b, total)
-    flat = recipe_config(b, data, total, rows)
-    if padded:  # the step as it was computed before packing: padded passes of b.micro_batch rows
-        flat.update(share_prompts=False, trim_padding=False, micro_batch_size=b.micro_batch,
-                    max_tokens_per_micro_batch=None)
-    s = OnlineSession.create(Config.from_flat(flat))
+    s = OnlineSession.create(Config.from_flat({**recipe_config(b, data, total, rows), **overrides}))
     s.encoded_prompts = [torch.tensor(ids) for ids in prompts]
+    eos = torch.tensor(s.eos_ids)
 
     class InOrder:
-        def __init__(self):
-            self.position = 0
+        position = 0
 
-        def next(self, count):
+        def next(self, count: int) -> list[int]:
             self.position += count
             return list(range(self.position - count, self.position))
 
     class Replay:
         def generate(self, prompt_ids, *, num_samples, greedy=False, rows=None):
             samples = [ids for row in rows for ids in completions[int(row["prompt"].split("-")[1])]]
-            width = max(len(ids) for ids in samples)
-            tokens = torch.full((len(samples), width), s.pad_id, dtype=torch.long)
+            tokens = torch.full((len(samples), max(map(len, samples))), s.pad_id, dtype=torch.long)
             for k, ids in enumerate(samples):
                 tokens[k, :len(ids)] = torch.tensor(ids)
-            mask, truncated = completion_mask(tokens, torch.tensor(s.eos_ids))
+            mask, truncated = completion_mask(tokens, eos)
             return Completions(tokens.masked_fill(mask == 0, s.pad_id), mask, truncated)
 
     s.sampler, s.generator = InOrder(), Replay()
+    return s
+
+
+def timed_steps(s: Any, total: int, generated: bool = True) -> list[dict[str, float]]:
+    """``total`` steps of ``s``, each one's record (``generated``: count the completions as generated)."""
+    from posttrain.training.online import train_step
+
     records = []
     for _ in range(total):
         t0 = time.perf_counter()
@@ -400,10 +387,22 @@ def posttrain_replay(b: Bench, path: Path, data: Path, total: int, padded: bool 
         seconds = time.perf_counter() - t0
         g = s.last_groups
         completion_tokens = int(g.completions.mask.sum())
-        records.append({**step_record(seconds, metrics["time/generation"], metrics["time/scoring"], 0,
+        records.append({**step_record(seconds, metrics["time/generation"], metrics["time/scoring"],
+                                      completion_tokens if generated else 0,
                                       completion_tokens + sum(len(p) for p in g.prompt_ids)),
                         "posttrain_time_training": metrics["time/training"]})
     return records
+
+
+def posttrain_replay(b: Bench, path: Path, data: Path, total: int, padded: bool = False) -> list[dict[str, float]]:
+    """The recipe's step on replayed completions (``replay_session``); ``padded``: the step as it was
+    computed before packing, padded passes of ``b.micro_batch`` rows."""
+    from posttrain.parallel.allocator import keep_freed_memory
+
+    keep_freed_memory()
+    overrides = dict(share_prompts=False, trim_padding=False, micro_batch_size=b.micro_batch,
+                     max_tokens_per_micro_batch=None) if padded else {}
+    return timed_steps(replay_session(b, data, total, **overrides), total, generated=False)
 
 
 def trl_replay(b: Bench, path: Path, data: Path, total: int, bf16: bool = True) -> list[dict[str, float]]:

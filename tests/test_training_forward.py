@@ -11,14 +11,10 @@ import torch
 from architectures import build
 
 
-@pytest.mark.parametrize("bucketed", [False, True], ids=["one-pass", "by-length"])
-@pytest.mark.parametrize("shared", [False, True], ids=["distinct-prompts", "shared-prompts"])
-@pytest.mark.parametrize("lora", [False, True])
-@pytest.mark.parametrize("kind", ["llama", "llama-biases-untied-rope-scaled", "qwen2"])
-def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora, shared, bucketed, monkeypatch):
-    """modeling.forward through linear_log_softmax (with shared prompts, each prompt run once; by
-    length, each group of rows trimmed to its longest completion) against the model's own forward over
-    whole rows and the unfused log-softmax: log-probs, entropies, values and every gradient."""
+def forward_case(kind, lora, shared, monkeypatch, prepare=None):
+    """A model (LoRA on q and v when ``lora``; ``prepare`` applied to it), a value head, a collated batch of 5
+    rows (prompts shared by rows 0/2 and 1/4 when ``shared``) and ``run()``: the training forward's
+    log-probs and values, backward through both, every gradient. Also the model's decoder body."""
     from posttrain.models import modeling
     from posttrain.models.modeling import ValueHead, collate
 
@@ -29,6 +25,8 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
         from peft import LoraConfig, get_peft_model
 
         model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    if prepare is not None:
+        prepare(model)
     assert modeling.split_head(model) is not None
     torch.manual_seed(1)
     value_head = ValueHead(32)
@@ -38,7 +36,6 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19], [25, 0, 0, 0], [26, 27, 28, 0]])
     mask = (completions != 0).long()
     monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)  # these prompts are too short to pay
-    monkeypatch.setattr(modeling, "BUCKET_COST", 0 if bucketed else 10**6)  # lengths 3, 2, 4, 1, 3
     batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
     assert (batch.owner_n is not None) is shared
     upstream = torch.randn(5, 4)
@@ -51,7 +48,33 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
         ((out.logprobs * upstream + out.values) * batch.mask).sum().backward()
         return out, [p.grad.clone() for p in params]
 
-    body = modeling.split_head(model)[0]
+    return batch, run, modeling.split_head(model)[0]
+
+
+def assert_same_forward(mine, theirs, mine_grads, their_grads, mask):
+    """Log-probs, entropies and values on the real tokens to float32 rounding, zero log-probs elsewhere, and
+    every gradient relative to its tensor's scale."""
+    real = mask.bool()
+    torch.testing.assert_close(mine.logprobs[real], theirs.logprobs[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine.entropy[real], theirs.entropy[real], rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(mine.values[real], theirs.values[real], rtol=1e-5, atol=1e-5)
+    assert (mine.logprobs[~real] == 0).all()
+    for a, b in zip(mine_grads, their_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5 * max(1.0, float(b.abs().max())))
+
+
+@pytest.mark.parametrize("bucketed", [False, True], ids=["one-pass", "by-length"])
+@pytest.mark.parametrize("shared", [False, True], ids=["distinct-prompts", "shared-prompts"])
+@pytest.mark.parametrize("lora", [False, True])
+@pytest.mark.parametrize("kind", ["llama", "llama-biases-untied-rope-scaled", "qwen2"])
+def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora, shared, bucketed, monkeypatch):
+    """modeling.forward through linear_log_softmax (with shared prompts, each prompt run once; by
+    length, each group of rows trimmed to its longest completion) against the model's own forward over
+    whole rows and the unfused log-softmax: log-probs, entropies, values and every gradient."""
+    from posttrain.models import modeling
+
+    monkeypatch.setattr(modeling, "BUCKET_COST", 0 if bucketed else 10**6)  # lengths 3, 2, 4, 1, 3
+    batch, run, body = forward_case(kind, lora, shared, monkeypatch)
     rows_per_call = []
     body_forward = body.forward
     monkeypatch.setattr(body, "forward", lambda **kw: rows_per_call.append(len(kw["input_ids"])) or body_forward(**kw))
@@ -62,13 +85,7 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     assert rows_per_call == expected_calls[shared, bucketed]
     monkeypatch.setattr(modeling, "split_head", lambda model: None)
     direct, direct_grads = run()
-    real = batch.mask.bool()
-    torch.testing.assert_close(folded.logprobs[real], direct.logprobs[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(folded.entropy[real], direct.entropy[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(folded.values[real], direct.values[real], rtol=1e-5, atol=1e-5)
-    assert (folded.logprobs[~real] == 0).all()
-    for mine, theirs in zip(folded_grads, direct_grads):  # float32 rounding, relative to each tensor's scale
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
+    assert_same_forward(folded, direct, folded_grads, direct_grads, batch.mask)
 
 
 @pytest.mark.parametrize("checkpointed", [False, True], ids=["", "checkpointed"])
@@ -81,41 +98,16 @@ def test_packed_pass_equals_the_models_own_forward_over_padded_rows(kind, lora, 
     values and every gradient, to float32 rounding; with gradient checkpointing the recomputed layers
     get the layout again."""
     from posttrain.models import modeling
-    from posttrain.models.modeling import ValueHead, checkpoint_layers, collate
-    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.modeling import checkpoint_layers, use_packed_attention
     from posttrain.models.packing import has_packed_attention
 
-    if lora and importlib.util.find_spec("peft") is None:
-        pytest.skip("peft (extra: lora) is not installed")
-    model = build(kind).train()
-    if lora:
-        from peft import LoraConfig, get_peft_model
+    def prepare(model):
+        assert use_packed_attention(model)
+        if checkpointed:
+            checkpoint_layers(model)
 
-        model = get_peft_model(model, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
-    assert use_packed_attention(model) and has_packed_attention(modeling.split_head(model)[0])
-    if checkpointed:
-        checkpoint_layers(model)
-    torch.manual_seed(1)
-    value_head = ValueHead(32)
-    torch.nn.init.normal_(value_head.linear.weight)
-    a, b, c = torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([9, 10])
-    prompts = [a, b, a, c, b] if shared else [a, b, c, torch.tensor([20]), torch.tensor([21, 22, 23, 24])]
-    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19], [25, 0, 0, 0], [26, 27, 28, 0]])
-    mask = (completions != 0).long()
-    monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)  # these prompts are too short to pay
-    batch = collate(prompts, completions, mask, 0, torch.device("cpu"))
-    assert (batch.owner_n is not None) is shared
-    upstream = torch.randn(5, 4)
-    params = [p for p in list(model.parameters()) + list(value_head.parameters()) if p.requires_grad]
-
-    def run():
-        for p in params:
-            p.grad = None
-        out = modeling.forward(model, batch, temperature=0.7, with_entropy=True, value_head=value_head)
-        ((out.logprobs * upstream + out.values) * batch.mask).sum().backward()
-        return out, [p.grad.clone() for p in params]
-
-    body = modeling.split_head(model)[0]
+    batch, run, body = forward_case(kind, lora, shared, monkeypatch, prepare)
+    assert has_packed_attention(body)
     calls = []
     body_forward = body.forward
     monkeypatch.setattr(body, "forward", lambda **kw: calls.append(kw["input_ids"].shape) or body_forward(**kw))
@@ -125,13 +117,7 @@ def test_packed_pass_equals_the_models_own_forward_over_padded_rows(kind, lora, 
     assert calls == [torch.Size([1, prompt_tokens + (3 + 2 + 4 + 1 + 3) - 5])]
     monkeypatch.setattr(modeling, "split_head", lambda model: None)
     direct, direct_grads = run()
-    real = batch.mask.bool()
-    torch.testing.assert_close(packed.logprobs[real], direct.logprobs[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(packed.entropy[real], direct.entropy[real], rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(packed.values[real], direct.values[real], rtol=1e-5, atol=1e-5)
-    assert (packed.logprobs[~real] == 0).all()
-    for mine, theirs in zip(packed_grads, direct_grads, strict=True):
-        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
+    assert_same_forward(packed, direct, packed_grads, direct_grads, batch.mask)
 
 
 @pytest.mark.parametrize("path", ["folded-shared", "folded-whole-rows", "models-own-forward"])
