@@ -40,7 +40,8 @@ import posttrain.functional as F
 from posttrain.config import CORRECTIONS, OffPolicyConfig, OptimConfig
 from posttrain.data.scoring import Scores
 from posttrain.functional._value import explained_variance
-from posttrain.models.modeling import batched_logprobs, collate, forward, micro_batch_rows
+from posttrain.models.batching import micro_batch_rows
+from posttrain.models.modeling import batched_logprobs, collate, forward
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.episodes import EpisodeStats
