@@ -325,3 +325,31 @@ def test_fused_adapter_product_equals_peft_forward_and_gradients(autocast):
         torch.testing.assert_close(mine, theirs, **tolerance)
     with model.disable_adapter():
         assert torch.equal(layer(x), layer.base_layer(x))
+
+
+def test_packed_pass_with_a_one_token_completion_in_a_shared_group(monkeypatch):
+    """A group member whose completion is one token has no completion inputs (its token is predicted by the
+    prompt's last position): an empty piece in the packed row, the same log-probs and gradients."""
+    from posttrain.models import modeling
+    from posttrain.models.modeling import collate, use_packed_attention
+
+    model = build("llama").train()
+    assert use_packed_attention(model)
+    monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)
+    prompt = torch.tensor([5, 6, 7])
+    completions = torch.tensor([[11, 0, 0], [12, 13, 14], [15, 0, 0]])
+    batch = collate([prompt, prompt, prompt], completions, (completions != 0).long(), 0, torch.device("cpu"))
+    assert batch.owner_n is not None
+
+    def run():
+        model.zero_grad()
+        out = modeling.forward(model, batch)
+        (out.logprobs * batch.mask).sum().backward()
+        return out.logprobs.detach(), [p.grad.clone() for p in model.parameters()]
+
+    packed, packed_grads = run()
+    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    direct, direct_grads = run()
+    torch.testing.assert_close(packed, direct, rtol=1e-5, atol=1e-5)
+    for mine, theirs in zip(packed_grads, direct_grads, strict=True):
+        torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
