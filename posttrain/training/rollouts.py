@@ -141,24 +141,21 @@ class AsyncRollouts:
         rollout process gets as many as the trainer (the synchronous run's count, so the same arithmetic)."""
         if self.worker is not None:
             return
+        s.refresh_sampler()  # a sampling copy holds the current policy (a resumed run's too) before it is copied
+        model = s.sampling_copy if s.sampling_copy is not None else s.policy
+        rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
+        self.sent_version = s.step  # the copy is the current policy's
         if getattr(s.generator, "samples_elsewhere", False):  # rollout servers: a thread waits on them
-            s.refresh_sampler()
-            model = copy.deepcopy(s.sampling_copy if s.sampling_copy is not None else s.policy)
-            rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
+            model = copy.deepcopy(model)
             self.worker = ThreadRolloutWorker(s.generator.for_model(model), model, rng_state=rng)
-            self.sent_version = s.step
             return
         total = torch.get_num_threads()
         threads = self.threads or (max(1, total // 2) if self.max_staleness else total)
         if self.max_staleness:
             self.trainer_threads = total  # given back at close
             torch.set_num_threads(max(1, total - threads))
-        s.refresh_sampler()  # a sampling copy holds the current policy (a resumed run's too) before it is copied
-        model = s.sampling_copy if s.sampling_copy is not None else s.policy
         generator, model = copy.deepcopy((s.generator, model))  # one copy: the generator holds the model
-        rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
         self.worker = RolloutWorker(generator, model, threads=threads, rng_state=rng)
-        self.sent_version = s.step  # the copy is the current policy's
 
     def submit(self, s: RolloutSession, for_step: int) -> int:
         """Request the next prompts' completions with the current weights; ``for_step``: the step that will
