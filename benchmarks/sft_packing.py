@@ -3,11 +3,19 @@
     .venv/bin/python benchmarks/sft_packing.py                      # both models, 2 warm-up + 6 timed steps each
     .venv/bin/python benchmarks/sft_packing.py --only tiny --steps 10
 
-Each model trains through ``posttrain.training.sft.train_step`` twice, from the same weights on the same
-examples in the same order: one session with ``packing`` off (each example its own row, right-padded to
-the micro-batch's longest) and one with it on (the step's examples in rows of up to ``max_length``
-positions). The two sessions' steps alternate (padding, packing, padding, ...), so a change in the
-machine's load weighs on both alike; the figures are medians over the timed steps.
+Each model trains through ``posttrain.training.sft.train_step`` three times, from the same weights on the
+same examples in the same order:
+
+- ``padding``: ``packing`` and ``trim_padding`` off, each example its own row, right-padded to the
+  micro-batch's longest;
+- ``block-mask``: ``packing`` on, ``trim_padding`` off: the step's examples in rows of up to
+  ``max_length`` positions, transformers' SDPA with the block mask of each row's examples (every pair
+  of a row's positions computed, the cross-example ones masked);
+- ``packed``: the defaults: the micro-batch's examples as one row without padding, one causal SDPA call
+  per example (``posttrain.models.packing``).
+
+The sessions' steps alternate (padding, block-mask, packed, padding, ...), so a change in the machine's
+load weighs on all alike; the figures are medians over the timed steps.
 
 - ``tiny``: the built-in ``tiny-addition-base`` (0.6M parameters) on the addition task's demonstrations
   (9-37 tokens each), 64 per step, ``max_length`` 1024 (the default), full fine-tuning; ``tiny-128``
@@ -65,9 +73,19 @@ def configs(root: Path) -> dict[str, dict]:
     }
 
 
+MODES = {"padding": dict(packing=False, trim_padding=False), "block-mask": dict(packing=True, trim_padding=False),
+         "packed": dict(packing=True, trim_padding=True)}
+
+
+def pass_positions(s: SFTSession, rows: list[list[int]]) -> int:
+    """The input positions of one micro-batch's forward pass: its real tokens in a packed pass, else its
+    rows' padded rectangle."""
+    batch = layout(s.train, rows, 0)
+    return int((batch.example >= 0).sum()) if s.config.optim.trim_padding else batch.input_ids.numel()
+
+
 def measure(name: str, flat: dict, warmup: int, steps: int) -> None:
-    sessions = {mode: SFTSession.create(Config.from_flat({**flat, "packing": mode == "packing"}))
-                for mode in ("padding", "packing")}
+    sessions = {mode: SFTSession.create(Config.from_flat({**flat, **settings})) for mode, settings in MODES.items()}
     times: dict[str, list[float]] = {mode: [] for mode in sessions}
     tokens: dict[str, list[int]] = {mode: [] for mode in sessions}
     positions: dict[str, list[int]] = {mode: [] for mode in sessions}
@@ -79,13 +97,12 @@ def measure(name: str, flat: dict, warmup: int, steps: int) -> None:
             if step >= warmup:
                 times[mode].append(time.perf_counter() - start)
                 tokens[mode].append(sum(len(s.train.input_ids[i]) for i in idx))
-                positions[mode].append(sum(layout(s.train, rows, 0).input_ids.numel()
-                                           for rows in micro_batches(s, s.train, idx)))
+                positions[mode].append(sum(pass_positions(s, rows) for rows in micro_batches(s, s.train, idx)))
     for mode in sessions:
         seconds = statistics.median(times[mode])
         rate = statistics.median(t / s for t, s in zip(tokens[mode], times[mode]))
         overhead = sum(positions[mode]) / sum(tokens[mode])
-        print(f"{name:9s} {mode:8s} {seconds:7.3f} s/step {rate:9.0f} tokens/s  positions/tokens {overhead:.2f}",
+        print(f"{name:9s} {mode:10s} {seconds:7.3f} s/step {rate:9.0f} tokens/s  positions/tokens {overhead:.2f}",
               flush=True)
 
 

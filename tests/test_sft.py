@@ -31,6 +31,7 @@ from posttrain.data.sft import (
     pack,
 )
 from posttrain.data.tasks.addition import make_rows
+from posttrain.models.packing import has_packed_attention
 from posttrain.models.tiny import char_tokenizer
 from posttrain.tracking.metrics import read_metrics
 from posttrain.training.runner import run_training
@@ -322,22 +323,36 @@ def summed_logp(model, ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
     return log_softmax(logits.float(), -1).gather(-1, ids[1:, None]).squeeze(-1)[mask[1:]].sum()
 
 
-def test_packing_changes_no_examples_loss(tiny_model_dir, demo_files):
-    s = SFTSession.create(make_config(tiny_model_dir, demo_files))
+@pytest.mark.parametrize("trim_padding", [True, False], ids=["packed-attention", "block-mask"])
+def test_packing_changes_no_examples_loss(tiny_model_dir, demo_files, trim_padding, monkeypatch):
+    """Each example's summed log-prob, alone, in packed rows and one per padded row; with the packed attention
+    (the default) the micro-batch runs as one row of exactly its examples' tokens, with transformers'
+    block mask as rows in which attention must not cross examples."""
+    s = SFTSession.create(make_config(tiny_model_dir, demo_files, trim_padding=trim_padding))
+    stack = sft.split_head(s.policy)[0]
+    assert has_packed_attention(stack) is trim_padding
     idx = list(range(12))
+    shapes = []
+    forward = stack.forward
+    monkeypatch.setattr(stack, "forward", lambda **kw: shapes.append(kw["input_ids"].shape) or forward(**kw))
     packed, tokens = example_logps(s, s.train, idx)
-    assert len(arrange(s.train, idx, packing=True, max_length=64)) < 12  # several examples share rows
-    s.config = make_config(tiny_model_dir, demo_files, packing=False)
+    rows = arrange(s.train, idx, packing=True, max_length=64)
+    assert len(rows) < 12  # several examples share rows
+    widths = [sum(len(s.train.input_ids[i]) - 1 for i in row) for row in rows]
+    positions = sum(widths)
+    assert [tuple(shape) for shape in shapes] == ([(1, positions)] if trim_padding else [(len(rows), max(widths))])
+    s.config = make_config(tiny_model_dir, demo_files, packing=False, trim_padding=trim_padding)
     padded, _ = example_logps(s, s.train, idx)
     alone = torch.stack([summed_logp(s.policy, s.train.input_ids[i], s.train.loss_mask[i]) for i in idx])
     assert torch.allclose(packed, alone, rtol=0, atol=2e-4) and torch.allclose(padded, alone, rtol=0, atol=2e-4)
     assert tokens.tolist() == [int(s.train.loss_mask[i].sum()) for i in idx]
-    # not vacuous: the same packed rows with positions that do not restart let attention cross examples
-    batch = layout(s.train, arrange(s.train, idx, packing=True, max_length=64), s.tokenizer.pad_token_id)
-    batch.position_ids = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids).clone()
-    with torch.no_grad():
-        crossed = sft.per_example(batch, token_logprobs(s.policy, batch))
-    assert (crossed - packed[[idx.index(i) for i in batch.examples]]).abs().max() > 0.1
+    if not trim_padding:
+        # not vacuous: the same packed rows with positions that do not restart let attention cross examples
+        batch = layout(s.train, rows, s.tokenizer.pad_token_id)
+        batch.position_ids = torch.arange(batch.input_ids.shape[1]).expand_as(batch.input_ids).clone()
+        with torch.no_grad():
+            crossed = sft.per_example(batch, token_logprobs(s.policy, batch))
+        assert (crossed - packed[[idx.index(i) for i in batch.examples]]).abs().max() > 0.1
 
 
 # --- the loss ------------------------------------------------------------------------------
@@ -390,10 +405,13 @@ def captured_gradients(monkeypatch, make) -> list[list[torch.Tensor]]:
 
 
 def test_micro_batching_and_packing_give_the_same_gradient(tiny_model_dir, demo_files, monkeypatch):
-    """One pass over 6 examples, one pass per example, and packed rows one per pass: the same gradient."""
-    configs = [make_config(tiny_model_dir, demo_files, packing=False, micro_batch_size=64),
+    """One padded pass over 6 examples (transformers' own attention), one packed pass, one pass per example,
+    packed rows one per pass, and micro-batches of at most 40 tokens: the same gradient."""
+    configs = [make_config(tiny_model_dir, demo_files, packing=False, micro_batch_size=64, trim_padding=False),
+               make_config(tiny_model_dir, demo_files, packing=False, micro_batch_size=64),
                make_config(tiny_model_dir, demo_files, packing=False, micro_batch_size=1),
-               make_config(tiny_model_dir, demo_files, packing=True, micro_batch_size=1, max_length=48)]
+               make_config(tiny_model_dir, demo_files, packing=True, micro_batch_size=1, max_length=48),
+               make_config(tiny_model_dir, demo_files, max_tokens_per_micro_batch=40)]
     grads = captured_gradients(monkeypatch, configs)
     assert any(g.abs().max() > 0 for g in grads[0])
     for other in grads[1:]:

@@ -353,3 +353,19 @@ def test_packed_pass_with_a_one_token_completion_in_a_shared_group(monkeypatch):
     torch.testing.assert_close(packed, direct, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(packed_grads, direct_grads, strict=True):
         torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-5 * max(1.0, float(theirs.abs().max())))
+
+
+def test_a_packed_pass_builds_no_attention_mask(monkeypatch):
+    """The packed attention never reads transformers' mask, so none is built: with restarting position ids and
+    no mask given, transformers would build an [S, S] one every forward."""
+    from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
+
+    from posttrain.models.modeling import use_packed_attention
+
+    batch, run, body = forward_case("llama", False, True, monkeypatch, lambda model: use_packed_attention(model))
+    name = body.config._attn_implementation
+    build, masks = ALL_MASK_ATTENTION_FUNCTIONS[name], []
+    monkeypatch.setitem(ALL_MASK_ATTENTION_FUNCTIONS._global_mapping, name,
+                        lambda *args, **kwargs: masks.append(build(*args, **kwargs)) or masks[-1])
+    run()
+    assert masks == [None]

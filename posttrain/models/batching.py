@@ -1,10 +1,13 @@
 """Which rows of a batch go through the model together: micro-batches of so many rows, or of at most so
-many tokens (``max_tokens_per_micro_batch``), the rows of a group that shares its prompt kept together."""
+many tokens (``max_tokens_per_micro_batch``), the rows of a group that shares its prompt kept together;
+for the offline trainers, which items (examples, pairs) go together."""
 
 from __future__ import annotations
 
 import torch
 from torch import Tensor
+
+from posttrain.data.sft import pack
 
 
 def token_budget_micro_batches(items: list[tuple[list[int], int]], budget: int) -> list[list[int]]:
@@ -15,15 +18,8 @@ def token_budget_micro_batches(items: list[tuple[list[int], int]], budget: int) 
     most closely, or a new one: a few micro-batches, each near the budget. Returns each micro-batch's
     rows in ascending order, the micro-batches in the order of their first row; every row exactly once.
     """
-    bins: list[tuple[int, list[int]]] = []  # (tokens left, rows)
-    for rows, tokens in sorted(items, key=lambda item: -item[1]):
-        fitting = [k for k, (left, _) in enumerate(bins) if left >= tokens]
-        if fitting:
-            k = min(fitting, key=lambda k: bins[k][0])
-            bins[k] = (bins[k][0] - tokens, bins[k][1] + list(rows))
-        else:
-            bins.append((budget - tokens, list(rows)))
-    return sorted((sorted(rows) for _, rows in bins), key=lambda rows: rows[0])
+    bins = pack([tokens for _, tokens in items], budget)
+    return sorted((sorted(row for k in bin_ for row in items[k][0]) for bin_ in bins), key=lambda rows: rows[0])
 
 
 def micro_batch_rows(prompt_ids: list[Tensor], lengths: Tensor, *, rows: int | None, tokens: int | None,
@@ -48,3 +44,16 @@ def micro_batch_rows(prompt_ids: list[Tensor], lengths: Tensor, *, rows: int | N
             items += [([start + k], prompt + c) for k, c in enumerate(completions)]
         start = end
     return [torch.tensor(batch) for batch in token_budget_micro_batches(items, tokens)]
+
+
+def item_micro_batches(costs: list[int], *, per_pass: int, budget: int | None) -> list[list[int]]:
+    """The positions of items (examples, pairs) of each micro-batch: ``per_pass`` at a time in order, or
+    (``budget``) by :func:`token_budget_micro_batches` of their token ``costs``."""
+    if budget is None:
+        return [list(range(start, min(start + per_pass, len(costs)))) for start in range(0, len(costs), per_pass)]
+    return token_budget_micro_batches([([k], cost) for k, cost in enumerate(costs)], budget)
+
+
+def in_item_order(micro_batches: list[list[int]]) -> Tensor:
+    """[n] the index that puts rows concatenated micro-batch by micro-batch back in item order."""
+    return torch.tensor([k for rows in micro_batches for k in rows]).argsort()

@@ -116,6 +116,28 @@ def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: 
     return packed_ids, packed_positions, PackedLayout(spans, index, valid)
 
 
+def sequences_layout(lengths: list[int]) -> PackedLayout:
+    """The layout of whole sequences placed one after another (SFT's examples, a reward model's texts): one
+    causal span each. It maps no completion tokens (``index_NT`` and ``valid_NT`` are empty)."""
+    spans, start = [], 0
+    for n in lengths:
+        if n:
+            spans.append(Span(start, 0, [(0, n)]))
+            start += n
+    empty = torch.zeros(0, 0, dtype=torch.long)
+    return PackedLayout(spans, empty, empty.bool())
+
+
+def packed_forward(model: nn.Module, input_ids_1S: Tensor, position_ids_1S: Tensor, layout: PackedLayout, **kwargs):
+    """``model``'s forward over one packed row [1, S] with the layout its attention follows.
+
+    The attention mask given is all ones: with none, transformers would read the restarting position ids
+    as packed sequences and build an ``[S, S]`` mask every forward (a gigabyte at 32K tokens) that the
+    packed attention never reads; with no padding in it, the SDPA mask function builds nothing."""
+    return model(input_ids=input_ids_1S, position_ids=position_ids_1S, attention_mask=torch.ones_like(input_ids_1S),
+                 use_cache=False, posttrain_layout=layout, **kwargs)
+
+
 def packed_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: Tensor,
                   owner_n: Tensor | None, width: int) -> Tensor:
     """[n, width, D] the final hidden states predicting each completion token, from one packed pass of
@@ -123,9 +145,7 @@ def packed_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor, pr
     device = input_ids.device
     ids, positions, layout = pack(input_ids.cpu(), attention_mask.cpu(), prompt_width, lengths.cpu(),
                                   None if owner_n is None else owner_n.cpu())
-    layout = layout.to(device)
-    hidden = body(input_ids=ids.to(device), position_ids=positions.to(device), use_cache=False,
-                  posttrain_layout=layout).last_hidden_state[0]  # [S, D]
+    hidden = packed_forward(body, ids.to(device), positions.to(device), layout.to(device)).last_hidden_state[0]  # [S, D]
     index, valid = layout.index_NT.to(device), layout.valid_NT.to(device)
     out = hidden.index_select(0, index.view(-1)).view(*index.shape, -1) * valid[..., None]
     return torch.nn.functional.pad(out, (0, 0, 0, width - out.shape[1]))

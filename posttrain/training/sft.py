@@ -8,8 +8,8 @@ One optimizer step (``train_step``), top to bottom:
 2. place them into rows: packed, several to a row of at most ``max_length`` positions with position ids
    restarting per example (attention stays within each), or one per row, right-padded
    (``packing``; ``posttrain.data.sft.arrange``);
-3. per micro-batch of ``micro_batch_size`` rows: one forward pass, the log-prob of each trained
-   token (the LM head folded into the log-softmax for the architectures ``modeling.split_head``
+3. per micro-batch of ``micro_batch_size`` rows (or of examples up to ``max_tokens_per_micro_batch``
+   tokens): one forward pass, the log-prob of each trained token (the LM head folded into the log-softmax for the architectures ``modeling.split_head``
    knows, so no ``[R, W, V]`` logits exist), the summed NLL divided by the step's normaliser
    (``F.nll_loss``), backward: the micro-batches' gradients add up to the whole step's token mean,
    however the step is cut into rows and micro-batches;
@@ -35,8 +35,11 @@ Departures and decisions:
 3. ``micro_batch_size`` counts rows: examples without packing, packed rows with it.
 4. Packing is per optimizer step (TRL packs the whole dataset once): a step trains on exactly its
    ``pairs_per_step`` examples whether packed or not, so packing changes no step's loss or gradient
-   (to float32 rounding, tested) and resuming needs only the data order. It needs a model class whose
-   attention masks follow restarting position ids (``architecture.SUPPORTED``: Llama, Mistral, Qwen2).
+   (to float32 rounding, tested) and resuming needs only the data order. With transformers' SDPA
+   attention (the default; ``trim_padding``) a micro-batch's examples run as one row without padding,
+   one causal attention call each (``posttrain.models.packing``): rows only decide which examples
+   share a micro-batch. With another attention, transformers' block mask of each row's examples, which
+   needs a model class whose masks follow restarting position ids (``architecture.SUPPORTED``).
 5. An example with no trained token left (a prompt longer than ``max_length``) is dropped, and said so.
 6. With ``W`` processes each trains on a contiguous ``pairs_per_step / W`` of the step's examples;
    every process divides by the whole step's token count and the gradients are summed: the update
@@ -67,7 +70,9 @@ from posttrain.data.sft import (
 )
 from posttrain.data.tasks.task import Task
 from posttrain.models.architecture import SUPPORTED, is_supported_class
+from posttrain.models.batching import token_budget_micro_batches
 from posttrain.models.modeling import split_head, unwrapped
+from posttrain.models.packing import has_packed_attention, packed_forward, sequences_layout
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
@@ -129,7 +134,7 @@ class SFTSession:
         policy, tokenizer, _ = load_policy(config, name, inputs, needs_reference=False,
                                            train_mode=False)  # no dropout (decision 2)
         teacher = load_teacher(config, name, tokenizer, preset.objective == "gkd", preset.name)
-        if pc.packing and not is_supported_class(unwrapped(policy)):
+        if pc.packing and not has_packed_attention(unwrapped(policy)) and not is_supported_class(unwrapped(policy)):
             raise ConfigError(f"packing: {type(unwrapped(policy)).__name__} is not one of {', '.join(SUPPORTED)}, "
                               "whose attention transformers keeps within each packed example; set --no-packing")
         e = config.episodes
@@ -240,18 +245,29 @@ def usable(data: SFTExamples, which: str) -> SFTExamples:
 def token_logprobs(model: nn.Module, batch: TokenRows) -> Tensor:
     """[R, W] log p(target | the position's example up to it), 0 where the target is not trained on.
 
-    No attention mask is passed: transformers builds the causal mask of each packed example (and of the
-    padding) from the restarting position ids."""
+    With the packed attention (``posttrain.models.packing``; the default, ``trim_padding``) the batch's
+    examples run as one row without padding, one causal attention call each. Otherwise no attention mask
+    is passed: transformers builds the causal mask of each packed example (and of the padding) from the
+    restarting position ids."""
     mask_RW = batch.loss_mask
     parts = split_head(model)
+    stack = parts[0] if parts is not None else model
+    if has_packed_attention(stack):
+        real_RW = batch.example >= 0
+        lengths = torch.bincount(batch.example[real_RW], minlength=len(batch.examples)).tolist()
+        layout = sequences_layout(lengths).to(batch.input_ids.device)
+        out = packed_forward(stack, batch.input_ids[real_RW][None], batch.position_ids[real_RW][None], layout)
+        trained = mask_RW[real_RW]  # [S]: the packed row's positions in the rows' order
+    else:
+        out = stack(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False)
+        trained = mask_RW
     if parts is not None:
-        body, head = parts
-        hidden_RWD = body(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).last_hidden_state
-        logp_M, _ = F.linear_log_softmax(hidden_RWD[mask_RW].to(head.weight.dtype), head.weight,
-                                         batch.targets[mask_RW], bias=head.bias)
-        return logp_M.new_zeros(mask_RW.shape).masked_scatter(mask_RW, logp_M)
-    logits_RWV = model(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits
-    return F.selective_log_softmax(logits_RWV, batch.targets).masked_fill(~mask_RW, 0.0)
+        hidden_MD = out.last_hidden_state.flatten(0, 1)[trained.flatten()]
+        logp_M, _ = F.linear_log_softmax(hidden_MD.to(parts[1].weight.dtype), parts[1].weight,
+                                         batch.targets[mask_RW], bias=parts[1].bias)
+    else:
+        logp_M = F.selective_log_softmax(out.logits.flatten(0, 1)[trained.flatten()][None], batch.targets[mask_RW][None])[0]
+    return logp_M.new_zeros(mask_RW.shape).masked_scatter(mask_RW, logp_M)
 
 
 def per_example(batch: TokenRows, values_RW: Tensor) -> Tensor:
@@ -261,8 +277,15 @@ def per_example(batch: TokenRows, values_RW: Tensor) -> Tensor:
 
 
 def micro_batches(s: SFTSession, data: SFTExamples, idx: list[int]) -> list[list[list[int]]]:
-    """The rows of examples ``idx`` (packed or one each), ``micro_batch_size`` rows per micro-batch."""
-    rows = arrange(data, idx, packing=s.config.preference.packing, max_length=s.config.preference.max_length)
+    """The rows of examples ``idx`` (packed or one each) of each micro-batch: ``micro_batch_size`` rows at a
+    time, or (``max_tokens_per_micro_batch``) the examples placed by length, best-fit decreasing, into
+    micro-batches of at most that many tokens, then arranged into rows."""
+    pc, budget = s.config.preference, s.config.optim.max_tokens_per_micro_batch
+    if budget is not None:
+        items = [([i], len(data.input_ids[i]) - 1) for i in idx]
+        return [arrange(data, part, packing=pc.packing, max_length=pc.max_length)
+                for part in token_budget_micro_batches(items, budget)]
+    rows = arrange(data, idx, packing=pc.packing, max_length=pc.max_length)
     m = s.config.optim.micro_batch_size
     return [rows[start:start + m] for start in range(0, len(rows), m)]
 
