@@ -27,6 +27,7 @@ from posttrain.data.rewards import RewardModel, reward_model_text
 from posttrain.data.tasks.addition import make_rows
 from posttrain.data.tasks.addition_pairs import pair_row
 from posttrain.models.modeling import right_pad
+from posttrain.models.packing import has_packed_attention
 from posttrain.models.reward_head import sequence_scores
 from posttrain.models.tiny import char_tokenizer
 from posttrain.tracking.metrics import read_metrics
@@ -99,9 +100,13 @@ def _tiny_classifier_config(tok):
                        num_attention_heads=2, num_key_value_heads=2, num_labels=1, pad_token_id=tok.pad_token_id)
 
 
-def test_the_score_is_read_at_the_last_real_token_under_either_padding(tiny_model_dir, pair_files):
-    s = RewardModelSession.create(make_config(tiny_model_dir, pair_files))
+@pytest.mark.parametrize("trim_padding", [True, False], ids=["packed", "padded"])
+def test_the_score_is_read_at_the_last_real_token_under_either_padding(tiny_model_dir, pair_files, trim_padding):
+    """Scores of sequences of unequal lengths packed into one row (the default) or right-padded, against each
+    sequence alone by hand and left-padded through transformers' own forward."""
+    s = RewardModelSession.create(make_config(tiny_model_dir, pair_files, trim_padding=trim_padding))
     assert s.policy.config.pad_token_id == s.tokenizer.pad_token_id == 0
+    assert has_packed_attention(s.policy.model) is trim_padding
     sequences = [s.train.chosen_ids[i] for i in range(5)] + [torch.tensor([1, 5, 6])]  # unequal lengths
     by_hand = torch.tensor([unpadded_score(s.policy, ids) for ids in sequences])
     with torch.no_grad():
@@ -110,6 +115,29 @@ def test_the_score_is_read_at_the_last_real_token_under_either_padding(tiny_mode
         left = s.policy(input_ids=ids.flip(1), attention_mask=attention.flip(1)).logits[:, 0]
     assert ids.flip(1)[-1, :1].tolist() == [0]  # the short row really is padded on the left
     assert torch.allclose(right, by_hand, atol=1e-5) and torch.allclose(left, by_hand, atol=1e-5)
+
+
+@pytest.mark.parametrize("extra", [{}, pytest.param(LORA, marks=needs_peft, id="lora")])
+def test_a_packed_pass_scores_where_transformers_does_and_gives_the_padded_gradient(extra, tiny_model_dir, pair_files):
+    """A text ending in the pad id is scored at its last other token, as transformers' classifier reads it;
+    the packed pass's scores and gradients equal the padded pass's (full fine-tuning and LoRA)."""
+    sessions = [RewardModelSession.create(make_config(tiny_model_dir, pair_files, trim_padding=trim, **extra))
+                for trim in (True, False)]
+    sequences = [s_ids for s_ids in sessions[0].train.chosen_ids[:3]] + [torch.tensor([1, 5, 6, 0, 0]),
+                                                                        torch.tensor([1, 7])]
+    outcomes = []
+    for s in sessions:
+        s.policy.zero_grad()
+        scores = sequence_scores(s.policy, sequences, s.pad_id)
+        (scores * torch.arange(1.0, 6.0)).sum().backward()
+        outcomes.append((scores.detach(), [p.grad.clone() for p in s.policy.parameters() if p.requires_grad]))
+    (packed, packed_grads), (padded, padded_grads) = outcomes
+    torch.testing.assert_close(packed, padded, rtol=1e-5, atol=1e-5)
+    with torch.no_grad():  # transformers' own forward over the text without its trailing pad ids
+        alone = sequence_scores(sessions[1].policy, [torch.tensor([1, 5, 6])], sessions[1].pad_id)
+    assert packed[3] == pytest.approx(float(alone), abs=1e-5)
+    for a, b in zip(packed_grads, padded_grads, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-6)
 
 
 def test_loading_writes_the_pad_id_the_head_finds_the_last_token_by(tiny_model_dir, tmp_path):
@@ -166,8 +194,8 @@ def test_step_loss_is_bradley_terry_with_each_pairs_margin(tiny_model_dir, pair_
 
 
 def test_micro_batching_gives_the_same_gradient(tiny_model_dir, pair_files, monkeypatch):
-    """Micro-batches of one pair (2 or 3 sequences) accumulate the whole batch's gradient, margin and
-    centring included."""
+    """Micro-batches of one pair (2 or 3 sequences) and of at most 60 tokens accumulate the whole batch's
+    gradient, margin and centring included, and log its loss; packed passes give the padded pass's."""
     grads = []
 
     def capture(optimizer, scheduler, optim, bad_steps):
@@ -176,15 +204,18 @@ def test_micro_batching_gives_the_same_gradient(tiny_model_dir, pair_files, monk
         return 1.0, 0
 
     monkeypatch.setattr(reward_model, "apply_gradients", capture)
-    for micro in (64, 2, 3):
-        s = RewardModelSession.create(make_config(tiny_model_dir, pair_files, micro_batch_size=micro,
+    losses = []
+    for settings in (dict(trim_padding=False), {}, dict(micro_batch_size=2), dict(micro_batch_size=3),
+                     dict(max_tokens_per_micro_batch=60)):
+        s = RewardModelSession.create(make_config(tiny_model_dir, pair_files, **{"micro_batch_size": 64, **settings},
                                                   pairs_per_step=5, center_rewards_coefficient=0.1))
         s.update_check.done = True  # the captured step applies nothing, on purpose
         grads.append([])
-        train_step(s)
+        losses.append(train_step(s)["loss"])
     assert any(g.abs().max() > 0 for g in grads[0])
-    for one, other in ((grads[0], grads[1]), (grads[0], grads[2])):
-        for a, b in zip(one, other, strict=True):
+    for other, loss in zip(grads[1:], losses[1:]):
+        assert loss == pytest.approx(losses[0], rel=1e-5)
+        for a, b in zip(grads[0], other, strict=True):
             assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
 
 

@@ -10,7 +10,8 @@
 2. The score of a sequence is the head on the hidden state of its last real token. transformers
    finds that token through ``config.pad_token_id`` (the rightmost position whose id is not the
    pad id, for left and right padding alike), so the pad id is written into the model's config
-   here. :func:`sequence_scores` right-pads: every real token keeps the position it has unpadded.
+   here. :func:`sequence_scores` runs the sequences packed (no padding) or right-pads them: every real
+   token keeps the position it has unpadded, and the score is read where transformers reads it.
 3. :func:`apply_reward_lora`: LoRA adapters on the decoder's projections with the ``score`` head
    trained in full (peft's ``modules_to_save``): a fresh head has nothing to adapt from.
    :func:`posttrain.models.lora.merged_for_saving` folds the adapters in and puts the trained head
@@ -22,6 +23,7 @@ from __future__ import annotations
 import importlib.util
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 
 from posttrain.config import ConfigError, ModelConfig
@@ -41,8 +43,10 @@ from posttrain.models.modeling import (
     autocast_dtype,
     resolve_device,
     right_pad,
+    unwrapped,
     use_mixed_precision,
 )
+from posttrain.models.packing import has_packed_attention, packed_forward, sequences_layout
 
 SCORE_HEAD = "score"
 """transformers' name for the head of every ``*ForSequenceClassification`` decoder (Llama, Qwen2, Mistral ...)."""
@@ -108,10 +112,50 @@ def apply_reward_lora(model: nn.Module, model_config: ModelConfig) -> nn.Module:
     return wrapped
 
 
+SCORED_CLASSES = ("LlamaForSequenceClassification", "MistralForSequenceClassification",
+                  "Qwen2ForSequenceClassification")
+"""Reward models whose score is exactly ``score(model(...).last_hidden_state)`` at the scored token."""
+
+
+def split_score_head(model: nn.Module) -> tuple[nn.Module, nn.Module] | None:
+    """``(decoder stack, score head)`` of one of transformers' :data:`SCORED_CLASSES` (under LoRA or not); None
+    for any other model, which is scored through its own forward."""
+    if any(c.peft_type != "LORA" for c in getattr(model, "peft_config", {}).values()):  # PeftType is a str enum
+        return None  # prompt or prefix tuning act in the wrapper's forward, which the stack's call would skip
+    base = unwrapped(model)
+    if type(base).__name__ not in SCORED_CLASSES or not type(base).__module__.startswith("transformers.models."):
+        return None
+    return base.model, getattr(base, SCORE_HEAD)
+
+
+def scored_positions(sequences: list[Tensor], pad_id: int | None) -> list[int]:
+    """Where transformers' sequence classifier reads each sequence's score: its last token whose id is not
+    ``pad_id`` (its first position when every token is)."""
+    positions = []
+    for ids in sequences:
+        real = (ids != pad_id).nonzero() if pad_id is not None else torch.arange(len(ids))[:, None]
+        positions.append(int(real[-1]) if len(real) else 0)
+    return positions
+
+
 def sequence_scores(model: nn.Module, sequences: list[Tensor], pad_id: int) -> Tensor:
     """[M] the reward model's score of each token sequence, in one forward pass (gradient as the caller's
-    mode has it). The head reads each row's last token whose id is not ``config.pad_token_id``."""
+    mode has it). The head reads each row's last token whose id is not ``config.pad_token_id``.
+
+    With the packed attention (``posttrain.models.packing``: the trainer's default, ``trim_padding``) the
+    sequences run as one row without padding, one causal attention call each, and the head only at the
+    scored tokens; otherwise right-padded rows through the model's own forward."""
     device = next(model.parameters()).device
+    parts = split_score_head(model)
+    if parts is not None and has_packed_attention(parts[0]):
+        stack, score = parts
+        lengths = [len(ids) for ids in sequences]
+        ends = torch.tensor([0] + lengths[:-1]).cumsum(0) + torch.tensor(scored_positions(sequences,
+                                                                                         unwrapped(model).config.pad_token_id))
+        positions = torch.cat([torch.arange(n) for n in lengths])[None]
+        hidden_SD = packed_forward(stack, torch.cat(sequences)[None].to(device), positions.to(device),
+                                   sequences_layout(lengths).to(device)).last_hidden_state[0]
+        return score(hidden_SD[ends.to(device)])[:, 0]
     ids_ML, attention_ML = right_pad(sequences, pad_id)
     logits_M1 = model(input_ids=ids_ML.to(device), attention_mask=attention_ML.to(device), use_cache=False).logits
     return logits_M1[:, 0]

@@ -8,8 +8,10 @@ The saved ``final_model/`` is a plain ``AutoModelForSequenceClassification`` (``
 One optimizer step (``train_step``), top to bottom:
 
 1. take the next ``pairs_per_step`` pairs of a shuffled, resumable order;
-2. per micro-batch: ONE forward pass over the pairs' chosen texts then their rejected texts gives
-   each a score (``posttrain.models.reward_head.sequence_scores``); the Bradley-Terry loss with the
+2. per micro-batch (``micro_batch_size`` sequences, or pairs up to ``max_tokens_per_micro_batch``
+   tokens): ONE forward pass over the pairs' chosen texts then their rejected texts gives each a
+   score (``posttrain.models.reward_head.sequence_scores``: one packed row without padding, by
+   default); the Bradley-Terry loss with the
    pairs' ``margin`` column and the preset's ``center_rewards_coefficient``, scaled by the
    micro-batch's share of the step's pairs, is back-propagated: every term of the loss is a mean
    over pairs, so the accumulated gradient is the whole batch's whatever the micro-batch size;
@@ -58,11 +60,13 @@ from posttrain.data.prompts import (
 )
 from posttrain.data.rewards import reward_model_text
 from posttrain.functional import bradley_terry_loss
+from posttrain.models.batching import in_item_order, item_micro_batches
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.modeling import (
     checkpoint_layers,
     resolve_device,
     use_mixed_precision,
+    use_packed_attention,
 )
 from posttrain.models.reward_head import (
     apply_reward_lora,
@@ -289,6 +293,8 @@ def load_scorer(config: Config, name: str, inputs: Inputs) -> tuple[nn.Module, A
             use_mixed_precision(model)
     else:
         model, tokenizer = load_reward_model(name, dtype=m.dtype, device=m.device, mixed_precision=m.mixed_precision)
+    if config.optim.trim_padding:  # pairs scored in packed passes where the attention allows (models.packing)
+        use_packed_attention(model)
     if m.lora_r:
         model = apply_reward_lora(model, m)
     model.train(False)
@@ -336,17 +342,19 @@ def train_step(s: RewardModelSession) -> dict[str, float]:
     """One optimizer step of the Bradley-Terry loss over ``pairs_per_step`` pairs."""
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
     lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
-    mine, m = distributed.shard(idx), s.pairs_per_pass
-    starts = range(0, len(mine), m)
+    mine = distributed.shard(idx)
+    costs = [len(s.train.chosen_ids[i]) + len(s.train.rejected_ids[i]) for i in mine]
+    micros = item_micro_batches(costs, per_pass=s.pairs_per_pass, budget=s.config.optim.max_tokens_per_micro_batch)
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
         parts = []
-        for start in starts:
-            fsdp.sync_gradients(s.policy, start == starts[-1])  # FSDP reduces at the last backward
-            parts.append(train_micro_batch(s, mine[start:start + m], len(mine[start:start + m]) / len(idx)))
+        for k, micro in enumerate(micros):
+            fsdp.sync_gradients(s.policy, k == len(micros) - 1)  # FSDP reduces at the last backward
+            parts.append(train_micro_batch(s, [mine[j] for j in micro], len(micro) / len(idx)))
     before = s.update_check.before_step()
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
     s.update_check.after_step(before, grad_norm, lr)
-    scores_2N = distributed.gather_rows(torch.cat(parts, dim=1).T).T  # every process's, in the order of idx
+    scores_n2 = torch.cat(parts, dim=1).T[in_item_order(micros)]  # this process's, in the order of mine
+    scores_2N = distributed.gather_rows(scores_n2).T  # every process's, in the order of idx
     with torch.no_grad():
         loss, metrics = step_loss(s, scores_2N, idx)  # the step's loss, from its scores
     s.last_batch, s.last_scores = idx, scores_2N.cpu()
