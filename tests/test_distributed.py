@@ -44,9 +44,11 @@ PRESETS = {
     "dr_grpo": {},
 }
 PREFERENCE = ("dpo", "kto")  # a mean over pairs; KTO's reference point from the whole step's batch
+# Micro-batches of at most 40 tokens: each process places its own rows, so their numbers of passes may differ
+BUDGETED = {"grpo-budget": "grpo", "dpo-budget": "dpo"}
 # Under FSDP: KL in the loss; a replicated value head beside the sharded policy and 4 updates per
 # rollout; rank 1 without rows (dynamic sampling, see FixedGenerator); both preference shapes.
-FSDP = ("grpo", "ppo", "dpo", "kto")
+FSDP = ("grpo", "ppo", "dpo", "kto", *BUDGETED)
 STEPS = 2
 # Unclipped gradients (clipping would hide a wrong scale), on the CPU (gloo; one GPU cannot host two ranks).
 COMMON = dict(prompts_per_step=4, group_size=4, micro_batch_size=2, max_steps=STEPS, max_grad_norm=0.0, device="cpu")
@@ -167,6 +169,8 @@ def trained(data: Path, model_dir, reward_file, name: str, **flat) -> dict:
             return train(s, train_step)
         finally:
             s.close()
+    if name in BUDGETED:
+        return trained(data, model_dir, reward_file, BUDGETED[name], max_tokens_per_micro_batch=40, **flat)
     if name not in PREFERENCE:
         return train(fixed_session(online_config(data, model_dir, reward_file, name, **flat)), train_step)
     return train(PreferenceSession.create(preference_config(data, model_dir, name, **flat)), preference_train_step)
@@ -213,7 +217,7 @@ def _worker(rank: int, world: int, port: int, model_dir: str, reward_file: str, 
 
     dist.init_process_group("gloo", timeout=timedelta(seconds=120))  # posttrain's init then joins this group
     out = Path(out)
-    for name in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED, ASYNC]:
+    for name in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED, ASYNC, *BUDGETED]:
         torch.save(trained(out, model_dir, reward_file, name), out / f"{name}-rank{rank}.pt")
     for name in FSDP:
         torch.save(trained(out, model_dir, reward_file, name, fsdp=True), out / f"fsdp-{name}-rank{rank}.pt")
@@ -296,7 +300,7 @@ def assert_same_weights(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor], 
 
 
 @pytest.mark.parametrize("engine, name", [*(("replicated", n) for n in [*PRESETS, *PREFERENCE, EPISODES, CORRECTED,
-                                                                         ASYNC]),
+                                                                         ASYNC, *BUDGETED]),
                                           *(("fsdp", n) for n in FSDP), ("fsdp-checkpointed", "grpo")])
 def test_two_processes_train_as_one_on_the_same_global_batch(engine, name, two_processes, reward_file):
     """Plain data parallelism, and FSDP (each process holds half of every parameter and of AdamW's

@@ -24,10 +24,11 @@ from posttrain.config import Config, ConfigError, OptimConfig
 from posttrain.tracking.metrics import read_metrics
 from posttrain.training.optim import apply_gradients, build_optimizer
 from posttrain.training.preference import (
-    PreferenceSession, evaluate, example_sequences, implicit_rewards, mismatched_sequences, reference_logps,
-    sequence_logps, train_step,
+    PreferenceSession, evaluate, example_sequences, example_tokens, implicit_rewards, mismatched_sequences,
+    reference_logps, sequence_logps, train_step,
 )
 from posttrain.data.preference import encode, unpair
+from posttrain.models.batching import item_micro_batches
 from posttrain.training.runner import run_training
 from posttrain.data.tasks.addition import make_rows
 from posttrain.data.tasks.addition_pairs import pair_row
@@ -173,8 +174,8 @@ def test_precomputed_reference_equals_on_the_fly(name, tiny_model_dir, pair_file
 
 @pytest.mark.parametrize("name, extra", [*((n, {}) for n in PRESETS), *((n, {"rpo_alpha": 1.0}) for n in ("dpo", "kto"))])
 def test_micro_batching_gives_the_same_gradient(name, extra, tiny_model_dir, pair_files, monkeypatch):
-    """Micro-batches of 3 sequences (one pair; three KTO examples) accumulate the whole batch's gradient
-    (with RPO's NLL term too)."""
+    """Micro-batches of 3 sequences (one pair; three KTO examples) and of a token budget (examples placed
+    out of order) accumulate the whole batch's gradient (with RPO's NLL term too) and log its loss."""
     grads = []
 
     def capture(optimizer, scheduler, optim, bad_steps):
@@ -183,15 +184,24 @@ def test_micro_batching_gives_the_same_gradient(name, extra, tiny_model_dir, pai
         return 1.0, 0
 
     monkeypatch.setattr(preference, "apply_gradients", capture)
-    for micro in (64, 3):
-        s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, micro_batch_size=micro,
+    losses, budget = [], None
+    for settings in ({}, dict(micro_batch_size=3), "budget"):
+        if settings == "budget":  # the longest example and the shortest fit: several passes, not in order
+            budget = max(costs) + min(costs)
+            micros = item_micro_batches(costs, per_pass=0, budget=budget)
+            assert 1 < len(micros) < 5 and sum(micros, []) != list(range(5))
+            settings = dict(max_tokens_per_micro_batch=budget)
+        s = PreferenceSession.create(make_config(tiny_model_dir, pair_files, name, **{"micro_batch_size": 64, **settings},
                                                  pairs_per_step=5, **extra))
         s.update_check.done = True  # the captured step applies nothing, on purpose
+        costs = example_tokens(s.train, copy.deepcopy(s.sampler).next(5), share_prompts=True)
         grads.append([])
-        train_step(s)
+        losses.append(train_step(s)["loss"])
     assert any(g.abs().max() > 0 for g in grads[0])
-    for a, b in zip(*grads, strict=True):  # as many gradients captured either way: none compared vacuously
-        assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
+    for other, loss in zip(grads[1:], losses[1:]):
+        assert loss == pytest.approx(losses[0], rel=1e-5)
+        for a, b in zip(grads[0], other, strict=True):  # as many gradients either way: none compared vacuously
+            assert torch.allclose(a, b, rtol=1e-4, atol=1e-7)
 
 
 def test_kto_mismatched_pairs_are_the_cyclic_shift(tiny_model_dir, pair_files):

@@ -425,19 +425,19 @@ class OptimConfig:
         "Sequences per forward/backward pass; gradients accumulate to the full optimizer step.", 64,
     )
     max_tokens_per_micro_batch: int | None = _help(
-        "Size micro-batches by tokens instead of rows (online trainers): rows are placed by length, best-fit "
-        "decreasing, into micro-batches of at most this many prompt + completion tokens (a group's prompt, "
-        "computed once, counted once); a longer row runs alone. Replaces micro_batch_size; the loss is the "
-        "same.")
+        "Size micro-batches by tokens instead of rows: rows (online), examples (preference, SFT) or pairs "
+        "(reward model) are placed by length, best-fit decreasing, into micro-batches of at most this many "
+        "prompt + completion tokens (a prompt computed once counted once); a longer one runs alone. Replaces "
+        "micro_batch_size; the loss is the same.")
     share_prompts: bool = _help(
         "Online and preference trainers: rows of a micro-batch that share a prompt (a group's samples, a pair's "
         "two answers) run it once, each completion attending to it (where that saves enough positions to pay); "
         "the same log-probs, losses and gradients. false: every row runs its prompt.", True)
     trim_padding: bool = _help(
-        "Online and preference trainers: a micro-batch's rows run as one packed row, no padding computed, "
-        "attention kept inside each sequence (with transformers' SDPA attention, the default; with another, "
-        "rows grouped by completion length, each group trimmed to its longest); the same log-probs, losses "
-        "and gradients. false: one pass over the padded micro-batch.", True)
+        "A micro-batch's sequences run as one packed row, no padding computed, attention kept inside each "
+        "sequence (with transformers' SDPA attention, the default; with another, the online and preference "
+        "trainers group rows by completion length, each group trimmed to its longest); the same log-probs, "
+        "losses and gradients. false: one pass over the padded micro-batch.", True)
     value_loss_coef: float = _help("Weight of the value loss (PPO's value head).", 0.1)
     ref_refresh_every: int = _help("Copy the policy into the reference model every N steps (0 = never).", 0)
     max_bad_steps: int = _help("Stop after this many consecutive steps with a non-finite loss or gradient.", 3)

@@ -14,7 +14,8 @@ One optimizer step (``train_step``), top to bottom:
 2. unpaired presets (KTO): score the mismatched pairs, prompt ``i`` with completion
    ``i-1`` cyclic in the step's batch, under the policy and the reference without
    gradient: the input of KTO's reference point ``z``;
-3. per micro-batch: ONE forward pass of the policy over the chosen and the rejected
+3. per micro-batch (``micro_batch_size`` sequences, or examples up to
+   ``max_tokens_per_micro_batch`` tokens): ONE forward pass of the policy over the chosen and the rejected
    rows concatenated (KTO: the examples) gives each completion's summed log-prob and
    token count; prompt tokens never enter (``modeling.forward`` scores completion
    tokens only). Only a preset that needs a reference gets the reference's log-probs,
@@ -79,6 +80,7 @@ from posttrain.data.preference import (
     unpair,
 )
 from posttrain.data.prompts import PromptSampler, hub_splits
+from posttrain.models.batching import in_item_order, item_micro_batches
 from posttrain.models.modeling import collate, forward, right_pad
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
@@ -411,6 +413,14 @@ def use_pairs(s: PreferenceSession, rows: list[dict[str, Any]]) -> None:
 # ---------------------------------------------------------------------------------------
 
 
+def example_tokens(data: PreferenceExamples, idx: list[int], share_prompts: bool) -> list[int]:
+    """The tokens a pass over each of examples ``idx`` computes: its completions, and its prompt once
+    (``share_prompts``) or once per completion."""
+    k = len(data.completion_ids)
+    return [len(data.prompt_ids[i]) * (1 if share_prompts else k) + sum(len(column[i]) for column in data.completion_ids)
+            for i in idx]
+
+
 def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
                       kl: dict[str, Tensor]) -> dict[str, Tensor]:
     """One forward pass over the examples' K * n sequences, the loss, backward; returns the detached inputs."""
@@ -429,19 +439,21 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
         round_metrics = sample_policy_pairs(s)  # pairs_from policy: a new round from the current policy
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
     lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
-    mine, m = distributed.shard(idx), s.examples_per_pass
-    starts = range(0, len(mine), m)
+    mine = distributed.shard(idx)
+    micros = item_micro_batches(example_tokens(s.train, mine, s.config.optim.share_prompts),
+                                per_pass=s.examples_per_pass, budget=s.config.optim.max_tokens_per_micro_batch)
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
         kl = kl_inputs(s, idx)
         parts = []
-        for start in starts:
-            fsdp.sync_gradients(s.policy, start == starts[-1])  # FSDP reduces at the last backward
-            parts.append(train_micro_batch(s, mine[start:start + m], len(mine[start:start + m]) / len(idx), kl))
+        for k, micro in enumerate(micros):
+            fsdp.sync_gradients(s.policy, k == len(micros) - 1)  # FSDP reduces at the last backward
+            parts.append(train_micro_batch(s, [mine[j] for j in micro], len(micro) / len(idx), kl))
     before = s.update_check.before_step()
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
     s.update_check.after_step(before, grad_norm, lr)
     # every process's log-probs, in the order of idx
-    inputs = {name: distributed.gather_rows(torch.cat([part[name] for part in parts])) for name in parts[0]}
+    order = in_item_order(micros)
+    inputs = {name: distributed.gather_rows(torch.cat([part[name] for part in parts])[order]) for name in parts[0]}
     with torch.no_grad():
         loss, metrics = s.preset.preference_loss(**inputs, **kl)  # the step's loss, from its log-probs
     if not s.preset.paired:  # F.kto_loss reports rewards; show each kind's log-probs as the pairs do
