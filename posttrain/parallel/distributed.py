@@ -9,7 +9,9 @@ a run is the plain single-process run, bit for bit.
 How the trainers use it (docs/decisions.md, "Multi-process training"):
 
 1. Every process draws the same prompt (or pair) order and takes a contiguous share of each
-   step's draw (``shard``): a prompt's group never spans processes.
+   step's draw (``shard``): a prompt's group never spans processes. The offline trainers (SFT,
+   preference, reward model), whose examples' lengths are known before the step, split the draw
+   by length instead (``balanced_shard``, Karmarkar-Karp), near-equal tokens on every process.
 2. The loss is normalised by the whole step's token or sequence count (``all_sum``) and the
    gradients are summed over processes once per optimizer step (``sum_gradients``), so the
    update is the one a single process makes on the whole batch. This is DDP's all-reduce with
@@ -98,6 +100,44 @@ def shard(items: Sequence[T]) -> list[T]:
     """This process's contiguous share of ``items`` (all of them in a single process)."""
     n, w, r = len(items), world_size(), rank()
     return list(items[r * n // w:(r + 1) * n // w])
+
+
+def balanced_partition(costs: Sequence[int], parts: int) -> list[list[int]]:
+    """The positions of ``costs`` split into ``parts`` sets of near-equal total cost: Karmarkar and Karp's
+    largest differencing method, ``parts``-way. Each item starts as a partition with the item alone in
+    one set; the two partitions with the largest spread (largest set minus smallest) are merged, the
+    first's largest set with the second's smallest, until one is left. Deterministic (ties by position),
+    so every process computes the same split; each set's positions ascending, the sets in the order of
+    their first position (a set may be empty only when there are fewer items than parts)."""
+    import heapq
+
+    if parts <= 1:
+        return [list(range(len(costs)))]
+    heap: list[tuple[int, int, list[tuple[int, list[int]]]]] = []
+    for i, cost in enumerate(costs):
+        sets = [(int(cost), [i])] + [(0, []) for _ in range(parts - 1)]
+        heapq.heappush(heap, (-int(cost), i, sets))
+    while len(heap) > 1:
+        _, order, first = heapq.heappop(heap)
+        _, _, second = heapq.heappop(heap)
+        merged = sorted(((a[0] + b[0], a[1] + b[1]) for a, b in zip(first, reversed(second))),
+                        key=lambda s: -s[0])
+        heapq.heappush(heap, (merged[-1][0] - merged[0][0], order, merged))
+    sets = [sorted(rows) for _, rows in heap[0][2]] if heap else [[] for _ in range(parts)]
+    return sorted(sets, key=lambda rows: rows[0] if rows else len(costs))
+
+
+def balanced_shard(items: Sequence[T], costs: Sequence[int]) -> tuple[list[T], Tensor]:
+    """This process's share of ``items``, balanced by ``costs`` over the processes
+    (:func:`balanced_partition`), and the index [len(items)] that puts every process's rows, gathered in
+    rank order (:func:`gather_rows`), back in the order of ``items``. One process: all of them, in order.
+    Where the balance would leave a process nothing, the contiguous :func:`shard`."""
+    w = world_size()
+    sets = balanced_partition(costs, w)
+    if any(not rows for rows in sets):
+        sets = [list(range(r * len(items) // w, (r + 1) * len(items) // w)) for r in range(w)]
+    order = torch.tensor([k for rows in sets for k in rows], dtype=torch.long)
+    return [items[k] for k in sets[rank()]], order.argsort()
 
 
 def gather(obj: T) -> list[T]:

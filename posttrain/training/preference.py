@@ -49,9 +49,10 @@ The loop never looks at the preset's name: ``needs_reference``, ``paired``,
    example once, then is freed; KTO keeps it for its batch-dependent mismatched pairs.
    Held-out examples are always scored by the reference once, at the start (by every
    process, when there are several).
-6. With ``W`` processes (``posttrain.parallel.distributed``) each trains on a contiguous
-   ``pairs_per_step / W`` of the step's examples, each micro-batch's loss weighted by its
-   share of the whole step, and the gradients are summed: the update of one process.
+6. With ``W`` processes (``posttrain.parallel.distributed``) the step's examples are split over
+   them by length, near-equal tokens each (``balanced_shard``: Karmarkar-Karp), each
+   micro-batch's loss weighted by its share of the whole step, and the gradients are summed:
+   the update of one process.
    KTO's mismatched pairs are the whole step's (each process scores its share of them),
    and the logged loss and metrics are computed on the whole step's log-probs.
    Pairs sampled from the policy need one process (``validate`` says so).
@@ -439,7 +440,8 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
         round_metrics = sample_policy_pairs(s)  # pairs_from policy: a new round from the current policy
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
     lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
-    mine = distributed.shard(idx)
+    tokens = example_tokens(s.train, idx, s.config.optim.share_prompts)
+    mine, in_step_order = distributed.balanced_shard(idx, tokens)  # near-equal tokens on every process
     micros = item_micro_batches(example_tokens(s.train, mine, s.config.optim.share_prompts),
                                 per_pass=s.examples_per_pass, budget=s.config.optim.max_tokens_per_micro_batch)
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
@@ -453,7 +455,8 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
     s.update_check.after_step(before, grad_norm, lr)
     # every process's log-probs, in the order of idx
     order = in_item_order(micros)
-    inputs = {name: distributed.gather_rows(torch.cat([part[name] for part in parts])[order]) for name in parts[0]}
+    inputs = {name: distributed.gather_rows(torch.cat([part[name] for part in parts])[order])[in_step_order]
+              for name in parts[0]}
     with torch.no_grad():
         loss, metrics = s.preset.preference_loss(**inputs, **kl)  # the step's loss, from its log-probs
     if not s.preset.paired:  # F.kto_loss reports rewards; show each kind's log-probs as the pairs do

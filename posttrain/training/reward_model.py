@@ -35,8 +35,9 @@ Decisions:
 3. The model runs in eval mode (no dropout, as TRL's ``disable_dropout``).
 4. ``micro_batch_size`` counts sequences: a pair is two (at least one pair per pass).
 5. Held-out pairwise accuracy counts a tie as half a win; its interval is Wilson's on that count.
-6. With ``W`` processes each scores a contiguous ``pairs_per_step / W`` of the step's pairs, each
-   micro-batch's loss weighted by its share of the whole step, and the gradients are summed.
+6. With ``W`` processes the step's pairs are split over them by length, near-equal tokens each
+   (``distributed.balanced_shard``: Karmarkar-Karp), each micro-batch's loss weighted by its share
+   of the whole step, and the gradients are summed.
 """
 
 from __future__ import annotations
@@ -342,9 +343,10 @@ def train_step(s: RewardModelSession) -> dict[str, float]:
     """One optimizer step of the Bradley-Terry loss over ``pairs_per_step`` pairs."""
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
     lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
-    mine = distributed.shard(idx)
-    costs = [len(s.train.chosen_ids[i]) + len(s.train.rejected_ids[i]) for i in mine]
-    micros = item_micro_batches(costs, per_pass=s.pairs_per_pass, budget=s.config.optim.max_tokens_per_micro_batch)
+    tokens = {i: len(s.train.chosen_ids[i]) + len(s.train.rejected_ids[i]) for i in idx}
+    mine, in_step_order = distributed.balanced_shard(idx, [tokens[i] for i in idx])  # near-equal tokens each
+    micros = item_micro_batches([tokens[i] for i in mine], per_pass=s.pairs_per_pass,
+                                budget=s.config.optim.max_tokens_per_micro_batch)
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
         parts = []
         for k, micro in enumerate(micros):
@@ -354,7 +356,7 @@ def train_step(s: RewardModelSession) -> dict[str, float]:
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
     s.update_check.after_step(before, grad_norm, lr)
     scores_n2 = torch.cat(parts, dim=1).T[in_item_order(micros)]  # this process's, in the order of mine
-    scores_2N = distributed.gather_rows(scores_n2).T  # every process's, in the order of idx
+    scores_2N = distributed.gather_rows(scores_n2)[in_step_order].T  # every process's, in the order of idx
     with torch.no_grad():
         loss, metrics = step_loss(s, scores_2N, idx)  # the step's loss, from its scores
     s.last_batch, s.last_scores = idx, scores_2N.cpu()

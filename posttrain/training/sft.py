@@ -41,7 +41,8 @@ Departures and decisions:
    share a micro-batch. With another attention, transformers' block mask of each row's examples, which
    needs a model class whose masks follow restarting position ids (``architecture.SUPPORTED``).
 5. An example with no trained token left (a prompt longer than ``max_length``) is dropped, and said so.
-6. With ``W`` processes each trains on a contiguous ``pairs_per_step / W`` of the step's examples;
+6. With ``W`` processes the step's examples are split over them by length, near-equal tokens each
+   (``distributed.balanced_shard``: Karmarkar-Karp), so no process waits on another's longer share;
    every process divides by the whole step's token count and the gradients are summed: the update
    of one process.
 """
@@ -360,7 +361,8 @@ def student_samples(s: SFTSession, idx: list[int]) -> tuple[SFTExamples, list[in
 def train_step(s: SFTSession) -> dict[str, float]:
     """One optimizer step of the NLL of ``pairs_per_step`` demonstrations."""
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
-    data, mine, sampled = s.train, distributed.shard(idx), on_policy(s)
+    mine, _ = distributed.balanced_shard(idx, [len(s.train.input_ids[i]) - 1 for i in idx])
+    data, sampled = s.train, on_policy(s)
     if sampled:  # GKD: the student's own samples of this process's prompts
         data, mine = student_samples(s, mine)
     tokens = int(distributed.all_sum(data.loss_tokens[mine].sum()))  # the step's normaliser, on every process
