@@ -1,0 +1,133 @@
+"""The SmolLM2 recipe's sampler against what this machine's memory bandwidth allows a decode step.
+
+    .venv/bin/python benchmarks/decode_floor.py               # the recipe: 16 prompts x 4 samples, bf16, LoRA r16
+    .venv/bin/python benchmarks/decode_floor.py --profile     # and where one decode step's time goes
+
+The session is ``benchmarks/run.py``'s ``grpo-smollm2-recipe`` (the recipe's model and settings, the
+replay's first prompts), sampling through its own generator (posttrain's decode loop and fused step).
+Prints, in one process:
+
+- the machine: read bandwidth (a sum over 512 MB of float32) and a 1024^3 bfloat16 matmul's rate;
+- what one decode step must read at least: the fused step's weights in the dtype it computes them in
+  (the layers in bfloat16 under the recipe's mixed precision, the LM head in float32) and the KV cache
+  at the step's context (float32, as the decode cache holds it), at the recipe's 64 rows;
+- the floor: those bytes at the measured bandwidth, and the step's GEMM FLOPs at the bf16 rate;
+- the step measured: ``(t(T) - t(1)) / (T - 1)`` with no EOS (every row runs the budget; the prefill
+  cancels), at the recipe's 128 tokens (mean context prompt + 64);
+- the recipe's real generate call (EOS on): completion tokens per second.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
+
+import run  # noqa: E402  # benchmarks/run.py: the recipe's session and replay
+
+NEVER = -1
+"""An EOS id no model produces: every row runs the whole budget."""
+
+
+def best_of(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return min(times)
+
+
+def step_bytes(model, rows: int, context: float) -> dict[str, float]:
+    """Bytes one fused decode step reads at least: its weights as it computes them, and the KV cache."""
+    from posttrain.models.modeling import autocast_dtype, unwrapped
+    from posttrain.rollout.decode_step import effective_weight
+
+    base = unwrapped(model)
+    layer_dtype = autocast_dtype(model) or torch.float32
+    layers = sum(effective_weight(m)[0].numel() for block in base.model.layers
+                 for m in block.modules() if isinstance(m, torch.nn.Linear) and not hasattr(m, "base_layer"))
+    head = base.lm_head.weight.numel()
+    c = base.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    cache = rows * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * context * 4
+    size = torch.tensor([], dtype=layer_dtype).element_size()
+    return {"layers": layers * size, "head": head * base.lm_head.weight.element_size(), "cache": cache,
+            "flops": 2 * rows * (layers + head)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--profile", action="store_true", help="torch.profiler's table of 16 decode steps")
+    args = parser.parse_args()
+
+    from posttrain.config import Config
+    from posttrain.rollout.completions import SamplingParams
+    from posttrain.rollout.generators import FastGenerator
+    from posttrain.training.session import OnlineSession
+
+    b = run.BENCHES["grpo-smollm2-recipe"]
+    rows_data, prompt_lists, _ = run.replay_rows(b, 1)
+    print(f"threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}", flush=True)
+    big = torch.randn(128 * 1024 * 1024)
+    bandwidth = 0.5e9 / best_of(big.sum, args.repeats)
+    del big
+    x, y = torch.randn(1024, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16)
+    bf16_rate = 10 * 2 * 1024**3 / best_of(lambda: [x @ y for _ in range(10)], args.repeats)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; bf16 matmul 1024^3 {bf16_rate / 1e9:.0f} GFLOP/s", flush=True)
+
+    with tempfile.TemporaryDirectory() as data:
+        s = OnlineSession.create(Config.from_flat(run.recipe_config(b, Path(data), 1, rows_data)))
+        prompts = [torch.tensor(ids) for ids in prompt_lists]
+        rows = len(prompts) * b.group
+        mean_prompt = statistics.mean(len(p) for p in prompts)
+        need = step_bytes(s.policy, rows, mean_prompt + b.new_tokens / 2)
+        total = need["layers"] + need["head"] + need["cache"]
+        print(f"{rows} rows, prompts {mean_prompt:.0f} tokens on average, {b.new_tokens} new tokens", flush=True)
+        print(f"one decode step reads at least: layers {need['layers'] / 1e6:.0f} MB, LM head {need['head'] / 1e6:.0f} "
+              f"MB, KV cache {need['cache'] / 1e6:.0f} MB (mean context); {total / 1e6:.0f} MB in all", flush=True)
+        floor = max(total / bandwidth, need["flops"] / bf16_rate)
+        print(f"floor: bytes / bandwidth {1e3 * total / bandwidth:.1f} ms, GEMM FLOPs / bf16 rate "
+              f"{1e3 * need['flops'] / bf16_rate:.1f} ms -> {1e3 * floor:.1f} ms/step, "
+              f"{rows / floor:.0f} tokens/s", flush=True)
+
+        def fixed(tokens: int) -> FastGenerator:
+            return FastGenerator(s.policy, s.tokenizer, SamplingParams(tokens, 0.7, 1.0, 0), [NEVER])
+
+        long, short = fixed(b.new_tokens), fixed(1)
+        t_long = best_of(lambda: long.generate(prompts, num_samples=b.group), args.repeats)
+        t_short = best_of(lambda: short.generate(prompts, num_samples=b.group), args.repeats)
+        step = (t_long - t_short) / (b.new_tokens - 1)
+        print(f"measured: {1e3 * step:.1f} ms/step, {rows / step:.0f} tokens/s at {rows} rows: "
+              f"{step / floor:.1f}x the floor (prefill and first token {t_short:.2f} s)", flush=True)
+        calls = []
+        for _ in range(args.repeats):
+            start = time.perf_counter()
+            out = s.generator.generate(prompts, num_samples=b.group)
+            calls.append((time.perf_counter() - start, int(out.mask.sum()), out.completion_ids.shape[1]))
+        wall, tokens, steps = (statistics.median(c[i] for c in calls) for i in range(3))
+        print(f"the recipe's generate (EOS on): {wall:.2f} s, {tokens:.0f} tokens in {steps:.0f} steps, "
+              f"{tokens / wall:.0f} tokens/s", flush=True)
+        if args.profile:
+            from torch.profiler import ProfilerActivity, profile
+
+            sixteen = fixed(16)
+            with profile(activities=[ProfilerActivity.CPU]) as prof:
+                sixteen.generate(prompts, num_samples=b.group)
+            print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=25))
+    print(f"load average at the end {os.getloadavg()[0]:.1f}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
