@@ -5,7 +5,8 @@ Layout. The rows of a micro-batch form groups: the rows that share a prompt (a G
 prompts are shared) or each row alone. A group is one contiguous span of the packed row: its prompt, then
 each member's completion inputs (the completion tokens but the last, which predicts nothing). Positions
 restart at every group: the prompt's run ``0..P-1`` and every completion continues from ``P``, exactly
-the positions the padded path gives its real tokens.
+the positions the padded path gives its real tokens. SFT's examples and a reward model's texts are
+whole sequences one after another (:func:`sequences_layout`): a group of one member each.
 
 Attention. Within a group, a prompt token sees the prompt's earlier tokens, and a completion token sees
 the whole prompt and its own completion's earlier tokens, never a sibling's. That is the padded path's
@@ -145,9 +146,9 @@ def packed_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor, pr
     device = input_ids.device
     ids, positions, layout = pack(input_ids.cpu(), attention_mask.cpu(), prompt_width, lengths.cpu(),
                                   None if owner_n is None else owner_n.cpu())
-    hidden = packed_forward(body, ids.to(device), positions.to(device), layout.to(device)).last_hidden_state[0]  # [S, D]
+    hidden_SD = packed_forward(body, ids.to(device), positions.to(device), layout.to(device)).last_hidden_state[0]
     index, valid = layout.index_NT.to(device), layout.valid_NT.to(device)
-    out = hidden.index_select(0, index.view(-1)).view(*index.shape, -1) * valid[..., None]
+    out = hidden_SD.index_select(0, index.view(-1)).view(*index.shape, -1) * valid[..., None]
     return torch.nn.functional.pad(out, (0, 0, 0, width - out.shape[1]))
 
 

@@ -150,8 +150,8 @@ def sequence_scores(model: nn.Module, sequences: list[Tensor], pad_id: int) -> T
     if parts is not None and has_packed_attention(parts[0]):
         stack, score = parts
         lengths = [len(ids) for ids in sequences]
-        ends = torch.tensor([0] + lengths[:-1]).cumsum(0) + torch.tensor(scored_positions(sequences,
-                                                                                         unwrapped(model).config.pad_token_id))
+        starts = torch.tensor([0] + lengths[:-1]).cumsum(0)
+        ends = starts + torch.tensor(scored_positions(sequences, unwrapped(model).config.pad_token_id))
         positions = torch.cat([torch.arange(n) for n in lengths])[None]
         hidden_SD = packed_forward(stack, torch.cat(sequences)[None].to(device), positions.to(device),
                                    sequences_layout(lengths).to(device)).last_hidden_state[0]

@@ -440,10 +440,10 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
         round_metrics = sample_policy_pairs(s)  # pairs_from policy: a new round from the current policy
     idx = s.sampler.next(s.config.preference.pairs_per_step)  # the whole step's, the same on every process
     lr = s.scheduler.get_last_lr()[0]  # this step's; apply_gradients moves the scheduler on
-    tokens = example_tokens(s.train, idx, s.config.optim.share_prompts)
-    mine, in_step_order = distributed.balanced_shard(idx, tokens)  # near-equal tokens on every process
-    micros = item_micro_batches(example_tokens(s.train, mine, s.config.optim.share_prompts),
-                                per_pass=s.examples_per_pass, budget=s.config.optim.max_tokens_per_micro_batch)
+    tokens = dict(zip(idx, example_tokens(s.train, idx, s.config.optim.share_prompts)))
+    mine, in_step_order = distributed.balanced_shard(idx, [tokens[i] for i in idx])  # near-equal tokens each
+    micros = item_micro_batches([tokens[i] for i in mine], per_pass=s.examples_per_pass,
+                                budget=s.config.optim.max_tokens_per_micro_batch)
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
         kl = kl_inputs(s, idx)
         parts = []

@@ -9,8 +9,9 @@ One optimizer step (``train_step``), top to bottom:
    restarting per example (attention stays within each), or one per row, right-padded
    (``packing``; ``posttrain.data.sft.arrange``);
 3. per micro-batch of ``micro_batch_size`` rows (or of examples up to ``max_tokens_per_micro_batch``
-   tokens): one forward pass, the log-prob of each trained token (the LM head folded into the log-softmax for the architectures ``modeling.split_head``
-   knows, so no ``[R, W, V]`` logits exist), the summed NLL divided by the step's normaliser
+   tokens): one forward pass, the log-prob of each trained token (the LM head folded into the
+   log-softmax for the architectures ``modeling.split_head`` knows, so no ``[R, W, V]`` logits
+   exist), the summed NLL divided by the step's normaliser
    (``F.nll_loss``), backward: the micro-batches' gradients add up to the whole step's token mean,
    however the step is cut into rows and micro-batches;
 4. one guarded optimizer step (``posttrain.training.optim``: a non-finite gradient is skipped);
@@ -135,8 +136,9 @@ class SFTSession:
         policy, tokenizer, _ = load_policy(config, name, inputs, needs_reference=False,
                                            train_mode=False)  # no dropout (decision 2)
         teacher = load_teacher(config, name, tokenizer, preset.objective == "gkd", preset.name)
-        if pc.packing and not has_packed_attention(unwrapped(policy)) and not is_supported_class(unwrapped(policy)):
-            raise ConfigError(f"packing: {type(unwrapped(policy)).__name__} is not one of {', '.join(SUPPORTED)}, "
+        base = unwrapped(policy)
+        if pc.packing and not has_packed_attention(base) and not is_supported_class(base):
+            raise ConfigError(f"packing: {type(base).__name__} is not one of {', '.join(SUPPORTED)}, "
                               "whose attention transformers keeps within each packed example; set --no-packing")
         e = config.episodes
         tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools), *(task.tools if task else ()))
@@ -267,7 +269,8 @@ def token_logprobs(model: nn.Module, batch: TokenRows) -> Tensor:
         logp_M, _ = F.linear_log_softmax(hidden_MD.to(parts[1].weight.dtype), parts[1].weight,
                                          batch.targets[mask_RW], bias=parts[1].bias)
     else:
-        logp_M = F.selective_log_softmax(out.logits.flatten(0, 1)[trained.flatten()][None], batch.targets[mask_RW][None])[0]
+        logits_MV = out.logits.flatten(0, 1)[trained.flatten()]
+        logp_M = F.selective_log_softmax(logits_MV[None], batch.targets[mask_RW][None])[0]
     return logp_M.new_zeros(mask_RW.shape).masked_scatter(mask_RW, logp_M)
 
 
