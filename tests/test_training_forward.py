@@ -369,3 +369,77 @@ def test_a_packed_pass_builds_no_attention_mask(monkeypatch):
                         lambda *args, **kwargs: masks.append(build(*args, **kwargs)) or masks[-1])
     run()
     assert masks == [None]
+
+
+def reference_varlen_attn(q, k, v, cu_q, cu_k, max_q, max_k, *, scale, window_size, enable_gqa):
+    """PyTorch's ``varlen_attn`` as documented, on the CPU: per segment, causal from the bottom right (query i
+    of mq sees keys up to i + mk - mq), which ``window_size=(-1, 0)`` asks for."""
+    assert window_size == (-1, 0) and max_q == int((cu_q[1:] - cu_q[:-1]).max())
+    assert max_k == int((cu_k[1:] - cu_k[:-1]).max())
+    outs = []
+    for s in range(len(cu_q) - 1):
+        qs = q[cu_q[s]:cu_q[s + 1]].transpose(0, 1)  # [H, mq, d]
+        ks, vs = (t[cu_k[s]:cu_k[s + 1]].transpose(0, 1) for t in (k, v))
+        mq, mk = qs.shape[1], ks.shape[1]
+        mask = torch.ones(mq, mk, dtype=torch.bool).tril(mk - mq)
+        outs.append(torch.nn.functional.scaled_dot_product_attention(
+            qs, ks, vs, attn_mask=mask, scale=scale, enable_gqa=enable_gqa).transpose(0, 1))
+    return torch.cat(outs)
+
+
+@pytest.mark.parametrize("shared", [False, True], ids=["distinct-prompts", "shared-prompts"])
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_the_variable_length_layout_equals_the_models_own_forward(kind, shared, monkeypatch):
+    """The GPU path's segments (packing.VarlenIndex: a completion's keys are its prompt's and its own, causal
+    from the bottom right) through a CPU stand-in for FlashAttention's varlen kernel, against the model's
+    own forward over padded rows: log-probs, entropies, values, every gradient."""
+    from posttrain.models import modeling, packing
+    from posttrain.models.modeling import use_packed_attention
+
+    calls = []
+    monkeypatch.setattr(packing, "varlen_kernel", lambda query: lambda *a, **kw: calls.append(a[3]) or
+                        reference_varlen_attn(*a, **kw))
+    batch, run, _ = forward_case(kind, False, shared, monkeypatch, lambda model: use_packed_attention(model))
+    varlen, varlen_grads = run()
+    # one call per layer: a segment per row, or (shared) for prompts a and b a prompt segment and one per
+    # completion each, and row 3 (prompt c, alone) one
+    segments = 7 if shared else 5
+    assert calls and all(len(cu) == segments + 1 for cu in calls)
+    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    direct, direct_grads = run()
+    assert_same_forward(varlen, direct, varlen_grads, direct_grads, batch.mask)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="FlashAttention's varlen kernel runs on a CUDA GPU")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
+def test_the_cuda_varlen_kernel_equals_per_group_attention(dtype):
+    """On a GPU (scripts/gpu_check.sh): PyTorch's varlen_attn over the layout's segments against one SDPA call
+    per group, outputs and gradients within the dtype's rounding."""
+    from posttrain.models import packing
+
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([5, 6, 7]), torch.tensor([9, 10])]
+    ids = torch.zeros(4, 3 + 4, dtype=torch.long)
+    mask = torch.zeros_like(ids)
+    lengths = torch.tensor([4, 2, 3, 1])
+    for row, (prompt, n) in enumerate(zip(prompts, lengths)):
+        ids[row, 3 - len(prompt):3], mask[row, 3 - len(prompt):3] = prompt, 1
+        ids[row, 3:3 + n], mask[row, 3:3 + n] = torch.arange(11, 11 + n), 1
+    _, _, layout = packing.pack(ids, mask, 3, lengths, torch.tensor([0, 1, 0, 2]))
+    layout = layout.to(torch.device("cuda"))
+    size = sum(piece for span in layout.spans for piece in span.pieces)
+    torch.manual_seed(0)
+    q = torch.randn(1, 4, size, 16, device="cuda", dtype=dtype, requires_grad=True)
+    k, v = (torch.randn(1, 2, size, 16, device="cuda", dtype=dtype, requires_grad=True) for _ in range(2))
+    kernel = packing.varlen_kernel(q)
+    assert kernel is not None
+    outs = []
+    for attend in (lambda: packing._varlen_attention(q, k, v, layout, 0.25, kernel)[0],
+                   lambda: packing._packed_attention(q, k, v, layout, 0.25)[0]):
+        out = attend()
+        grads = torch.autograd.grad((out.float() * torch.linspace(-1, 1, out.numel(), device="cuda").view_as(out)).sum(),
+                                    (q, k, v))
+        outs.append((out, grads))
+    tolerance = dict(rtol=2e-2, atol=2e-2)
+    torch.testing.assert_close(outs[0][0], outs[1][0], **tolerance)
+    for a, b in zip(outs[0][1], outs[1][1]):
+        torch.testing.assert_close(a, b, **tolerance)

@@ -14,9 +14,12 @@ attention, restricted to real tokens, so the hidden states are the same up to fl
 A single sequence is one causal SDPA call (``is_causal`` lets the CPU kernel skip the blocks above the
 diagonal); a shared prompt's group is one causal call for the prompt and one per completion, over the
 prompt's keys and values and its own (an explicit ``[m, P + m]`` mask): a sibling's tokens are never
-computed against, where one masked call over the whole group would compute every pair of its tokens. No CPU kernel takes variable-length batches (FlashAttention's
-varlen has no CPU path, FlexAttention no CPU backward), so the groups run one call each: a few per layer
-at the recipe's shape, against one GEMM pass over every real token instead of the padded rectangle.
+computed against, where one masked call over the whole group would compute every pair of its tokens.
+No CPU kernel takes variable-length batches (FlashAttention's varlen has no CPU path, FlexAttention no
+CPU backward), so the groups run one call each: a few per layer at the recipe's shape, against one GEMM
+pass over every real token instead of the padded rectangle. On a CUDA GPU in float16 or bfloat16 the
+whole layout is one call of PyTorch's FlashAttention ``varlen_attn`` instead (:class:`VarlenIndex`: a
+completion's segment holds the prompt's keys and its own, causal from the bottom right).
 
 The attention function is registered with transformers under :data:`PACKED_SDPA` (and its float32 form
 for CPU mixed precision) and dispatches on its keyword argument: a forward without a layout runs
@@ -68,11 +71,49 @@ class PackedLayout:
     spans: list[Span]
     index_NT: Tensor
     valid_NT: Tensor
+    varlen: VarlenIndex | None = None  # built by the first layer that runs the variable-length kernel
 
     def to(self, device: torch.device) -> PackedLayout:
         spans = [Span(s.start, s.prompt, s.blocks, None if s.masks is None else [m.to(device) for m in s.masks])
                  for s in self.spans]
         return PackedLayout(spans, self.index_NT.to(device), self.valid_NT.to(device))
+
+
+@dataclass
+class VarlenIndex:
+    """The layout as one variable-length attention call's segments, in the packed row's order: a single
+    sequence is a causal segment over itself; a shared prompt's group is the prompt's segment, then one
+    per completion whose keys are the prompt's and its own.
+
+    key_index: [K] the packed position of each key, segment by segment (a prompt's once per completion);
+    cu_q, cu_k: [segments + 1] int32 offsets of each segment's queries (into the packed row) and keys (into
+    ``key_index``); max_q, max_k: the longest segment's queries and keys."""
+
+    key_index: Tensor
+    cu_q: Tensor
+    cu_k: Tensor
+    max_q: int
+    max_k: int
+
+    @classmethod
+    def of(cls, layout: PackedLayout, device: torch.device) -> VarlenIndex:
+        keys, queries = [], []  # per segment: key positions; query count
+        for span in layout.spans:
+            if span.masks is None:
+                length = span.pieces[0]
+                keys.append(torch.arange(span.start, span.start + length))
+                queries.append(length)
+                continue
+            prompt = torch.arange(span.start, span.start + span.prompt)
+            keys.append(prompt)
+            queries.append(span.prompt)
+            for offset, m in span.blocks:
+                keys.append(torch.cat([prompt, torch.arange(span.start + offset, span.start + offset + m)]))
+                queries.append(m)
+        lengths = [len(k) for k in keys]
+        cu_q = torch.tensor([0] + queries).cumsum(0).to(torch.int32)
+        cu_k = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
+        return cls(torch.cat(keys).to(device), cu_q.to(device), cu_k.to(device), max(queries), max(lengths))
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: Tensor,
@@ -178,6 +219,45 @@ def _packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedL
     return torch.cat(outputs, 2).transpose(1, 2).contiguous(), None
 
 
+def varlen_kernel(query: Tensor):
+    """The variable-length attention kernel for ``query``'s device and dtype: PyTorch's FlashAttention
+    ``varlen_attn`` on a CUDA GPU in float16 or bfloat16 (FlashAttention's dtypes), else None (the per-group
+    SDPA calls of :func:`_packed_attention`; no CPU kernel takes variable-length batches)."""
+    if not query.is_cuda or query.dtype not in (torch.float16, torch.bfloat16):
+        return None
+    if torch.cuda.get_device_capability(query.device)[0] < 8:  # FlashAttention 2 needs Ampere or newer
+        return None
+    try:
+        from torch.nn.attention.varlen import varlen_attn
+    except ImportError:  # before PyTorch 2.10
+        return None
+    return varlen_attn
+
+
+def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scaling: float | None,
+                      kernel) -> tuple[Tensor, None]:
+    """[1, H, S, d] query, [1, H_kv, S, d] key and value -> [1, S, H, d]: the layout's attention in one
+    variable-length call (:class:`VarlenIndex`). Causality is FlashAttention's bottom-right alignment
+    (``window_size=(-1, 0)``): a completion's query ``i`` of ``m`` sees its ``P + m`` keys up to ``P + i``,
+    the whole prompt and its own earlier tokens."""
+    if layout.varlen is None:
+        layout.varlen = VarlenIndex.of(layout, query.device)
+    v = layout.varlen
+    q = query[0].transpose(0, 1)  # [S, H, d]
+    k, val = key[0].transpose(0, 1)[v.key_index], value[0].transpose(0, 1)[v.key_index]  # [K, H_kv, d]
+    out = kernel(q, k, val, v.cu_q, v.cu_k, v.max_q, v.max_k, scale=scaling, window_size=(-1, 0),
+                 enable_gqa=query.shape[1] != key.shape[1])
+    return out[None], None
+
+
+def _packed_or_varlen(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout,
+                      scaling: float | None) -> tuple[Tensor, None]:
+    kernel = varlen_kernel(query)
+    if kernel is not None:
+        return _varlen_attention(query, key, value, layout, scaling, kernel)
+    return _packed_attention(query, key, value, layout, scaling)
+
+
 def _attention(in_float32: bool):
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                   **kwargs):
@@ -186,7 +266,7 @@ def _attention(in_float32: bool):
         layout = kwargs.pop("posttrain_layout", None)
         if not in_float32:
             if layout is not None:
-                return _packed_attention(query, key, value, layout, kwargs.get("scaling"))
+                return _packed_or_varlen(query, key, value, layout, kwargs.get("scaling"))
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
         with torch.autocast(query.device.type, enabled=False):
             query, key, value = query.float(), key.float(), value.float()
