@@ -11,6 +11,7 @@ import torch
 from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm
 from posttrain.config import Config
 from posttrain.models.modeling import collate, forward
+from posttrain.models.packing import has_packed_attention
 from posttrain.training import online
 from posttrain.training.online import has_signal, mini_batch_rows, train_step
 from posttrain.training.runner import run_training
@@ -33,10 +34,12 @@ def make_config(model_dir, reward_file, algorithm="grpo", reward="sevens", **fla
 
 
 def recompute_loss(s: OnlineSession, policy, value_head) -> torch.Tensor:
-    """The step's loss from the logged batch, by the functional API, with the pre-update weights."""
+    """The step's loss from the logged batch, by the functional API, with the pre-update weights, through one
+    padded pass (no packing, no shared prompt): the training step's packed passes must give its loss."""
     g, alg = s.last_groups, s.alg
     comp = g.completions
-    batch = collate(g.prompt_ids, comp.completion_ids, comp.mask, s.pad_id, s.device)
+    batch = collate(g.prompt_ids, comp.completion_ids, comp.mask, s.pad_id, s.device, share_prompts=False,
+                    trim_padding=False)
     with torch.no_grad():
         out = forward(policy, batch, value_head=value_head)
     t = out.logprobs.shape[1]
@@ -64,6 +67,7 @@ def test_each_online_preset_trains_on_exactly_the_functional_loss(name, tiny_mod
     if ALGORITHMS[name].binary_reward is not None:
         overrides["binary_reward"] = None  # the random model is never right: train on the dense reward
     s = OnlineSession.create(make_config(tiny_model_dir, reward_file, name, micro_batch_size=5, **overrides))
+    assert has_packed_attention(s.policy)  # the step's passes are packed; recompute_loss's are padded
     policy, head = copy.deepcopy(s.policy), copy.deepcopy(s.value_head)
     metrics = train_step(s)
     expected = recompute_loss(s, policy, head)
