@@ -86,10 +86,10 @@ class VarlenIndex:
     per completion whose keys are the prompt's and its own.
 
     key_index: [K] the packed position of each key, segment by segment (a prompt's once per completion);
-    cu_q, cu_k: [segments + 1] int32 offsets of each segment's queries (into the packed row) and keys (into
+    None where no prompt is shared (the keys are the packed row as it is); cu_q, cu_k: [segments + 1] int32 offsets of each segment's queries (into the packed row) and keys (into
     ``key_index``); max_q, max_k: the longest segment's queries and keys."""
 
-    key_index: Tensor
+    key_index: Tensor | None
     cu_q: Tensor
     cu_k: Tensor
     max_q: int
@@ -113,7 +113,9 @@ class VarlenIndex:
         lengths = [len(k) for k in keys]
         cu_q = torch.tensor([0] + queries).cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        return cls(torch.cat(keys).to(device), cu_q.to(device), cu_k.to(device), max(queries), max(lengths))
+        shared = any(span.masks is not None for span in layout.spans)
+        key_index = torch.cat(keys).to(device) if shared else None
+        return cls(key_index, cu_q.to(device), cu_k.to(device), max(queries), max(lengths))
 
 
 def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: Tensor,
@@ -243,8 +245,9 @@ def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedL
     if layout.varlen is None:
         layout.varlen = VarlenIndex.of(layout, query.device)
     v = layout.varlen
-    q = query[0].transpose(0, 1)  # [S, H, d]
-    k, val = key[0].transpose(0, 1)[v.key_index], value[0].transpose(0, 1)[v.key_index]  # [K, H_kv, d]
+    q, k, val = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, H, d], [S, H_kv, d]
+    if v.key_index is not None:  # a shared prompt's keys again for each of its completions: [K, H_kv, d]
+        k, val = k[v.key_index], val[v.key_index]
     out = kernel(q, k, val, v.cu_q, v.cu_k, v.max_q, v.max_k, scale=scaling, window_size=(-1, 0),
                  enable_gqa=query.shape[1] != key.shape[1])
     return out[None], None
