@@ -55,8 +55,10 @@ def step_bytes(model, rows: int, context: float) -> dict[str, float]:
 
     base = unwrapped(model)
     layer_dtype = autocast_dtype(model) or torch.float32
-    layers = sum(effective_weight(m)[0].numel() for block in base.model.layers
-                 for m in block.modules() if isinstance(m, torch.nn.Linear) and not hasattr(m, "base_layer"))
+    # the projections' weights as the fused step holds them (LoRA folded in): the adapters' own small
+    # matrices are not read at decode time
+    layers = sum(effective_weight(m)[0].numel() for block in base.model.layers for name, m in block.named_modules()
+                 if isinstance(m, torch.nn.Linear) and not hasattr(m, "base_layer") and "lora_" not in name)
     head = base.lm_head.weight.numel()
     c = base.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
