@@ -177,15 +177,16 @@ def trained(data: Path, model_dir, reward_file, name: str, **flat) -> dict:
             return train(s, train_step)
         finally:
             s.close()
-    if name in OFFLINE:
-        session = (SFTSession if name == "sft" else RewardModelSession).create(preference_config(
-            data, model_dir, name, **({"dataset": str(data / "demonstrations.jsonl")} if name == "sft" else {}), **flat))
-        return train(session, sft_train_step if name == "sft" else reward_model_train_step)
+    if name == "sft":
+        config = offline_config(data, model_dir, name, dataset=str(data / "demonstrations.jsonl"), **flat)
+        return train(SFTSession.create(config), sft_train_step)
+    if name == "reward_model":
+        return train(RewardModelSession.create(offline_config(data, model_dir, name, **flat)), reward_model_train_step)
     if name in BUDGETED:
         return trained(data, model_dir, reward_file, BUDGETED[name], max_tokens_per_micro_batch=40, **flat)
     if name not in PREFERENCE:
         return train(fixed_session(online_config(data, model_dir, reward_file, name, **flat)), train_step)
-    return train(PreferenceSession.create(preference_config(data, model_dir, name, **flat)), preference_train_step)
+    return train(PreferenceSession.create(offline_config(data, model_dir, name, **flat)), preference_train_step)
 
 
 def run_config(data: Path, model_dir, reward_file, output, **flat) -> Config:
@@ -194,7 +195,7 @@ def run_config(data: Path, model_dir, reward_file, output, **flat) -> Config:
                          log_samples_every=1, report_to="tensorboard", lr_schedule="constant", **flat)
 
 
-def preference_config(data: Path, model_dir, algorithm: str, **flat) -> Config:
+def offline_config(data: Path, model_dir, algorithm: str, **flat) -> Config:
     return Config.from_flat({**dict(
         algorithm=algorithm, model=str(model_dir), dataset=str(data / "pairs.jsonl"), pairs_per_step=4,
         micro_batch_size=2, learning_rate=1e-3, max_steps=STEPS, max_grad_norm=0.0, device="cpu", progress=False,
@@ -441,7 +442,7 @@ def test_prompts_per_step_must_split_evenly_over_the_processes(tiny_model_dir, r
     with pytest.raises(ConfigError, match=r"prompts_per_step: 4 prompts do not split evenly over 3 processes"):
         OnlineSession.create(online_config(tmp_path, tiny_model_dir, reward_file, "grpo"))
     with pytest.raises(ConfigError, match=r"pairs_per_step: 4 examples do not split evenly over 3 processes"):
-        PreferenceSession.create(preference_config(tmp_path, tiny_model_dir, "dpo"))
+        PreferenceSession.create(offline_config(tmp_path, tiny_model_dir, "dpo"))
 
 
 def test_fsdp_process_without_rows_joins_the_step(two_processes):
@@ -486,7 +487,7 @@ def test_fsdp_refuses_what_it_does_not_do(tiny_model_dir, reward_file, tmp_path,
     monkeypatch.setenv("ACCELERATE_USE_FSDP", "true")  # what `accelerate launch` sets for an FSDP config
     monkeypatch.setenv("FSDP_OFFLOAD_PARAMS", "true")
     with pytest.raises(ConfigError, match="fsdp: CPU offload"):
-        PreferenceSession.create(preference_config(tmp_path, tiny_model_dir, "dpo"))
+        PreferenceSession.create(offline_config(tmp_path, tiny_model_dir, "dpo"))
 
 
 def test_fsdp_in_one_process_is_the_plain_run(tiny_model_dir, reward_file, tmp_path):

@@ -26,6 +26,7 @@ from posttrain.data.prompts import DataError
 from posttrain.data.rewards import RewardModel, reward_model_text
 from posttrain.data.tasks.addition import make_rows
 from posttrain.data.tasks.addition_pairs import pair_row
+from posttrain.models.batching import item_micro_batches
 from posttrain.models.modeling import right_pad
 from posttrain.models.packing import has_packed_attention
 from posttrain.models.reward_head import sequence_scores
@@ -123,8 +124,7 @@ def test_a_packed_pass_scores_where_transformers_does_and_gives_the_padded_gradi
     the packed pass's scores and gradients equal the padded pass's (full fine-tuning and LoRA)."""
     sessions = [RewardModelSession.create(make_config(tiny_model_dir, pair_files, trim_padding=trim, **extra))
                 for trim in (True, False)]
-    sequences = [s_ids for s_ids in sessions[0].train.chosen_ids[:3]] + [torch.tensor([1, 5, 6, 0, 0]),
-                                                                        torch.tensor([1, 7])]
+    sequences = list(sessions[0].train.chosen_ids[:3]) + [torch.tensor([1, 5, 6, 0, 0]), torch.tensor([1, 7])]
     outcomes = []
     for s in sessions:
         s.policy.zero_grad()
@@ -194,8 +194,9 @@ def test_step_loss_is_bradley_terry_with_each_pairs_margin(tiny_model_dir, pair_
 
 
 def test_micro_batching_gives_the_same_gradient(tiny_model_dir, pair_files, monkeypatch):
-    """Micro-batches of one pair (2 or 3 sequences) and of at most 60 tokens accumulate the whole batch's
-    gradient, margin and centring included, and log its loss; packed passes give the padded pass's."""
+    """Micro-batches of one pair (2 or 3 sequences) and of a token budget (pairs placed out of order, which
+    the margins would notice) accumulate the whole batch's gradient, margin and centring included, and log
+    its loss; packed passes give the padded pass's."""
     grads = []
 
     def capture(optimizer, scheduler, optim, bad_steps):
@@ -203,12 +204,20 @@ def test_micro_batching_gives_the_same_gradient(tiny_model_dir, pair_files, monk
         optimizer.zero_grad()
         return 1.0, 0
 
+    def session(**settings):
+        return RewardModelSession.create(make_config(tiny_model_dir, pair_files, **{"micro_batch_size": 64, **settings},
+                                                     pairs_per_step=5, center_rewards_coefficient=0.1))
+
     monkeypatch.setattr(reward_model, "apply_gradients", capture)
+    padded = session(trim_padding=False)
+    costs = [len(padded.train.chosen_ids[i]) + len(padded.train.rejected_ids[i])
+             for i in copy.deepcopy(padded.sampler).next(5)]
+    budget = max(costs) + min(costs)  # the longest pair and the shortest fit: several passes, not in order
+    micros = item_micro_batches(costs, per_pass=0, budget=budget)
+    assert 1 < len(micros) < 5 and sum(micros, []) != list(range(5))
     losses = []
-    for settings in (dict(trim_padding=False), {}, dict(micro_batch_size=2), dict(micro_batch_size=3),
-                     dict(max_tokens_per_micro_batch=60)):
-        s = RewardModelSession.create(make_config(tiny_model_dir, pair_files, **{"micro_batch_size": 64, **settings},
-                                                  pairs_per_step=5, center_rewards_coefficient=0.1))
+    for s in (padded, session(), session(micro_batch_size=2), session(micro_batch_size=3),
+              session(max_tokens_per_micro_batch=budget)):
         s.update_check.done = True  # the captured step applies nothing, on purpose
         grads.append([])
         losses.append(train_step(s)["loss"])
