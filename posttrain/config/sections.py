@@ -241,7 +241,7 @@ class DataConfig:
         require.raise_any()
 
 
-TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral", "json", "inline")
+TOOL_FORMATS = ("auto", "hermes", "llama3", "mistral", "json", "inline", "qwen3_coder", "harmony")
 
 CORRECTIONS = {"token-truncate": ("token", "truncate"), "token-mask": ("token", "mask"),
                "sequence-truncate": ("sequence", "truncate"), "sequence-mask": ("sequence", "mask"),
@@ -313,11 +313,13 @@ class EpisodeConfig:
         "episode in which a call's result is inserted (and never trained on) before the policy goes on.", (),
     )
     tool_format: str | None = _help(
-        "How calls are written: auto (from the chat template: hermes, llama3 or mistral where it renders tool "
-        "calls, else json); hermes (Qwen, Hermes: <tool_call>{...}</tool_call>), llama3 ({\"name\": ..., "
-        "\"parameters\": ...}) or mistral ([TOOL_CALLS] [...]), each ending the turn, its results rendered by the "
-        "chat template; json (<tool_call>{...}</tool_call> mid-turn, answered by <tool_response>) or inline ([tool "
-        "argument], for character-level models). Default: the task's, else auto.")
+        "How calls are written: auto (from the chat template: one of the families below where it renders tool "
+        "calls, else json); hermes (Qwen2.5/3, Hermes: <tool_call>{...}</tool_call>), llama3 ({\"name\": ..., "
+        "\"parameters\": ...}), mistral ([TOOL_CALLS] [...]), qwen3_coder (Qwen3-Coder, Qwen3.5: <tool_call> "
+        "<function=NAME> <parameter=ARG>...) or harmony (gpt-oss: a message to=functions.NAME ending with "
+        "<|call|>), each ending the turn, its results rendered by the chat template; json (<tool_call>{...}"
+        "</tool_call> mid-turn, answered by <tool_response>) or inline ([tool argument], for character-level "
+        "models). Default: the task's, else auto.")
     environment: str | None = _help(
         "An environment the policy plays, as FILE.py:CLASS (reset(row), step(turn) -> Step; "
         "posttrain.data.environments): each completion is an episode whose turns the environment answers; its "

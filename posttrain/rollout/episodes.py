@@ -25,6 +25,7 @@ with that message. An environment that raises ends its episode with a penalty
 from __future__ import annotations
 
 import dataclasses
+import functools
 import json
 import math
 import re
@@ -39,7 +40,7 @@ from posttrain.data import isolation
 from posttrain.data.environments import Environment, Step
 from posttrain.rollout.completions import Completions, Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
-from posttrain.rollout.tool_formats import ChatTemplateCalls, ToolCall, detect_format
+from posttrain.rollout.tool_formats import FAMILIES, ChatTemplateCalls, ToolCall, detect_format
 
 TOOL_ERRORS = ("unknown_tool", "malformed_call", "error", "timeout", "crash", "not_text")
 """The kinds of tool fault :class:`EpisodeStats` counts."""
@@ -186,9 +187,13 @@ def make_episode_generator(backend: str, model: Any, tokenizer: Any, params: Sam
                            tools: Tools | None, fmt: ToolFormat | None, *, max_turns: int, seed: int = 0,
                            environment: Callable[[], Environment] | None = None,
                            on_error: str = "feedback") -> "EpisodeGenerator":
-    """Episodes whose turns the configured generator samples, stopping at ``eos_ids`` and (with tools)
-    where a call closes; an environment's observations are rendered as user turns of the chat template."""
-    stop_ids = [tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]] if tools is not None else []
+    """Episodes whose turns the configured generator samples, stopping at ``eos_ids`` (with a chat-template
+    format, at its family's end-of-turn tokens too) and, with a mid-turn format, where a call closes; an
+    environment's observations are rendered as user turns of the chat template."""
+    if isinstance(fmt, ChatTemplateCalls):  # a call ends the turn: at the family's end-of-turn tokens too
+        eos_ids = [*eos_ids, *(i for i in fmt.turn_end_ids(tokenizer) if i not in eos_ids)]
+    stop_ids = ([tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1]]
+                if tools is not None and fmt.call_end is not None else [])
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_ids[0]
     return EpisodeGenerator(TurnGenerators(backend, model, tokenizer, params, [*eos_ids, *stop_ids], seed),
                             tokenizer, tools, fmt, environment=environment,
@@ -250,9 +255,7 @@ class UserTurn:
 
 
 FORMATS: dict[str, Callable[[], Any]] = {"json": JSONCalls, "inline": InlineCalls,
-                                        "hermes": lambda: ChatTemplateCalls("hermes"),
-                                        "llama3": lambda: ChatTemplateCalls("llama3"),
-                                        "mistral": lambda: ChatTemplateCalls("mistral")}
+                                        **{family: functools.partial(ChatTemplateCalls, family) for family in FAMILIES}}
 """``tool_format`` name -> the format (``auto``: :func:`tool_format` picks one from the chat template)."""
 
 

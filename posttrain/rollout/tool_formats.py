@@ -2,17 +2,40 @@
 
 Two kinds of format. A **mid-turn** format (``json``, ``inline``) closes a call with a marker
 (``</tool_call>``, ``]``); the turn stops there and the result is inserted as the format writes it.
-A **chat-template** format (``hermes``, ``llama3``, ``mistral``) is how the family's own template
-writes an assistant message with ``tool_calls``: the call ends the assistant's turn (its end-of-turn
-token), and the results are inserted as the tokenizer's chat template renders ``tool`` messages after
-that turn, up to where the next assistant turn starts. Nothing of the template is written here: the
-inserted text is the template's, found by rendering the conversation with and without the results.
+A **chat-template** format (``hermes``, ``llama3``, ``mistral``, ``qwen3_coder``, ``harmony``) is how
+the family's own template writes an assistant message with ``tool_calls``: the call ends the
+assistant's turn (its end-of-turn token), and the results are inserted as the tokenizer's chat template
+renders ``tool`` messages after that turn, up to where the next assistant turn starts. Nothing of the
+template is written here: the inserted text is the template's, found by rendering the conversation
+with and without the results.
 
 | format | a call | the result (as the template renders it) |
 |---|---|---|
 | ``hermes`` (Hermes, Qwen2/2.5/3) | ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``, one or more | a user turn of ``<tool_response>`` blocks |
 | ``llama3`` (Llama 3.1-3.3) | the turn is ``{"name": ..., "parameters": {...}}`` (``<|python_tag|>`` allowed) | an ``ipython`` turn |
 | ``mistral`` (Mistral v3 tokenizer) | ``[TOOL_CALLS] [{"name": ..., "arguments": {...}, "id": "9 chars"}]`` | ``[TOOL_RESULTS] ... [/TOOL_RESULTS]`` |
+| ``qwen3_coder`` (Qwen3-Coder, Qwen3.5) | ``<tool_call>\\n<function=NAME>\\n<parameter=ARG>\\nVALUE\\n</parameter>\\n</function>\\n</tool_call>``, one or more | a user turn of ``<tool_response>`` blocks |
+| ``harmony`` (gpt-oss) | a message to ``functions.NAME`` with JSON arguments, ending the turn with ``<|call|>`` | a ``functions.NAME to=assistant`` message on the commentary channel |
+
+``qwen3_coder`` is named after the parser that serves this format in vLLM and SGLang
+(``--tool-call-parser qwen3_coder``), whichever Qwen model writes it. A value is the text between the
+newlines the template writes around it. Those parsers then convert it by the type the tool's JSON
+schema gives; with no schema here, a value that is JSON (a number, ``true``/``false``, ``null``, an
+object, a list) is that JSON value and any other is the text, so a string parameter written ``84``
+arrives as the number 84.
+
+``harmony``: gpt-oss writes messages ``<|start|>assistant<|channel|>CHANNEL<|message|>...<|end|>``,
+reasoning on ``analysis``, answers on ``final``, and ends its turn with ``<|return|>`` after an answer
+or ``<|call|>`` after a call: ``<|end|>`` ends a message within the turn, so the turn ends on those two
+(:data:`TURN_ENDS`), which gpt-oss's generation config lists as end-of-sequence ids. A call is the
+turn's last message with a recipient: the chat template writes ``<|start|>assistant
+to=functions.NAME<|channel|>commentary json<|message|>{...}<|call|>``, openai-harmony's renderer
+``<|start|>assistant<|channel|>commentary to=functions.NAME <|constrain|>json<|message|>{...}<|call|>``;
+both are read. The result is what the template writes, ``<|start|>functions.NAME
+to=assistant<|channel|>commentary<|message|>"RESULT"<|end|><|start|>assistant`` (the result as a JSON
+string), where openai-harmony writes ``<|start|>functions.NAME<|message|>RESULT<|end|>``: an episode
+inserts the template's, as it does for every chat-template format. The template renders one call per
+assistant message, so a turn makes one call.
 
 ``tool_format auto`` picks one from the chat template (:func:`detect_format`). Tests check each against
 the family's real template, token for token (``tests/fixtures/chat_templates``).
@@ -26,7 +49,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
-FAMILIES = ("hermes", "llama3", "mistral")
+FAMILIES = ("hermes", "llama3", "mistral", "qwen3_coder", "harmony")
 MISTRAL_ID_LENGTH = 9
 """Mistral's template requires tool-call ids of 9 alphanumeric characters; a call without one gets one."""
 
@@ -101,7 +124,80 @@ def mistral_calls(turn: str) -> list[ToolCall]:
     return calls
 
 
-PARSERS = {"hermes": hermes_calls, "llama3": llama3_calls, "mistral": mistral_calls}
+_XML_FUNCTION = re.compile(r"\s*<function=([^>\n]*)>(.*)</function>\s*", re.DOTALL)
+_XML_PARAMETER = re.compile(r"<parameter=([^>\n]*)>(.*?)</parameter>", re.DOTALL)
+
+
+def qwen3_coder_calls(turn: str) -> list[ToolCall]:
+    """Every ``<tool_call><function=NAME><parameter=ARG>VALUE</parameter>...</function></tool_call>`` block
+    of the turn (the text before the first is reasoning or a preamble); [] when it has none."""
+    if "<tool_call>" not in turn:
+        return []
+    blocks = _HERMES_BLOCK.findall(turn)
+    if not blocks:
+        raise ValueError("a call is <tool_call><function=NAME>...</function></tool_call>: this one is not closed")
+    return [_xml_call(block) for block in blocks]
+
+
+def _xml_call(block: str) -> ToolCall:
+    """One ``<tool_call>`` block's function and its parameters, each once."""
+    function = _XML_FUNCTION.fullmatch(block)
+    if function is None:
+        raise ValueError("a call is <tool_call><function=NAME><parameter=ARG>VALUE</parameter>...</function>"
+                         "</tool_call>: this one has no <function=NAME>...</function>")
+    name, body = function.groups()
+    if not name:
+        raise ValueError("the call's <function=NAME> has no name")
+    outside = _XML_PARAMETER.sub("", body).strip()
+    if outside:
+        raise ValueError(f"the call to {name} has text outside its <parameter=ARG>...</parameter> blocks: "
+                         f"{outside[:60]!r}")
+    arguments: dict[str, Any] = {}
+    for parameter, value in _XML_PARAMETER.findall(body):
+        if parameter in arguments:
+            raise ValueError(f"the call to {name} gives parameter {parameter!r} twice")
+        arguments[parameter] = _xml_value(value)
+    return ToolCall(name, arguments)
+
+
+def _xml_value(text: str) -> Any:
+    """A parameter's value: the text inside the newlines the template writes around it, as the JSON value
+    it spells where it spells one (``84``, ``true``, ``[1, 2]``), else as text (``12*7``)."""
+    text = text.removeprefix("\n").removesuffix("\n")
+    try:
+        return json.loads(text)
+    except json.JSONDecodeError:
+        return text
+
+
+_HARMONY_RECIPIENT = re.compile(r"\bto=([^\s<]+)")
+
+
+def harmony_calls(turn: str) -> list[ToolCall]:
+    """The call that the turn's last message makes, ``to=functions.NAME`` with a JSON object as its content
+    (its header written either way: see the module docstring); [] when that message has no recipient (an
+    answer, or reasoning)."""
+    message = turn.rsplit("<|start|>", 1)[-1]
+    header, has_content, content = message.partition("<|message|>")
+    recipient = _HARMONY_RECIPIENT.search(header)
+    if recipient is None:
+        return []
+    name = recipient.group(1).removeprefix("functions.")
+    if name == recipient.group(1) or not name:
+        raise ValueError(f"a call goes to functions.NAME, not to {recipient.group(1)!r}")
+    if not has_content:
+        raise ValueError(f"the call to functions.{name} has no <|message|> with its arguments")
+    arguments = _json_object(content.strip(), f"the call to functions.{name}")
+    if not isinstance(arguments, dict):
+        raise ValueError(f"the arguments of functions.{name} must be a JSON object, got {type(arguments).__name__}")
+    return [ToolCall(name, arguments)]
+
+
+PARSERS = {"hermes": hermes_calls, "llama3": llama3_calls, "mistral": mistral_calls,
+           "qwen3_coder": qwen3_coder_calls, "harmony": harmony_calls}
+TURN_ENDS = {"harmony": ("<|call|>", "<|return|>")}
+"""Tokens besides the tokenizer's end-of-sequence that end a family's assistant turn. gpt-oss ends its turn
+with ``<|call|>`` after a call and ``<|return|>`` after an answer; ``<|end|>`` ends a message within it."""
 
 
 @dataclass(frozen=True)
@@ -114,6 +210,17 @@ class ChatTemplateCalls:
     def __post_init__(self) -> None:
         if self.family not in PARSERS:
             raise ValueError(f"tool format: unknown family {self.family!r}; use {', '.join(PARSERS)}")
+
+    def turn_end_ids(self, tokenizer: Any) -> list[int]:
+        """The ids of the family's :data:`TURN_ENDS` tokens, at which a turn stops besides the end-of-sequence."""
+        ids = []
+        for token in TURN_ENDS.get(self.family, ()):
+            encoded = tokenizer.encode(token, add_special_tokens=False)
+            if len(encoded) != 1:
+                raise ValueError(f"tool format {self.family}: the tokenizer has no {token} token to end a turn "
+                                 "with; choose another tool_format")
+            ids += encoded
+        return ids
 
     def find_calls(self, turn: str) -> list[ToolCall]:
         """The calls a finished turn (its text without the end-of-turn token) makes: [] for an answer, a
@@ -149,10 +256,14 @@ def detect_format(tokenizer: Any) -> str:
         return "json"
     if isinstance(template, dict):  # several named templates: the default one, or any
         template = template.get("default") or next(iter(template.values()))
+    if "<|channel|>" in template and "<|call|>" in template:
+        return "harmony"
     if "[TOOL_CALLS]" in template:
         return "mistral"
     if "ipython" in template and "<|start_header_id|>" in template:
         return "llama3"
+    if "<function=" in template and "<tool_call>" in template and "tool_calls" in template:  # XML inside hermes's tags
+        return "qwen3_coder"
     if "<tool_call>" in template and "tool_calls" in template:
         return "hermes"
     return "json"
