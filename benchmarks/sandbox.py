@@ -3,7 +3,8 @@
     .venv/bin/python benchmarks/sandbox.py [--rows 128] [--repeats 3]
 
 Four workloads, each timed ``--repeats`` times (the median is printed): an empty program run one
-at a time (the cost of a sandbox: bubblewrap's namespaces plus Python's start), and the ``code``
+at a time (the cost of a sandbox: bubblewrap's namespaces and seccomp filter, a cgroup where the host
+delegates one, plus Python's start), and the ``code``
 task's reference solutions scored by the ``code_tests`` reward (one sandbox per completion, six
 tests in each) with 1, 2 and 4 workers, and with the reward's defaults (four sandboxes per core) when one
 completion in eight loops forever in its function and one in eight hangs before defining it. A training step of 32 prompts x 8 samples scores 256
@@ -56,6 +57,8 @@ def main() -> None:
     reward = task.reward_funcs[0]
 
     print(f"{cpu_model()}, {os.cpu_count()} cores, load average {os.getloadavg()[0]:.2f}")
+    whole = sandbox.run("pass").cgroup
+    print(f"a cgroup per sandbox: {'yes' if whole else 'no (memory capped per process, tasks by RLIMIT_NPROC)'}")
     empty = timed(lambda: [sandbox.run("pass") for _ in range(20)], args.repeats) / 20
     print(f"empty program, one at a time: {1 / empty:.1f} executions/s ({empty * 1000:.0f} ms each)")
     from posttrain.data import code_execution

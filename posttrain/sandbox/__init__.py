@@ -19,14 +19,22 @@ What the program gets (each a separate line of defence):
 - **its own process tree** (a pid namespace: it can see and signal only its own processes; when
   the sandbox ends, every process in it ends), its own session (no terminal to inject into), no
   capabilities, an unprivileged user (a dedicated uid when posttrain runs as root);
+- **a smaller kernel**: it cannot make a user namespace (bubblewrap's ``--disable-userns``),
+  and a seccomp filter denies the calls behind most kernel privilege escalations and that a test program
+  never needs (namespaces and mounts, ptrace, BPF, perf events, io_uring, userfaultfd, keyrings, modules,
+  kexec, ``personality``, socket families other than Unix and IP, and the i386 and x32 system-call ABIs);
 - **limits**: wall time (``timeout_s``), CPU time, address space (``memory_mb``), processes and
-  threads, and the size of its output and of any file it writes;
-- **an empty environment**: nothing of the parent's variables, secrets included.
+  threads, open files, and the size of its output and of any file it writes; where the host delegates
+  a cgroup v2, also the memory and tasks of all its processes together (``SandboxResult.cgroup`` says
+  which; where none is delegated, a warning is logged once, saying why);
+- **an empty environment**: nothing of the parent's variables, secrets included;
+- **its files closed to others**: the host directory of its code and outputs is 0700, its own uid's.
 
 A result is never an exception: ``limit`` names the limit that stopped the program (``wall_time``,
 ``cpu_time``, ``memory``, ``processes``, ``output``, ``disk``) or is None. Only a machine that cannot
-sandbox at all (no bubblewrap, user namespaces disabled) raises :class:`SandboxUnavailable`, with
-the command that fixes it.
+sandbox at all (no bubblewrap or one older than 0.8, no libseccomp, user namespaces refused) raises
+:class:`SandboxUnavailable`, with the command that fixes it; it never runs a program with less.
+What the sandbox does not close is in docs/guides/code-execution.md.
 """
 
 from posttrain.sandbox._bubblewrap import (
