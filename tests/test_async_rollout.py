@@ -12,6 +12,7 @@ import torch
 from test_online import make_config
 
 from posttrain.config import Config, ConfigError
+from posttrain.models.loading import bf16_supported
 from posttrain.training.online import train_step
 from posttrain.training.session import OnlineSession
 
@@ -39,7 +40,9 @@ def comparable(metrics: list[dict]) -> list[dict]:
     ("dapo", {"binary_reward": None}),  # dynamic sampling: refill rounds and surplus groups
     ("ppo", {}),  # mini-batches, several epochs, a value head
     ("grpo", {"sampler_noise": 0.05, "correction": "token-truncate"}),  # a sampling copy, its noise per step
-    ("grpo", {"mixed_precision": "bf16"}),  # a model whose decoder's forward is wrapped on the instance
+    pytest.param("grpo", {"mixed_precision": "bf16"},  # a model whose decoder's forward is wrapped on the instance
+                 marks=pytest.mark.skipif(not bf16_supported(torch.device("cpu")),
+                                          reason="mixed_precision bf16 is refused on a CPU without AVX512-BF16 or AMX")),
 ])
 def test_staleness_zero_is_the_synchronous_run(tiny_model_dir, reward_file, algorithm, flat):
     sync, sync_metrics, _ = train(make_config(tiny_model_dir, reward_file, algorithm, **flat), 3)

@@ -451,7 +451,9 @@ def test_fsdp_process_without_rows_joins_the_step(two_processes):
     out, _ = two_processes
     sharded, replicated = torch.load(out / "fsdp-uneven-rank0.pt"), torch.load(out / "uneven-rank0.pt")
     assert sharded["metrics"][0]["groups_trained"] == 2
-    assert_same_weights(sharded["weights"], replicated["weights"], atol=1e-6)
+    # reduce-scatter and all-reduce sum in different orders: on a CPU with AVX2 only (no AVX-512) the weights
+    # after the run's updates differed by 1.04e-6 (atol was 1e-6, met on AVX-512 machines)
+    assert_same_weights(sharded["weights"], replicated["weights"], atol=2e-6)
 
 
 def test_an_fsdp_run_writes_full_tensors_and_resumes_in_one_process(two_processes, reward_file, tmp_path):
