@@ -11,7 +11,8 @@ Every page is generated, so it cannot drift from what it describes:
 - metrics.md: every logged metric, from ``posttrain.tracking.glossary``;
 - functional.md: ``posttrain.functional.__all__``, signature and docstring;
 - registries.md: what the registries hold (presets, estimators, losses, rewards, ...) and how to add to them;
-- python.md: ``posttrain.__all__`` and ``posttrain.sandbox.__all__``, signature and docstring.
+- python.md: ``posttrain.__all__`` and ``posttrain.sandbox.__all__``, signature and docstring;
+- models.md: which fast paths each decoder family takes, from ``posttrain.models.families``' tiny models.
 
 Signatures and docstrings are shown verbatim in text blocks (docstrings are plain text with shapes and
 equations, not Markdown); tables escape what Markdown would read as markup.
@@ -516,6 +517,94 @@ resume and `posttrain compare`'s runs import it too). The signatures are in the 
 
 
 # ---------------------------------------------------------------------------------------
+# models.md
+# ---------------------------------------------------------------------------------------
+
+
+def _model_paths(family: str) -> list[Any]:
+    """One row of the models page: what posttrain's checks give for the family's tiny model."""
+    import warnings
+
+    from posttrain.models.architecture import cache_unsupported_reason, head_unsupported_reason, packing_unsupported_reason
+    from posttrain.models.experts import routers
+    from posttrain.models.families import tiny_model
+    from posttrain.models.lora import default_target_modules, default_target_parameters
+    from posttrain.rollout.decode_step import unsupported_reason as fused_reason
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = tiny_model(family)
+    packing, head, cache = packing_unsupported_reason(model), head_unsupported_reason(model), \
+        cache_unsupported_reason(model.config)
+    shared = "in the packed row" if packing is None else ("on the prompt's cache" if cache is None else "per row")
+    if cache is not None:
+        sampler = f"transformers' generate: {cache}"
+    else:
+        fused = fused_reason(model)
+        sampler = "the decode loop, fused step" if fused is None else "the decode loop"
+    targets = ", ".join(default_target_modules(model) + default_target_parameters(model))
+    config = model.config
+    moe = "-"
+    if routers(model):
+        moe = f"{config.num_experts_per_tok} of {len(routers(model)[0].weight)} experts"
+        coef = getattr(config, "router_aux_loss_coef", None)
+        moe += f"; load loss {coef} if `output_router_logits`" if coef is not None else "; no load loss in its config"
+    return [code(family), type(model).__name__, "yes" if packing is None else f"no: {packing}", shared,
+            "folded" if head is None else f"its own: {head}", sampler, targets, moe]
+
+
+def _tool_format_rows() -> list[list[Any]]:
+    from types import SimpleNamespace
+
+    from posttrain.rollout.tool_formats import detect_format
+
+    fixtures = ROOT / "tests" / "fixtures" / "chat_templates"
+    return [[code(path.name), code(detect_format(SimpleNamespace(chat_template=path.read_text())))]
+            for path in sorted(fixtures.glob("*.jinja"))]
+
+
+def models_page() -> str:
+    from posttrain.models.families import FAMILIES, WINDOW
+
+    return page(
+        "Models",
+        f"""
+Which of posttrain's fast paths each decoder family takes, and why not where it does not. Every row is what
+posttrain's own checks (`posttrain.models.architecture`) give for the family's tiny random model
+(`posttrain.models.families`: two layers, sliding windows of {WINDOW} tokens, soft-capped or scaled logits
+where the family has them), and `tests/test_families.py` checks each family on every path against the model's
+own forward over each sequence alone: the training passes' log-probs and gradients (packed, shared prompts,
+token budgets, LoRA, gradient checkpointing, bf16 autocast), the sampler's log-probs, and a two-step GRPO and
+DPO run. A family that is not listed takes the paths its config allows, and every run starts by checking
+them against the model's own forward (the run stops, naming the family and the paths, if they differ).
+
+- **packed passes**: a micro-batch's sequences in one row, attention kept inside each (windows, soft-capping
+  and sinks included); families with layers that carry state along the row run padded rows instead.
+- **a shared prompt**: computed once for all its completions: in the packed row, on the prompt's cache, or
+  once per row.
+- **LM head**: folded into the log-softmax (no `[n, T, V]` logits), or the model's own head at the
+  completion's positions where the logits are soft-capped or scaled after it.
+- **sampler**: posttrain's decode loop (a preallocated cache, finished rows leaving; the fused step for
+  Llama, Mistral and Qwen2 without windows), or transformers' `generate` for a cache it cannot hold.
+  Both return the sampled tokens' log-probs.
+- **LoRA targets**: the default adapters (`--lora-r`): every linear layer but the head and a router, and the
+  experts' 3-D parameters.
+- **mixture of experts**: the load-balancing loss is added when the config sets `output_router_logits`;
+  the expert load is logged every step (`moe/*`).
+
+vLLM (`--backend vllm`, `posttrain serve`) serves what vLLM's own model registry holds; posttrain adds
+nothing family-specific to it, and it has been run on Llama (SmolLM2) only.
+""",
+        "## Families\n\n" + table(["model_type", "class", "packed passes", "a shared prompt", "LM head", "sampler",
+                                     "LoRA targets", "mixture of experts"],
+                                    [_model_paths(family) for family in FAMILIES]),
+        "## Tool-call formats\n\n`--tool-format auto` picks a format from the model's chat template; for the "
+        "templates posttrain is checked against, token for token (`tests/fixtures/chat_templates/`):\n\n"
+        + table(["chat template", "tool format"], _tool_format_rows()),
+    )
+
+
+# ---------------------------------------------------------------------------------------
 
 
 def pages() -> dict[str, str]:
@@ -528,6 +617,7 @@ def pages() -> dict[str, str]:
         "functional.md": functional_page(),
         "registries.md": registries_page(),
         "python.md": python_page(),
+        "models.md": models_page(),
     }
 
 

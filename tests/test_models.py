@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.batching import micro_batch_rows, token_budget_micro_batches
-from posttrain.models.modeling import batched_logprobs
+from posttrain.models.logprobs import batched_logprobs
 from posttrain.models import loading
 from posttrain.training.online import reference_logprobs, train_step
 from posttrain.data.rewards import math_answer

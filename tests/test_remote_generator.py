@@ -15,7 +15,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from posttrain.models.modeling import probe_logprobs
+from posttrain.models.logprobs import probe_logprobs
 from posttrain.rollout.completions import SamplingParams
 from posttrain.rollout.remote import CollectiveWeights, FilesystemWeights, RemoteGenerator, RolloutServerError
 from posttrain.rollout.vllm_worker import WEIGHTS_FILE, WeightSync

@@ -18,7 +18,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausa
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
 from posttrain.rollout.generation import draw, next_tokens, sampling_distribution
-from posttrain.models.modeling import batched_logprobs
+from posttrain.models.logprobs import batched_logprobs
 from posttrain.rollout.completions import SamplingParams
 from posttrain.rollout.generators import FastGenerator, HFGenerator, make_generator
 

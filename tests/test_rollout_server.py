@@ -133,7 +133,7 @@ def test_weights_sent_over_a_group_are_followed_as_a_file_is(model_dir, servers,
 
 
 def test_sampled_logprobs_are_the_policys(model_dir, servers, tmp_path):
-    from posttrain.models.modeling import probe_logprobs
+    from posttrain.models.logprobs import probe_logprobs
 
     policy, tokenizer, generator = make_generator(model_dir, servers, tmp_path / "weights")
     ids = prompts(tokenizer, 3)

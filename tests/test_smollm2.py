@@ -14,7 +14,7 @@ from transformers import AutoModelForCausalLM
 
 from posttrain.config import Config
 from posttrain.data.prompts import encode_prompt
-from posttrain.models.modeling import batched_logprobs
+from posttrain.models.logprobs import batched_logprobs
 from posttrain.models.loading import load_model_and_tokenizer, resolve_model_path
 from posttrain.training.online import reference_logprobs, train_step
 from posttrain.rollout.completions import SamplingParams

@@ -51,6 +51,15 @@ def forward_case(kind, lora, shared, monkeypatch, prepare=None):
     return batch, run, modeling.split_head(model)[0]
 
 
+def as_models_own_forward(batch, monkeypatch):
+    """The reference every path is checked against: the model's own forward (its head included) over the
+    batch's whole padded rows, no packing, no shared prompt, no folded head."""
+    from posttrain.models import modeling
+
+    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    batch.trim_padding, batch.first_U, batch.owner_n = False, None, None
+
+
 def assert_same_forward(mine, theirs, mine_grads, their_grads, mask):
     """Log-probs, entropies and values on the real tokens to float32 rounding, zero log-probs elsewhere, and
     every gradient relative to its tensor's scale."""
@@ -83,7 +92,7 @@ def test_training_forward_with_the_folded_head_equals_the_models_own(kind, lora,
     # (one token) predicted by its prompt's last position alone
     expected_calls = {(False, False): [5], (True, False): [3, 5], (False, True): [1, 1, 2, 1], (True, True): [3, 1, 2, 1]}
     assert rows_per_call == expected_calls[shared, bucketed]
-    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    as_models_own_forward(batch, monkeypatch)
     direct, direct_grads = run()
     assert_same_forward(folded, direct, folded_grads, direct_grads, batch.mask)
 
@@ -115,7 +124,7 @@ def test_packed_pass_equals_the_models_own_forward_over_padded_rows(kind, lora, 
     # one row: each prompt once (shared) or per row, and every completion but its last token
     prompt_tokens = (3 + 1 + 2) if shared else (3 + 1 + 2 + 1 + 4)
     assert calls == [torch.Size([1, prompt_tokens + (3 + 2 + 4 + 1 + 3) - 5])]
-    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    as_models_own_forward(batch, monkeypatch)
     direct, direct_grads = run()
     assert_same_forward(packed, direct, packed_grads, direct_grads, batch.mask)
 
@@ -348,7 +357,7 @@ def test_packed_pass_with_a_one_token_completion_in_a_shared_group(monkeypatch):
         return out.logprobs.detach(), [p.grad.clone() for p in model.parameters()]
 
     packed, packed_grads = run()
-    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    as_models_own_forward(batch, monkeypatch)
     direct, direct_grads = run()
     torch.testing.assert_close(packed, direct, rtol=1e-5, atol=1e-5)
     for mine, theirs in zip(packed_grads, direct_grads, strict=True):
@@ -405,7 +414,7 @@ def test_the_variable_length_layout_equals_the_models_own_forward(kind, shared, 
     # completion each, and row 3 (prompt c, alone) one
     segments = 7 if shared else 5
     assert calls and all(len(cu) == segments + 1 for cu in calls)
-    monkeypatch.setattr(modeling, "split_head", lambda model: None)
+    as_models_own_forward(batch, monkeypatch)
     direct, direct_grads = run()
     assert_same_forward(varlen, direct, varlen_grads, direct_grads, batch.mask)
 

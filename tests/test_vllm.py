@@ -161,7 +161,7 @@ class _FakeEngine:
         pass
 
     def generate(self, requests, sampling_params, use_tqdm):
-        from posttrain.models.modeling import probe_logprobs
+        from posttrain.models.logprobs import probe_logprobs
 
         assert sampling_params.kwargs == dict(max_tokens=1, prompt_logprobs=0, temperature=1.0, top_p=1.0, top_k=-1)
         ids = requests[0]["prompt_token_ids"]

@@ -82,7 +82,7 @@ def test_a_sync_makes_the_engine_sample_the_new_weights(engine):
 
 
 def test_sampled_logprobs_are_the_policys(engine):
-    from posttrain.models.modeling import probe_logprobs
+    from posttrain.models.logprobs import probe_logprobs
 
     policy, tokenizer, generator = engine
     ids = prompts(tokenizer)

@@ -7,7 +7,7 @@ import pytest
 import torch
 from test_online import make_config
 
-from posttrain.models.modeling import probe_logprobs
+from posttrain.models.logprobs import probe_logprobs
 from posttrain.rollout.worker import RolloutWorker
 from posttrain.training.guards import SyncCheck, WeightSyncError
 from posttrain.training.online import train_step

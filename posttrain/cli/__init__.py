@@ -262,12 +262,13 @@ def _user_errors() -> tuple[type[BaseException], ...]:
     """Errors that explain a problem with the user's input: printed as one line, no traceback."""
     from posttrain.data.prompts import DataError
     from posttrain.data.scoring import RewardError
+    from posttrain.models.logprobs import TrainingPathError
     from posttrain.training.checkpoint import CheckpointError, StorageError
     from posttrain.rollout.remote import RolloutServerError
     from posttrain.training.guards import NoLearningSignal, WeightsNotUpdated
 
     return (ConfigError, DataError, RewardError, CheckpointError, StorageError, NoLearningSignal,
-            WeightsNotUpdated, RolloutServerError, FileNotFoundError, FileExistsError)
+            WeightsNotUpdated, RolloutServerError, TrainingPathError, FileNotFoundError, FileExistsError)
 
 
 def _hyphenated(argv: Sequence[str]) -> list[str]:

@@ -92,7 +92,13 @@ class ModelConfig:
     lora_alpha: float = _help("LoRA scaling numerator (scale = lora_alpha / lora_r).", 16.0)
     lora_dropout: float = _help("Dropout on the LoRA branch.", 0.0)
     lora_target_modules: tuple[str, ...] = _help(
-        "Module names that get adapters (repeatable). Default: every attention and MLP projection.", (),
+        "Module names that get adapters (repeatable). Default: every linear layer but the LM head and a router "
+        "(attention, MLP, linear-attention and convolution projections) and a mixture of experts' experts "
+        "(docs/reference/models.md).", (),
+    )
+    trust_remote_code: bool = _help(
+        "Run the Python code a model directory ships (config.json's auto_map) to build a model transformers does "
+        "not have. Off: such a model is refused, naming its code.", False,
     )
     gradient_checkpointing: bool = _help(
         "Keep only each decoder layer's input through the forward pass and recompute the layer in the "

@@ -18,7 +18,8 @@ Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
 whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
 `_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_reward_model` (the Bradley-Terry loss), `_shaping` (overlong penalty,
 best-of-N), `_entropy` (the entropy bonus and its adaptive coefficient), `_surrogates` (SAPO, DPPO,
-GMPO, Clip-Cov, KL-Cov), `_distillation` (GKD's generalised JSD), `_mismatch` (importance weights for a sampler that is not the trained policy), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
+GMPO, Clip-Cov, KL-Cov), `_distillation` (GKD's generalised JSD), `_mismatch` (importance weights for a sampler that is not the trained policy), `_experts` (a mixture of
+experts' load-balancing loss and expert load), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
 
@@ -32,6 +33,7 @@ from ._advantages import (
 from ._aggregate import aggregate
 from ._distillation import generalized_jsd
 from ._entropy import adaptive_entropy_coef, entropy_bonus
+from ._experts import expert_load, load_balancing_loss
 from ._kl import kl_estimate
 from ._logprobs import entropy_from_logits, linear_log_softmax, selective_log_softmax
 from ._mismatch import rollout_correction
@@ -60,10 +62,12 @@ __all__ = [
     "dpo_loss",
     "entropy_bonus",
     "entropy_from_logits",
+    "expert_load",
     "gae",
     "gdpo_advantages",
     "generalized_jsd",
     "linear_log_softmax",
+    "load_balancing_loss",
     "kl_estimate",
     "kl_shaped_rewards",
     "kto_loss",

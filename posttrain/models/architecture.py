@@ -1,22 +1,76 @@
-"""What posttrain's own code paths need of a model's architecture, and which models have it.
+"""Which of posttrain's fast paths serve a model exactly, and why not where they do not.
 
-Two paths are written against a model rather than through its ``forward``: the fused decode step
-(:mod:`posttrain.rollout.decode_step`) with the folded training head
-(:func:`posttrain.models.modeling.split_head`), which compute a Llama-family decoder layer
-themselves, and the shared-prompt training forward and preallocated decode cache, which need a cache
-of full-attention layers passed through the forward's ``cache=`` argument. Each check returns why a
-model cannot take the path (None: it can), so callers fall back to the model's forward and can say why.
+A fast path computes what the model's own forward computes, another way. Each is declared here against
+what it needs of the architecture, and each check returns why a model cannot take the path (None: it can),
+so that the caller takes the exact path instead and says so in one line (:func:`notices`):
+
+- **packed passes** (:mod:`posttrain.models.packing`): a micro-batch's sequences in one row, attention
+  kept inside each. They need every layer that mixes positions to be attention, which the packed attention
+  keeps per sequence (full or sliding-window, through SDPA or the model's own eager function, so
+  soft-capping and sinks come with it): a recurrent, linear-attention or convolution layer carries state
+  along the row, from one sequence into the next, and such a model runs padded rows instead.
+- **the folded head** (:func:`posttrain.models.modeling.split_head`): the log-softmax folded into the LM
+  head, a block of vocabulary at a time, for families whose logits are exactly ``lm_head(hidden)``
+  (:data:`PLAIN_HEADS`); others (soft-capped or scaled logits) take their logits from their own forward.
+- **a cache passed to the forward** (a prompt's keys and values reused by its samples, the decode loop's
+  preallocated cache): full-attention layers only.
+- **the fused decode step** (:mod:`posttrain.rollout.decode_step`): the exact classes of :data:`SUPPORTED`.
+
+Anything not declared is not assumed: a family transformers adds next month takes the paths its config
+allows, and the run's probe (:func:`posttrain.models.probe.check_training_path`) compares them with the
+model's own forward before the first step.
 """
 
 from __future__ import annotations
 
+import sys
+from collections.abc import Callable
+
 import transformers
 from packaging.version import Version
-from transformers.cache_utils import DynamicCache, DynamicLayer
+from torch import nn
+from transformers.cache_utils import DynamicCache, DynamicLayer, DynamicSlidingWindowLayer
+
+from posttrain.models.packing import PACKED
 
 SUPPORTED = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 """Causal LMs whose decoder layer is exactly the one :meth:`posttrain.rollout.decode_step.FusedDecoder.step`
 computes: RMSNorm, rotary grouped-query attention and a SiLU-gated MLP."""
+
+
+def _no_final_softcap(config) -> bool:
+    return getattr(config, "final_logit_softcapping", None) is None
+
+
+def _unscaled(config) -> bool:
+    return getattr(config, "logits_scaling", 1.0) == 1.0
+
+
+PLAIN_HEADS: dict[str, Callable[[object], bool]] = {
+    **dict.fromkeys(["llama", "mistral", "mixtral", "qwen2", "qwen2_moe", "qwen3", "qwen3_moe", "qwen3_next",
+                     "qwen3_5_text", "phi3", "olmo2", "olmo3", "olmoe", "gpt_oss", "deepseek_v2", "deepseek_v3",
+                     "glm4", "glm4_moe", "lfm2", "smollm3", "gemma", "ministral", "seed_oss", "starcoder2"],
+                    lambda config: True),
+    "gemma2": _no_final_softcap,
+    "gemma3_text": _no_final_softcap,
+    "granite": _unscaled,
+    "granitemoe": _unscaled,
+    "granitemoehybrid": _unscaled,
+}
+"""``model_type`` -> whether a config of it has logits exactly ``lm_head(hidden)`` (the family's
+``ForCausalLM.forward`` adds nothing after the head for such a config); checked on each family's tiny model
+in ``tests/test_families.py``."""
+
+
+def unwrapped(model: nn.Module) -> nn.Module:
+    """The transformers model under a PEFT wrapper (LoRA keeps its adapters in place inside it), or ``model``."""
+    return model.get_base_model() if hasattr(model, "get_base_model") else model
+
+
+def family(model: nn.Module) -> str:
+    """What a message calls the model: its class and ``model_type`` (``Qwen3NextForCausalLM (qwen3_next)``)."""
+    base = unwrapped(model)
+    return f"{type(base).__name__} ({getattr(base.config, 'model_type', '?')})"
 
 
 def is_supported_class(model) -> bool:
@@ -24,6 +78,62 @@ def is_supported_class(model) -> bool:
     PEFT wrapper or FSDP's dynamic subclass), whose forward the fused decode step and the folded
     training head reproduce."""
     return type(model).__name__ in SUPPORTED and type(model).__module__.startswith("transformers.models.")
+
+
+def non_lora_adapters(model: nn.Module) -> bool:
+    """Whether ``model`` carries PEFT adapters other than LoRA: prompt or prefix tuning act in the wrapper's
+    forward, which a call to the decoder stack would skip."""
+    return any(c.peft_type != "LORA" for c in getattr(model, "peft_config", {}).values())  # PeftType: a str enum
+
+
+def head_unsupported_reason(model: nn.Module) -> str | None:
+    """Why the folded head cannot stand for ``model``'s logits (None: it can)."""
+    if non_lora_adapters(model):
+        return "it carries adapters other than LoRA, which act in the wrapper's forward"
+    base = unwrapped(model)
+    model_type = getattr(base.config, "model_type", None)
+    if not type(base).__module__.startswith("transformers.models.") or not type(base).__name__.endswith("ForCausalLM"):
+        return f"{type(base).__name__} is not one of transformers' causal LM classes"
+    if model_type not in PLAIN_HEADS:
+        return f"posttrain has not checked that {model_type}'s logits are its LM head's output"
+    if not PLAIN_HEADS[model_type](base.config):
+        return "its logits are soft-capped or scaled after the LM head"
+    head = getattr(base, "lm_head", None)
+    if type(head) is not nn.Linear or any(type(p).__name__ == "DTensor" for p in head.parameters()):
+        return "its LM head is not a plain nn.Linear (sharded, or wrapped by adapters)"
+    return None
+
+
+def row_state_reason(config) -> str | None:
+    """Why a row of several sequences would not keep them apart in ``config``'s layers (None: it would, given
+    attention that does): layers other than attention carry state along the row."""
+    if getattr(config, "is_encoder_decoder", False):
+        return "it is an encoder-decoder model"
+    if getattr(config, "attention_chunk_size", None):
+        return "its layers attend in chunks, which the packed attention does not compute"
+    layers = DynamicCache(config=config).layers
+    kinds = getattr(config, "layer_types", None) or [type(layer).__name__ for layer in layers]
+    stateful = sorted({kind for kind, layer in zip(kinds, layers)
+                       if type(layer) not in (DynamicLayer, DynamicSlidingWindowLayer)})
+    if stateful:
+        return (f"its {', '.join(stateful)} layers carry state along the row, which would run from one sequence "
+                "into the next")
+    return None
+
+
+def packing_unsupported_reason(model: nn.Module) -> str | None:
+    """Why a packed pass would not be ``model``'s own forward (None: it would)."""
+    if non_lora_adapters(model):
+        return "it carries adapters other than LoRA, which act in the wrapper's forward"
+    base = unwrapped(model)
+    implementation = getattr(base.config, "_attn_implementation", None)
+    if implementation not in (*PACKED, *PACKED.values()):
+        return f"its attention implementation is {implementation!r}; packing takes 'sdpa' and 'eager'"
+    if implementation in ("eager", PACKED["eager"]):
+        module = sys.modules[type(base).__module__]
+        if getattr(module, "eager_attention_forward", None) is None:
+            return f"{module.__name__} has no eager_attention_forward to run per sequence"
+    return row_state_reason(base.config)
 
 
 def cache_unsupported_reason(config) -> str | None:

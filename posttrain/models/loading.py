@@ -172,8 +172,37 @@ def launched_mixed_precision(configured: str) -> str:
     return configured
 
 
+ENCODER_DECODER_HINT = "posttrain trains decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ... families)"
+
+
+def check_architecture(path: Path, trust_remote_code: bool = False) -> None:
+    """A ConfigError naming the architecture unless the model at ``path`` is a decoder-only causal LM that
+    transformers builds (or ``trust_remote_code`` allows its own code to): not a model that needs code of its
+    own without leave, not an encoder-decoder (T5, BART), not an encoder (BERT, RoBERTa), which transformers
+    would load through a causal LM head and run bidirectionally."""
+    from transformers import AutoConfig
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES
+
+    raw = json.loads((path / "config.json").read_text())
+    code = (raw.get("auto_map") or {}).get("AutoModelForCausalLM")
+    model_type = raw.get("model_type")
+    if code and not trust_remote_code and model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
+        raise ConfigError(f"model: {path} is built by its own code ({code}, in the model directory), which posttrain "
+                          "does not run unless asked: pass --trust-remote-code if you trust that code")
+    config = AutoConfig.from_pretrained(path, trust_remote_code=trust_remote_code)
+    architecture = ", ".join(raw.get("architectures") or [type(config).__name__])
+    if getattr(config, "is_encoder_decoder", False):
+        raise ConfigError(f"model: {path} is an encoder-decoder model ({architecture}); {ENCODER_DECODER_HINT}")
+    if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
+        raise ConfigError(f"model: {path} is an encoder ({architecture}), which attends to later tokens too; "
+                          f"{ENCODER_DECODER_HINT}")
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not code:
+        raise ConfigError(f"model: {path} ({architecture}) is not a causal LM transformers knows; "
+                          f"{ENCODER_DECODER_HINT}")
+
+
 def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto",
-                             mixed_precision: str = "no") -> tuple[Any, Any]:
+                             mixed_precision: str = "no", trust_remote_code: bool = False) -> tuple[Any, Any]:
     """The model (``dtype``, on ``device``; its decoder stack under bfloat16 autocast with
     ``mixed_precision="bf16"`` or an accelerate launch's bf16: :func:`posttrain.models.modeling.use_mixed_precision`)
     and tokenizer for the spec ``name``; the tokenizer always has a pad token (the EOS token when it
@@ -187,8 +216,9 @@ def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str =
                           f"bfloat16; with dtype {dtype} they already are: set mixed_precision no there")
     check_dtype(dtype, target, mixed_precision)
     path = resolve_model_path(name)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype]).to(target)
+    check_architecture(path, trust_remote_code)
+    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(target)
     if mixed_precision == "bf16":
         use_mixed_precision(model)
     if tokenizer.pad_token_id is None:

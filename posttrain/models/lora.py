@@ -4,7 +4,10 @@
    arXiv:2106.09685): ``h = W x + (lora_alpha / r) * B A x`` with ``A`` Kaiming-initialised and
    ``B = 0``, so the wrapped model starts exactly equal to the base model. Base weights are frozen;
    only ``A`` and ``B`` train. Default targets: every ``nn.Linear`` of the network except the output
-   head, i.e. each attention and MLP projection (Llama: q, k, v, o, gate, up, down).
+   head and a router, i.e. each attention and MLP projection (Llama: q, k, v, o, gate, up, down) and the
+   projections around linear-attention, convolution and Mamba layers; and, in a mixture of experts, every
+   expert's projections, which transformers stores as one 3-D parameter per projection
+   (:func:`default_target_parameters`, through ``peft``'s ``target_parameters``).
 2. :class:`AdaptersDisabled` is the reference model without a second copy in memory: the same
    network, run with its adapters switched off (``disable_adapter()``), in eval mode and without
    gradient. It stands in for ``session.ref`` wherever a reference model is called.
@@ -35,13 +38,37 @@ from posttrain.parallel.offload import offload
 LORA_INSTALL = "pip install 'posttrain[lora]'  (or: pip install 'peft>=0.13,<1')"
 
 
+ROUTERS = ("gate", "router")
+"""What a mixture of experts calls its router when it is a plain ``nn.Linear`` (older families): never adapted,
+so LoRA does not change which experts a token goes to."""
+
+
 def default_target_modules(model: nn.Module) -> list[str]:
-    """Names (last component) of every ``nn.Linear`` except the output head: the attention and MLP
-    projections of a decoder, whatever the architecture calls them."""
+    """Names (last component) of every ``nn.Linear`` except the output head and a mixture of experts' router:
+    the attention and MLP projections of a decoder, and the projections around its linear-attention,
+    convolution and Mamba mixers, whatever the architecture calls them."""
     head = model.get_output_embeddings()
+    experts = _routed_experts(model)
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and module is not head}
+             if isinstance(module, nn.Linear) and module is not head
+             and not (experts and name.rsplit(".", 1)[-1] in ROUTERS and module.out_features == experts)}
     return sorted(names)
+
+
+def default_target_parameters(model: nn.Module) -> list[str]:
+    """The experts of a mixture of experts as transformers stores them, one 3-D parameter per projection for
+    all experts (``mlp.experts.gate_up_proj [E, ...]``): ``peft``'s ``target_parameters`` give each of them an
+    adapter, where ``target_modules`` (``nn.Linear`` only) would leave every expert frozen."""
+    return sorted({f"{name.rsplit('.', 1)[-1]}.{param}" for name, module in model.named_modules()
+                   if type(module).__name__.endswith("Experts")
+                   for param, value in module.named_parameters(recurse=False) if value.dim() == 3})
+
+
+def _routed_experts(model: nn.Module) -> int:
+    """The number of routed experts in ``model``'s config (0 without a mixture of experts)."""
+    config = model.config.get_text_config()
+    return next((getattr(config, key) for key in ("num_experts", "num_local_experts", "n_routed_experts")
+                 if getattr(config, key, None)), 0)
 
 
 def apply_lora(model: nn.Module, model_config: ModelConfig) -> nn.Module:
@@ -51,9 +78,10 @@ def apply_lora(model: nn.Module, model_config: ModelConfig) -> nn.Module:
     from peft import LoraConfig, get_peft_model
 
     targets = list(model_config.lora_target_modules) or default_target_modules(model)
+    parameters = [] if model_config.lora_target_modules else default_target_parameters(model)
     config = LoraConfig(r=model_config.lora_r, lora_alpha=model_config.lora_alpha,
                         lora_dropout=model_config.lora_dropout, target_modules=targets, bias="none",
-                        task_type="CAUSAL_LM")
+                        task_type="CAUSAL_LM", target_parameters=parameters or None)
     wrapped = get_peft_model(model, config)
     if autocast_dtype(model) is not None:
         keep_autocast_inputs(wrapped)
@@ -214,6 +242,11 @@ class AdaptersDisabled:
     @property
     def device(self) -> torch.device:
         return self.model.device
+
+    @property
+    def config(self) -> Any:
+        """The shared network's config: what the training passes read of the model (its attention, its layers)."""
+        return self.model.config
 
 
 def reference_model(policy: nn.Module, offloaded: bool = False) -> Any:

@@ -5,12 +5,15 @@ so that completion token ``t`` of every row sits at the same column ``P + t``;
 the logits that predict it are at column ``P + t - 1``. Padding is trimmed to the
 longest sequence of each micro-batch.
 
-For the architectures :func:`split_head` knows (Llama, Mistral, Qwen2, LoRA-wrapped
-or not), the LM head is folded into the log-softmax
-(:func:`posttrain.functional.linear_log_softmax`): only the completion's real tokens
-go through it, a block of vocabulary at a time, and no ``[n, T, V]`` logits tensor
-exists (on SmolLM2 that is 100 MB of logits and as much of their gradient per 16 x 32
-tokens). Other models run their own forward with ``logits_to_keep = T + 1``.
+The passes themselves (:func:`completion_outputs`) are the same for every model: one packed row where the
+model allows it (:mod:`posttrain.models.packing`), else rows grouped by length or a shared prompt's cache,
+else the padded batch. What is read from them depends on the head. For the families whose logits are
+exactly their LM head's output (:func:`split_head`; LoRA-wrapped or not), the head is folded into the
+log-softmax (:func:`posttrain.functional.linear_log_softmax`): only the completion's real tokens go through
+it, a block of vocabulary at a time, and no ``[n, T, V]`` logits tensor exists (on SmolLM2 that is 100 MB of
+logits and as much of their gradient per 16 x 32 tokens). Other models (soft-capped or scaled logits) run
+their own forward, head included, with ``logits_to_keep`` at the predicting positions only.
+:func:`posttrain.models.architecture` says which model takes which path, and why.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ from torch import Tensor, nn
 
 import posttrain.functional as F
 from posttrain.config import ConfigError
-from posttrain.models.architecture import cache_unsupported_reason, is_supported_class
-from posttrain.models.batching import micro_batch_rows
-from posttrain.models.packing import (PACKED_SDPA, PACKED_SDPA_FLOAT32, has_packed_attention, packed_hidden,
-                                      register_packed_attention)
+from posttrain.models.architecture import (cache_unsupported_reason, head_unsupported_reason,
+                                           packing_unsupported_reason, unwrapped)
+from posttrain.models.experts import RouterStats, RouterTrace, experts_per_token, routers
+from posttrain.models.packing import FLOAT32, PACKED, has_packed_attention, pack, register_packed_attention
 from posttrain.parallel.allocator import bound_kernel_caches
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
@@ -97,18 +100,13 @@ def is_checkpointed(module: nn.Module) -> bool:
     return any(getattr(m, "posttrain_checkpointed", False) for m in module.modules())
 
 
-def unwrapped(model: nn.Module) -> nn.Module:
-    """The transformers model under a PEFT wrapper (LoRA keeps its adapters in place inside it), or ``model``."""
-    return model.get_base_model() if hasattr(model, "get_base_model") else model
-
-
 def decoder_body(model: nn.Module) -> nn.Module:
     """The decoder stack of a causal LM, under a PEFT wrapper if any (``model.model`` for Llama); the
     model itself when it names no base model."""
     return unwrapped(model).base_model
 
 
-FLOAT32_SDPA = "posttrain_sdpa_float32"
+FLOAT32_SDPA = FLOAT32
 """The attention implementation :func:`use_mixed_precision` gives a CPU model that used ``"sdpa"``:
 transformers' SDPA attention with autocast off, on float32 inputs: on a CPU a training batch's
 forward+backward runs faster than with the attention in bfloat16, for the same log-prob error against
@@ -172,14 +170,14 @@ def use_mixed_precision(model: nn.Module, dtype: torch.dtype = torch.bfloat16) -
 
 
 def use_packed_attention(model: nn.Module) -> bool:
-    """Give ``model`` (a transformers model on transformers' SDPA attention) the packed attention; whether
-    it has it. Models on another attention implementation (eager, FlashAttention) keep theirs and train
-    through length groups instead (:func:`posttrain.models.modeling.completion_hidden`)."""
+    """Give ``model`` the packed attention where a packed pass is its own forward
+    (:func:`posttrain.models.architecture.packing_unsupported_reason`); whether it has it. Others keep their
+    attention and train through length groups or padded rows (:func:`completion_outputs`)."""
+    if packing_unsupported_reason(model) is not None:
+        return False
     base = unwrapped(model)
     current = getattr(base.config, "_attn_implementation", None)
-    target = {"sdpa": PACKED_SDPA, FLOAT32_SDPA: PACKED_SDPA_FLOAT32}.get(current, current)
-    if target not in (PACKED_SDPA, PACKED_SDPA_FLOAT32):
-        return False
+    target = PACKED.get(current, current)
     if target != current:
         register_packed_attention()
         base.set_attn_implementation(target)
@@ -319,71 +317,136 @@ def length_buckets(lengths: list[int], cost: int = BUCKET_COST) -> list[list[int
     return groups[::-1]
 
 
-def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
-    """[n, T, D] the final hidden states that predict each completion token (position P + t - 1 for token t);
-    zero past a row's last completion token.
+@dataclass(frozen=True)
+class Reader:
+    """What a pass reads of the module it runs: a decoder stack's final hidden states (``logits`` False), or a
+    causal LM's logits, its own head applied only at the positions asked for; with ``hidden`` also the final
+    hidden states there (a value head's input)."""
+
+    logits: bool = False
+    hidden: bool = False
+
+    def __call__(self, module: nn.Module, keep: int | Tensor, **inputs) -> tuple[Tensor, Tensor | None, object]:
+        """(outputs [B, K, X] at ``keep``: the last ``keep`` positions or those indexed; hidden states there or
+        None; the pass's cache when it made one)."""
+        pick = slice(-keep, None) if isinstance(keep, int) else keep
+        if not self.logits:
+            out = module(**inputs)
+            return out.last_hidden_state[:, pick], None, out.get("cache")
+        out = module(**inputs, logits_to_keep=keep, output_hidden_states=self.hidden)
+        return out.logits, out.hidden_states[-1][:, pick] if self.hidden else None, out.get("cache")
+
+
+def completion_outputs(module: nn.Module, batch: TokenBatch, read: Reader = Reader()) -> tuple[Tensor, Tensor | None]:
+    """[n, T, X] what ``read`` reads at the positions that predict each completion token (position P + t - 1 for
+    token t), zero past a row's last completion token; with it, the hidden states there when ``read`` asks.
 
     The last column (position P + T - 1) predicts nothing, so it never enters the layers: under causal
-    attention no other position depends on it. Rows are grouped by completion length
-    (:func:`length_buckets`) and each group runs trimmed to its own longest row: a completion's
-    positions attend only to earlier ones, so trimming another row's padding changes no real position,
-    and the padding a sampled batch carries (completions end anywhere below ``max_new_tokens``) is not
-    computed.
+    attention no other position depends on it. With the packed attention the micro-batch is one row with no
+    padding at all (:mod:`posttrain.models.packing`). Otherwise rows are grouped by completion length
+    (:func:`length_buckets`) and each group runs trimmed to its own longest row: a completion's positions
+    attend only to earlier ones, so trimming another row's padding changes no real position.
 
-    When rows share a prompt, the distinct prompts run once (keeping their keys and values, with
-    gradient) and each row's completion runs on its prompt's cache: the prompt's share of the work
-    is done once per prompt instead of once per row. The result is the same computation (equal to
-    float32 rounding, tested); for a GRPO group of G samples the prompt tokens cost 1/G.
+    When rows share a prompt and the packed attention is not there, the distinct prompts run once (keeping
+    their keys and values, with gradient) and each row's completion runs on its prompt's cache: the prompt's
+    share of the work is done once per prompt instead of once per row. The result is the same computation
+    (equal to float32 rounding, tested); for a GRPO group of G samples the prompt tokens cost 1/G.
     """
     n, width = batch.completion_ids.shape
     p = batch.prompt_width
     present = batch.attention_mask[:, p:]
     lengths = (present * torch.arange(1, width + 1, device=present.device)).amax(-1).clamp(min=1)  # last present + 1
-    if batch.trim_padding and has_packed_attention(body) and bool((present.sum(-1) == lengths).all()):
-        # one packed pass: no padding at all, each shared prompt once (posttrain.models.packing)
-        return packed_hidden(body, batch.input_ids, batch.attention_mask, p, lengths, batch.owner_n, width)
+    if batch.trim_padding and has_packed_attention(unwrapped(module)) and bool((present.sum(-1) == lengths).all()):
+        return _packed_outputs(module, batch, lengths, read)
     groups = length_buckets(lengths.tolist(), BUCKET_COST) if batch.trim_padding else [list(range(n))]
-    recomputed = torch.is_grad_enabled() and is_checkpointed(body)  # a prompt pass would write its cache twice
+    # a row's last token predicts nothing: masked, so that no path computes it for anything (a mixture of
+    # experts' routing counts the tokens a pass computes; nothing real comes after it, so no log-prob changes)
+    computed = batch.attention_mask.clone()
+    computed[torch.arange(n, device=computed.device), p + lengths - 1] = 0
+    recomputed = torch.is_grad_enabled() and is_checkpointed(module)  # a prompt pass would write its cache twice
     shared = not (batch.first_U is None or batch.owner_n is None or recomputed
-                  or cache_unsupported_reason(body.config) is not None)  # a cache of full-attention layers is needed
+                  or cache_unsupported_reason(unwrapped(module).config) is not None)  # full-attention layers only
     if shared:
-        prompt = body(input_ids=batch.input_ids[batch.first_U, :p], attention_mask=batch.attention_mask[batch.first_U, :p],
-                      position_ids=batch.position_ids[batch.first_U, :p], use_cache=True)
-    parts = []
+        first = batch.first_U
+        prompt = read(module, 1, input_ids=batch.input_ids[first, :p], attention_mask=batch.attention_mask[first, :p],
+                      position_ids=batch.position_ids[first, :p], use_cache=True)
+    parts, hidden_parts = [], []
     for group in groups:
         rows = torch.tensor(group, device=batch.input_ids.device)
         w = int(lengths[rows].max()) if batch.trim_padding else width
         if shared:
-            parts.append(_completion_on_prompt_cache(body, batch, prompt, rows, w))
+            out, hidden = _completion_on_prompt_cache(module, batch, computed, prompt, rows, w, read)
         else:
-            hidden = body(input_ids=batch.input_ids[rows, :p + w - 1], attention_mask=batch.attention_mask[rows, :p + w - 1],
-                          position_ids=batch.position_ids[rows, :p + w - 1], use_cache=False).last_hidden_state
-            parts.append(hidden[:, -w:])
+            out, hidden, _ = read(module, w, input_ids=batch.input_ids[rows, :p + w - 1],
+                                  attention_mask=computed[rows, :p + w - 1],
+                                  position_ids=batch.position_ids[rows, :p + w - 1], use_cache=False)
+        parts.append(out)
+        hidden_parts.append(hidden)
+    return _in_row_order(parts, groups, width), None if not read.hidden else _in_row_order(hidden_parts, groups, width)
+
+
+def _in_row_order(parts: list[Tensor], groups: list[list[int]], width: int) -> Tensor:
+    """The groups' outputs [rows of the group, w, X] as one [n, width, X] tensor in row order, zero-padded."""
     if len(parts) == 1:
         return torch.nn.functional.pad(parts[0], (0, 0, 0, width - parts[0].shape[1]))
-    order = torch.tensor([r for group in groups for r in group], device=batch.input_ids.device)
+    order = torch.tensor([r for group in groups for r in group], device=parts[0].device)
     padded = torch.cat([torch.nn.functional.pad(part, (0, 0, 0, width - part.shape[1])) for part in parts])
     return padded.index_select(0, torch.argsort(order))
 
 
-def _completion_on_prompt_cache(body: nn.Module, batch: TokenBatch, prompt, rows: Tensor, width: int) -> Tensor:
-    """[len(rows), width, D]: the hidden states predicting the first ``width`` completion tokens of ``rows``,
-    each row's completion run on its prompt's keys and values (``prompt``: the distinct prompts' pass)."""
+def _packed_outputs(module: nn.Module, batch: TokenBatch, lengths: Tensor, read: Reader) -> tuple[Tensor, Tensor | None]:
+    """:func:`completion_outputs` from one packed pass of ``module`` (its attention :data:`PACKED`)."""
+    device = batch.input_ids.device
+    ids, positions, layout = pack(batch.input_ids.cpu(), batch.attention_mask.cpu(), batch.prompt_width,
+                                  lengths.cpu(), None if batch.owner_n is None else batch.owner_n.cpu())
+    valid_NT = layout.valid_NT.to(device)
+    keep_K = layout.index_NT.to(device)[valid_NT]  # the predicting positions, row by row
+    ids = ids.to(device)
+    out_1KX, hidden_1KD, _ = read(module, keep_K, input_ids=ids, position_ids=positions.to(device),
+                                  attention_mask=torch.ones_like(ids), use_cache=False, posttrain_layout=layout.to(device))
+
+    def scattered(values_1KX: Tensor) -> Tensor:  # [n, T, X], zero where no token is predicted
+        rows = valid_NT.view(-1).nonzero()[:, 0]
+        flat = values_1KX.new_zeros(valid_NT.numel(), values_1KX.shape[-1]).index_copy(0, rows, values_1KX[0])
+        return flat.view(*valid_NT.shape, -1)
+
+    width = batch.completion_ids.shape[1]
+    out = torch.nn.functional.pad(scattered(out_1KX), (0, 0, 0, width - valid_NT.shape[1]))
+    if hidden_1KD is None:
+        return out, None
+    return out, torch.nn.functional.pad(scattered(hidden_1KD), (0, 0, 0, width - valid_NT.shape[1]))
+
+
+def _completion_on_prompt_cache(module: nn.Module, batch: TokenBatch, computed: Tensor, prompt, rows: Tensor,
+                                width: int, read: Reader) -> tuple[Tensor, Tensor | None]:
+    """[len(rows), width, X]: what ``read`` reads at the positions predicting the first ``width`` completion
+    tokens of ``rows``, each row's completion run on its prompt's keys and values (``prompt``: the distinct
+    prompts' pass, as ``read`` returned it; ``computed``: the batch's attention mask without each row's last
+    token)."""
     from transformers.cache_utils import DynamicCache
 
+    first_out, first_hidden, prompt_cache = prompt
     owner = batch.owner_n.index_select(0, rows)
     cache = DynamicCache()
-    for i, layer in enumerate(prompt.cache.layers):
+    for i, layer in enumerate(prompt_cache.layers):
         # index_select, not indexing: its backward is index_add_, far cheaper than indexing's
         # (index_put_ with accumulate) on a training step (benchmarks/RESULTS.md)
         cache.update(layer.keys.index_select(0, owner), layer.values.index_select(0, owner), i)
-    first_token = prompt.last_hidden_state[:, -1:].index_select(0, owner)  # predicts completion token 0
+    first_token = first_out.index_select(0, owner)  # the prompt's last position predicts completion token 0
+    first_hidden = None if first_hidden is None else first_hidden.index_select(0, owner)
     if width == 1:
-        return first_token
+        return first_token, first_hidden
     p = batch.prompt_width
-    completion = body(input_ids=batch.input_ids[rows, p:p + width - 1], attention_mask=batch.attention_mask[rows, :p + width - 1],
-                      position_ids=batch.position_ids[rows, p:p + width - 1], cache=cache, use_cache=True).last_hidden_state
-    return torch.cat([first_token, completion], 1)
+    out, hidden, _ = read(module, width - 1, input_ids=batch.input_ids[rows, p:p + width - 1],
+                          attention_mask=computed[rows, :p + width - 1],
+                          position_ids=batch.position_ids[rows, p:p + width - 1], cache=cache, use_cache=True)
+    return torch.cat([first_token, out], 1), None if hidden is None else torch.cat([first_hidden, hidden], 1)
+
+
+def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
+    """[n, T, D] the decoder stack ``body``'s final hidden states at the positions predicting each completion
+    token (:func:`completion_outputs`)."""
+    return completion_outputs(body, batch)[0]
 
 
 @dataclass
@@ -391,18 +454,15 @@ class ForwardOutput:
     logprobs: Tensor  # [n, T]
     entropy: Tensor | None  # [n, T]; differentiable from the fused head, or with entropy_grad
     values: Tensor | None  # [n, T]
+    router: RouterStats | None = None  # a mixture of experts' routing, in a pass with gradient
 
 
 def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
-    """``(body, lm_head)`` of a model whose logits are exactly ``lm_head(body(...).last_hidden_state)``;
-    None for any other (a subclass, a sharded model, a head with adapters, logit scaling or soft-capping)."""
-    if any(c.peft_type != "LORA" for c in getattr(model, "peft_config", {}).values()):  # PeftType is a str enum
-        return None  # prompt or prefix tuning act in the wrapper's forward, which the body call would skip
+    """``(body, lm_head)`` of a model whose logits are exactly ``lm_head(body(...).last_hidden_state)``
+    (:func:`posttrain.models.architecture.head_unsupported_reason`); None for any other."""
+    if head_unsupported_reason(model) is not None:
+        return None
     base = unwrapped(model)
-    if not is_supported_class(base):
-        return None
-    if type(base.lm_head) is not nn.Linear or any(type(p).__name__ == "DTensor" for p in base.lm_head.parameters()):
-        return None
     return base.model, base.lm_head
 
 
@@ -417,8 +477,19 @@ def forward(
 ) -> ForwardOutput:
     """Per-token log-probs of the completion under ``model`` (sampling temperature applied); 0 at padding.
     ``entropy_grad``: the entropies carry a gradient on every path (an entropy bonus trains on them; the
-    unfused path then holds the [n, T, V] log-softmax for the backward)."""
-    width = batch.completion_ids.shape[1]
+    unfused path then holds the [n, T, V] log-softmax for the backward). A mixture of experts' routing comes
+    with it in a pass with gradient (:mod:`posttrain.models.experts`)."""
+    traced = torch.is_grad_enabled() and bool(routers(model))
+    if not traced:
+        return _forward(model, batch, temperature, with_entropy, value_head, entropy_grad)
+    with RouterTrace(model) as trace:
+        out = _forward(model, batch, temperature, with_entropy, value_head, entropy_grad)
+    out.router = trace.stats(experts_per_token(model))
+    return out
+
+
+def _forward(model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool,
+             value_head: ValueHead | None, entropy_grad: bool) -> ForwardOutput:
     parts = split_head(model)
     if parts is not None:
         body, head = parts
@@ -431,15 +502,7 @@ def forward(
         entropy = zeros_NT.masked_scatter(scored_NT, entropy_M) if with_entropy else None
         values = value_head(hidden_NTD.to(value_head.linear.weight.dtype)) if value_head is not None else None
         return ForwardOutput(zeros_NT.masked_scatter(scored_NT, logprobs_M), entropy, values)
-    out = model(  # the last position predicts nothing: it is left out
-        input_ids=batch.input_ids[:, :-1],
-        attention_mask=batch.attention_mask[:, :-1],
-        position_ids=batch.position_ids[:, :-1],
-        logits_to_keep=width,
-        output_hidden_states=value_head is not None,
-        use_cache=False,
-    )
-    logits = out.logits  # [n, T, V]: position P + t - 1 predicts completion token t
+    logits, hidden = completion_outputs(model, batch, Reader(logits=True, hidden=value_head is not None))
     if temperature != 1.0:
         logits = logits / temperature
     padding = batch.mask == 0
@@ -450,54 +513,5 @@ def forward(
         entropy = -(log_probs.exp() * log_probs).sum(-1).masked_fill(padding, 0.0)
     elif with_entropy:
         entropy = F.entropy_from_logits(logits.detach()).masked_fill(padding, 0.0)
-    values = None
-    if value_head is not None:
-        hidden = out.hidden_states[-1][:, -width:]
-        values = value_head(hidden.to(value_head.linear.weight.dtype))
+    values = value_head(hidden.to(value_head.linear.weight.dtype)) if value_head is not None else None
     return ForwardOutput(logprobs, entropy, values)
-
-
-@torch.no_grad()
-def batched_logprobs(
-    model: nn.Module,
-    prompt_ids: list[Tensor],
-    completion_ids: Tensor,
-    mask: Tensor,
-    *,
-    pad_id: int,
-    micro_batch_size: int,
-    temperature: float = 1.0,
-    value_head: ValueHead | None = None,
-    present: Tensor | None = None,
-    share_prompts: bool = True,
-    trim_padding: bool = True,
-    max_tokens_per_micro_batch: int | None = None,
-) -> tuple[Tensor, Tensor | None]:
-    """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None), 0 outside ``mask``
-    (``present``, ``share_prompts``, ``trim_padding``: as in :func:`collate`; micro-batches as
-    :func:`micro_batch_rows` makes them)."""
-    device = next(model.parameters()).device
-    total, width = completion_ids.shape
-    logprobs = torch.zeros(total, width)
-    values = torch.zeros(total, width) if value_head is not None else None
-    seen = mask if present is None else present
-    for rows in micro_batch_rows(prompt_ids, seen.sum(-1), rows=micro_batch_size, tokens=max_tokens_per_micro_batch,
-                                 share_prompts=share_prompts):
-        batch = collate([prompt_ids[int(r)] for r in rows], completion_ids[rows], mask[rows], pad_id, device,
-                        None if present is None else present[rows], share_prompts=share_prompts,
-                        trim_padding=trim_padding)
-        out = forward(model, batch, temperature=temperature, value_head=value_head)
-        t = out.logprobs.shape[1]
-        logprobs[rows, :t] = out.logprobs.float().cpu()
-        if values is not None:
-            values[rows, :t] = out.values.float().cpu()
-    return logprobs * mask, (values * mask if values is not None else None)
-
-
-@torch.no_grad()
-def probe_logprobs(model: nn.Module, probe_ids: Tensor) -> Tensor:
-    """[T] token ids -> [T - 1] float32 log-probs of tokens 1.. under ``model`` (a causal LM), on the CPU: what
-    a sampler and the trainer compare after a weight sync (``posttrain.training.guards.SyncCheck``)."""
-    ids = probe_ids.to(next(model.parameters()).device).unsqueeze(0)
-    logits = model(input_ids=ids).logits[0, :-1].float()
-    return torch.log_softmax(logits, -1).gather(-1, ids[0, 1:, None])[:, 0].cpu()

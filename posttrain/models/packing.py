@@ -21,41 +21,57 @@ pass over every real token instead of the padded rectangle. On a CUDA GPU in flo
 whole layout is one call of PyTorch's FlashAttention ``varlen_attn`` instead (:class:`VarlenIndex`: a
 completion's segment holds the prompt's keys and its own, causal from the bottom right).
 
-The attention function is registered with transformers under :data:`PACKED_SDPA` (and its float32 form
-for CPU mixed precision) and dispatches on its keyword argument: a forward without a layout runs
-transformers' SDPA as before, so generation, evaluation and the reference pass are unchanged, and a
-recomputed (gradient-checkpointed) layer gets its layout again from the saved arguments.
+Sliding windows, soft-capping, sinks. A layer that slides passes its window to its attention, and each piece
+keeps only the keys within it (:func:`visible`: by position, as transformers' mask keeps them by index, which
+is the same for a sequence's real tokens). A model on eager attention runs its own modeling file's eager
+function once per piece, with that piece's mask: whatever the family computes per query (Gemma 2's
+soft-capped scores, gpt-oss's sinks) comes with it. A model on SDPA runs SDPA per piece; an argument SDPA
+would not honour either is an error naming it, never dropped. Layers that are not attention (recurrent,
+linear attention, convolutions) would carry state from one sequence into the next: such a model is not
+packed (:func:`posttrain.models.architecture.packing_unsupported_reason`).
+
+The attention functions are registered with transformers under :data:`PACKED`'s names, one per
+implementation a model may run (SDPA, SDPA in float32 for CPU mixed precision, eager), and dispatch on
+their keyword argument: a forward without a layout runs the model's implementation as before, so
+generation, evaluation and the reference pass are unchanged, and a recomputed (gradient-checkpointed) layer
+gets its layout again from the saved arguments.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import functools
+import sys
+from dataclasses import dataclass, field
 
 import torch
 from torch import Tensor, nn
 
-PACKED_SDPA = "posttrain_packed_sdpa"
-PACKED_SDPA_FLOAT32 = "posttrain_packed_sdpa_float32"
-"""transformers' SDPA attention, or with a layout the packed attention; the ``_float32`` one computes
-attention in float32 with autocast off (what :data:`posttrain.models.modeling.FLOAT32_SDPA` does on a CPU
-under mixed precision)."""
+FLOAT32 = "posttrain_sdpa_float32"
+"""transformers' SDPA attention computed in float32 with autocast off: what a CPU model under mixed precision
+runs (:func:`posttrain.models.modeling.use_mixed_precision`)."""
+PACKED = {"sdpa": "posttrain_packed_sdpa", FLOAT32: "posttrain_packed_sdpa_float32", "eager": "posttrain_packed_eager"}
+"""The attention implementation a model runs -> the packed form of it: the same implementation for a pass
+without a layout, the packed attention with one (SDPA per piece for the two SDPA forms, the model's own
+eager function per piece for ``eager``)."""
+PACKED_SDPA, PACKED_SDPA_FLOAT32, PACKED_EAGER = PACKED.values()
 
 
 @dataclass
 class Span:
-    """One group in the packed row: ``[start, start + prompt)`` its prompt, then its members' completion
-    inputs at ``blocks`` (offset from ``start``, length); a single sequence when it has one member."""
+    """One group in the packed row: ``[start, start + prompt)`` its prompt, then its members' completion inputs at
+    ``blocks`` (offset from ``start``, length). ``shared``: the members share the prompt, and each completion
+    attends to it and to itself only; otherwise the span is one sequence (a single member)."""
 
     start: int
     prompt: int
     blocks: list[tuple[int, int]]
-    masks: list[Tensor] | None = None  # per block [m, prompt + m] bool: the whole prompt, then causal
+    shared: bool = False
 
     @property
     def pieces(self) -> list[int]:
         """The lengths the attention splits this span into: the whole (one sequence), or the prompt and
         each completion."""
-        if self.masks is None:
+        if not self.shared:
             at, m = self.blocks[-1]
             return [at + m]
         return [self.prompt] + [m for _, m in self.blocks]
@@ -72,11 +88,30 @@ class PackedLayout:
     index_NT: Tensor
     valid_NT: Tensor
     varlen: VarlenIndex | None = None  # built by the first layer that runs the variable-length kernel
+    masks: dict[tuple[int, int, int, int | None], Tensor] = field(default_factory=dict)
+    """:func:`visible` masks by (query start, queries, keys, window), made once per forward by the first layer."""
 
     def to(self, device: torch.device) -> PackedLayout:
-        spans = [Span(s.start, s.prompt, s.blocks, None if s.masks is None else [m.to(device) for m in s.masks])
-                 for s in self.spans]
-        return PackedLayout(spans, self.index_NT.to(device), self.valid_NT.to(device))
+        return PackedLayout(self.spans, self.index_NT.to(device), self.valid_NT.to(device))
+
+    def mask(self, start: int, queries: int, keys: int, window: int | None, device: torch.device) -> Tensor:
+        """[queries, keys] bool (cached): :func:`visible` for queries at positions ``start..`` over keys at
+        positions ``0..keys - 1``."""
+        key = (start, queries, keys, window)
+        if key not in self.masks:
+            self.masks[key] = visible(torch.arange(start, start + queries, device=device),
+                                      torch.arange(keys, device=device), window)
+        return self.masks[key]
+
+
+def visible(query_positions: Tensor, key_positions: Tensor, window: int | None) -> Tensor:
+    """[q, k] bool: which keys each query attends to, by position: causal (a key at or before the query), and
+    within ``window`` tokens of it when the layer slides (transformers' ``kv_idx > q_idx - sliding_window``).
+    A shared prompt's completion sees the prompt's positions and then its own, so the same rule serves it."""
+    seen = key_positions[None, :] <= query_positions[:, None]
+    if window is not None:
+        seen &= key_positions[None, :] > query_positions[:, None] - window
+    return seen
 
 
 @dataclass
@@ -99,7 +134,7 @@ class VarlenIndex:
     def of(cls, layout: PackedLayout, device: torch.device) -> VarlenIndex:
         keys, queries = [], []  # per segment: key positions; query count
         for span in layout.spans:
-            if span.masks is None:
+            if not span.shared:
                 length = span.pieces[0]
                 keys.append(torch.arange(span.start, span.start + length))
                 queries.append(length)
@@ -113,7 +148,7 @@ class VarlenIndex:
         lengths = [len(k) for k in keys]
         cu_q = torch.tensor([0] + queries).cumsum(0).to(torch.int32)
         cu_k = torch.tensor([0] + lengths).cumsum(0).to(torch.int32)
-        shared = any(span.masks is not None for span in layout.spans)
+        shared = any(span.shared for span in layout.spans)
         key_index = torch.cat(keys).to(device) if shared else None
         return cls(key_index, cu_q.to(device), cu_k.to(device), max(queries), max(lengths))
 
@@ -148,11 +183,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: 
             index[row, 1:m + 1] = torch.arange(start + offset, start + offset + m)
             blocks.append((offset, m))
             offset += m
-        masks = None
-        if len(rows) > 1:  # a completion sees the whole prompt and its own earlier tokens
-            masks = [torch.cat([torch.ones(m, p, dtype=torch.bool), torch.ones(m, m, dtype=torch.bool).tril()], 1)
-                     for _, m in blocks]
-        spans.append(Span(start, p, blocks, masks))
+        spans.append(Span(start, p, blocks, shared=len(rows) > 1))
         start += offset
     valid = torch.arange(width)[None, :] < lengths[:, None]
     packed_ids = torch.cat(ids)[None]
@@ -182,26 +213,15 @@ def packed_forward(model: nn.Module, input_ids_1S: Tensor, position_ids_1S: Tens
                  use_cache=False, posttrain_layout=layout, **kwargs)
 
 
-def packed_hidden(body: nn.Module, input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: Tensor,
-                  owner_n: Tensor | None, width: int) -> Tensor:
-    """[n, width, D] the final hidden states predicting each completion token, from one packed pass of
-    ``body`` (a decoder stack whose attention is :data:`PACKED_SDPA`); zero past a row's last token."""
-    device = input_ids.device
-    ids, positions, layout = pack(input_ids.cpu(), attention_mask.cpu(), prompt_width, lengths.cpu(),
-                                  None if owner_n is None else owner_n.cpu())
-    hidden_SD = packed_forward(body, ids.to(device), positions.to(device), layout.to(device)).last_hidden_state[0]
-    index, valid = layout.index_NT.to(device), layout.valid_NT.to(device)
-    out = hidden_SD.index_select(0, index.view(-1)).view(*index.shape, -1) * valid[..., None]
-    return torch.nn.functional.pad(out, (0, 0, 0, width - out.shape[1]))
-
-
-def _packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout,
-                      scaling: float | None) -> tuple[Tensor, None]:
-    """[1, H, S, d] query, [1, H_kv, S, d] key and value -> [1, S, H, d]: SDPA per group of the layout."""
+def _packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scaling: float | None,
+                      window: int | None = None, dropout: float = 0.0) -> tuple[Tensor, None]:
+    """[1, H, S, d] query, [1, H_kv, S, d] key and value -> [1, S, H, d]: SDPA per piece of the layout, each
+    within ``window`` tokens when the layer slides."""
     groups = query.shape[1] // key.shape[1]
     if groups > 1:  # grouped-query attention: each key/value head serves `groups` query heads
         key, value = key.repeat_interleave(groups, 1), value.repeat_interleave(groups, 1)
-    sdpa = torch.nn.functional.scaled_dot_product_attention
+    sdpa = functools.partial(torch.nn.functional.scaled_dot_product_attention, scale=scaling, dropout_p=dropout)
+    device = query.device
     # one split into every prompt and completion piece: its backward is one concatenation, where a slice per
     # piece would each allocate and fill a gradient of the whole row
     sizes = [size for span in layout.spans for size in span.pieces]
@@ -209,16 +229,58 @@ def _packed_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedL
     outputs = []
     for span in layout.spans:
         q, k, v = next(pieces)
-        if span.masks is None:  # one sequence: causal, and the kernel skips the blocks above the diagonal
-            outputs.append(sdpa(q, k, v, is_causal=True, scale=scaling))
+        n = q.shape[2]
+        if window is None or window >= n:  # causal, and the kernel skips the blocks above the diagonal
+            outputs.append(sdpa(q, k, v, is_causal=True))
+        else:
+            outputs.append(sdpa(q, k, v, attn_mask=layout.mask(0, n, n, window, device)))
+        if not span.shared:
             continue
         prompt_keys, prompt_values = k, v
-        outputs.append(sdpa(q, k, v, is_causal=True, scale=scaling))
-        for mask in span.masks:  # each completion: the prompt, then its own tokens
+        for _, m in span.blocks:  # each completion: the prompt, then its own tokens
             q, k, v = next(pieces)
-            outputs.append(sdpa(q, torch.cat([prompt_keys, k], 2), torch.cat([prompt_values, v], 2), attn_mask=mask,
-                                scale=scaling))
+            outputs.append(sdpa(q, torch.cat([prompt_keys, k], 2), torch.cat([prompt_values, v], 2),
+                                attn_mask=layout.mask(span.prompt, m, span.prompt + m, window, device)))
     return torch.cat(outputs, 2).transpose(1, 2).contiguous(), None
+
+
+def _packed_eager(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout,
+                  **kwargs) -> tuple[Tensor, None]:
+    """The model's own eager attention (its module's ``eager_attention_forward``: soft-capping, sinks, whatever
+    it computes per query) called once per piece of the layout with that piece's mask, additive as eager
+    attention takes it: [1, H, S, d] query, [1, H_kv, S, d] key and value -> [1, S, H, d]."""
+    eager = eager_attention_of(module)
+    window = kwargs.get("sliding_window")
+    device, lowest = query.device, torch.finfo(query.dtype).min
+    sizes = [size for span in layout.spans for size in span.pieces]
+    pieces = zip(query.split(sizes, 2), key.split(sizes, 2), value.split(sizes, 2))
+
+    def attend(q: Tensor, k: Tensor, v: Tensor, start: int) -> Tensor:
+        seen = layout.mask(start, q.shape[2], k.shape[2], window, device)
+        additive = torch.zeros(seen.shape, dtype=query.dtype, device=device).masked_fill_(~seen, lowest)
+        return eager(module, q, k, v, additive[None, None], **kwargs)[0]
+
+    outputs = []
+    for span in layout.spans:
+        q, k, v = next(pieces)
+        outputs.append(attend(q, k, v, 0))
+        if not span.shared:
+            continue
+        prompt_keys, prompt_values = k, v
+        for _ in span.blocks:
+            q, k, v = next(pieces)
+            outputs.append(attend(q, torch.cat([prompt_keys, k], 2), torch.cat([prompt_values, v], 2), span.prompt))
+    return torch.cat(outputs, 1), None
+
+
+def eager_attention_of(module: nn.Module):
+    """The eager attention function of ``module``'s own modeling file: transformers writes one per family, with
+    what the family computes besides dot products (Gemma 2's soft-capping, gpt-oss's sinks)."""
+    eager = getattr(sys.modules[type(module).__module__], "eager_attention_forward", None)
+    if eager is None:
+        raise RuntimeError(f"packed attention: {type(module).__module__} defines no eager_attention_forward for "
+                           f"{type(module).__name__}; train with --no-trim-padding")
+    return eager
 
 
 def varlen_kernel(query: Tensor):
@@ -237,60 +299,83 @@ def varlen_kernel(query: Tensor):
 
 
 def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scaling: float | None,
-                      kernel) -> tuple[Tensor, None]:
+                      kernel, window: int | None = None) -> tuple[Tensor, None]:
     """[1, H, S, d] query, [1, H_kv, S, d] key and value -> [1, S, H, d]: the layout's attention in one
     variable-length call (:class:`VarlenIndex`). Causality is FlashAttention's bottom-right alignment
-    (``window_size=(-1, 0)``): a completion's query ``i`` of ``m`` sees its ``P + m`` keys up to ``P + i``,
-    the whole prompt and its own earlier tokens."""
+    (``window_size=(left, 0)``): a completion's query ``i`` of ``m`` sees its ``P + m`` keys up to ``P + i``,
+    the whole prompt and its own earlier tokens; a sliding layer's ``left`` is ``window - 1``, the keys
+    before the query's own that transformers' window keeps."""
     if layout.varlen is None:
         layout.varlen = VarlenIndex.of(layout, query.device)
     v = layout.varlen
     q, k, val = (t[0].transpose(0, 1) for t in (query, key, value))  # [S, H, d], [S, H_kv, d]
     if v.key_index is not None:  # a shared prompt's keys again for each of its completions: [K, H_kv, d]
         k, val = k[v.key_index], val[v.key_index]
-    out = kernel(q, k, val, v.cu_q, v.cu_k, v.max_q, v.max_k, scale=scaling, window_size=(-1, 0),
+    left = -1 if window is None else window - 1
+    out = kernel(q, k, val, v.cu_q, v.cu_k, v.max_q, v.max_k, scale=scaling, window_size=(left, 0),
                  enable_gqa=query.shape[1] != key.shape[1])
     return out[None], None
 
 
-def _packed_or_varlen(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout,
-                      scaling: float | None) -> tuple[Tensor, None]:
-    kernel = varlen_kernel(query)
-    if kernel is not None:
-        return _varlen_attention(query, key, value, layout, scaling, kernel)
-    return _packed_attention(query, key, value, layout, scaling)
+SDPA_KWARGS = frozenset({"dropout", "scaling", "sliding_window", "position_ids", "use_cache", "output_attentions",
+                         "output_hidden_states", "output_router_logits", "is_causal"})
+"""What the packed SDPA attention reads or may ignore of the keyword arguments a layer passes its attention:
+anything else would change what SDPA computes (:func:`_sdpa_arguments`)."""
 
 
-def _attention(in_float32: bool):
+def _sdpa_arguments(module: nn.Module, kwargs: dict) -> tuple[float | None, int | None, float]:
+    """(scaling, window, dropout) of a layer's call; an error naming an argument the packed SDPA attention
+    cannot honour (a relative position bias, a non-causal layer), so that nothing is silently dropped."""
+    extra = {k for k, v in kwargs.items() if k not in SDPA_KWARGS and v is not None and v is not False}
+    if extra or kwargs.get("is_causal") is False or not getattr(module, "is_causal", True):
+        what = ", ".join(sorted(extra)) or "a non-causal layer"
+        raise RuntimeError(f"packed attention: {type(module).__name__} passes its attention {what}, which the "
+                           "packed attention does not compute; train with --no-trim-padding")
+    return kwargs.get("scaling"), kwargs.get("sliding_window"), kwargs.get("dropout") or 0.0
+
+
+def _attention(unpacked: str):
+    """An attention function for transformers: with a layout (``posttrain_layout``) the packed attention,
+    otherwise the implementation ``unpacked`` names (``sdpa``, ``sdpa_float32`` or ``eager``), as the model
+    would run it."""
+
     def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask: Tensor | None,
                   **kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
         layout = kwargs.pop("posttrain_layout", None)
-        if not in_float32:
+        if unpacked == "eager":
             if layout is not None:
-                return _packed_or_varlen(query, key, value, layout, kwargs.get("scaling"))
+                return _packed_eager(module, query, key, value, layout, **kwargs)
+            return eager_attention_of(module)(module, query, key, value, attention_mask, **kwargs)
+        if unpacked == "sdpa_float32":
+            with torch.autocast(query.device.type, enabled=False):
+                query, key, value = query.float(), key.float(), value.float()
+                if layout is not None:
+                    return _packed_attention(query, key, value, layout, *_sdpa_arguments(module, kwargs))
+                return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        if layout is None:
             return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
-        with torch.autocast(query.device.type, enabled=False):
-            query, key, value = query.float(), key.float(), value.float()
-            if layout is not None:
-                return _packed_attention(query, key, value, layout, kwargs.get("scaling"))
-            return sdpa_attention_forward(module, query, key, value, attention_mask, **kwargs)
+        scaling, window, dropout = _sdpa_arguments(module, kwargs)
+        kernel = None if dropout else varlen_kernel(query)
+        if kernel is not None:
+            return _varlen_attention(query, key, value, layout, scaling, kernel, window)
+        return _packed_attention(query, key, value, layout, scaling, window, dropout)
 
     return attention
 
 
 def register_packed_attention() -> None:
-    """Register :data:`PACKED_SDPA` and :data:`PACKED_SDPA_FLOAT32` with transformers (idempotent)."""
+    """Register :data:`PACKED` implementations with transformers (idempotent), each with the masks its unpacked
+    form gets."""
     from transformers import AttentionInterface
-    from transformers.masking_utils import AttentionMaskInterface, sdpa_mask
+    from transformers.masking_utils import AttentionMaskInterface, eager_mask, sdpa_mask
 
-    AttentionInterface.register(PACKED_SDPA, _attention(in_float32=False))
-    AttentionInterface.register(PACKED_SDPA_FLOAT32, _attention(in_float32=True))
-    for name in (PACKED_SDPA, PACKED_SDPA_FLOAT32):
-        AttentionMaskInterface.register(name, sdpa_mask)  # the masks "sdpa" gets, for unpacked passes
+    for unpacked, name in PACKED.items():
+        AttentionInterface.register(name, _attention("sdpa_float32" if unpacked == FLOAT32 else unpacked))
+        AttentionMaskInterface.register(name, eager_mask if unpacked == "eager" else sdpa_mask)
 
 
 def has_packed_attention(model: nn.Module) -> bool:
     config = getattr(model, "config", None)
-    return getattr(config, "_attn_implementation", None) in (PACKED_SDPA, PACKED_SDPA_FLOAT32)
+    return getattr(config, "_attn_implementation", None) in PACKED.values()

@@ -43,6 +43,7 @@ from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
 
 from posttrain.models.architecture import cache_unsupported_reason
+from posttrain.models.experts import routers
 from posttrain.rollout import decode_step
 
 
@@ -199,8 +200,11 @@ def decode(
     positions_PL = (attention_PL.cumsum(-1) - 1).masked_fill(attention_PL == 0, 1)  # as generate does
     fused = None if decode_step.unsupported_reason(model) else decode_step.FusedDecoder(
         model, rows=len(ids_PL) * g, positions=int(positions_PL.max()) + max_new_tokens + 1)
+    # a mixture of experts whose config asks for router logits would compute its load-balancing loss at every
+    # step, against a mask of another shape than a cached step's tokens: sampling needs neither
+    no_router_loss = {"output_router_logits": False} if routers(model) else {}
     out = model(input_ids=ids_PL, attention_mask=attention_PL, position_ids=positions_PL, cache=cache,
-                use_cache=True, logits_to_keep=1)
+                use_cache=True, logits_to_keep=1, **no_router_loss)
     logits = out.logits[:, -1].repeat_interleave(g, 0)  # [N, V]
     position_N1 = positions_PL[:, -1:].repeat_interleave(g, 0) + 1
     attention_NS = torch.zeros(len(logits), width + max_new_tokens, dtype=attention_PL.dtype, device=device)
@@ -227,7 +231,7 @@ def decode(
             logits = fused.step(token_n, position_N1, attention_NS[:n, : width + t + 1], cache)
         else:
             logits = model(input_ids=token_n.unsqueeze(1), attention_mask=attention_NS[:n, : width + t + 1],
-                           position_ids=position_N1, cache=cache, use_cache=True).logits[:, -1]
+                           position_ids=position_N1, cache=cache, use_cache=True, **no_router_loss).logits[:, -1]
         position_N1 = position_N1 + 1
     with torch.inference_mode(False):  # a normal tensor: the training forward saves its ids for the backward
         return tokens_NT[:, : t + 1].clone(), None if logprobs_NT is None else logprobs_NT[:, : t + 1].clone()

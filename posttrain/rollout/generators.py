@@ -21,6 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.models.experts import routers
 from posttrain.models.modeling import left_pad
 from posttrain.rollout.completions import (
     Completions,
@@ -33,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 class HFGenerator:
-    """Sampling with ``model.generate`` (KV cache, batched, stops at EOS or the budget)."""
+    """Sampling with ``model.generate`` (KV cache, batched, stops at EOS or the budget); with each sampled token's
+    log-prob under the distribution it was drawn from, as the decode loop gives it (:class:`SamplingRecorder`)."""
 
     def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int]):
         self.model = model
@@ -49,11 +51,7 @@ class HFGenerator:
         ids, attention = left_pad(prompt_ids, self.pad_id)
         ids = ids.repeat_interleave(num_samples, 0).to(device)
         attention = attention.repeat_interleave(num_samples, 0).to(device)
-        sampling = {} if greedy else {
-            "temperature": self.params.temperature,
-            "top_p": self.params.top_p,
-            "top_k": self.params.top_k or None,
-        }
+        recorder = None if greedy else SamplingRecorder(self.params)
         was_training = self.model.training
         self.model.eval()
         out = self.model.generate(
@@ -64,10 +62,50 @@ class HFGenerator:
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids.tolist(),
             use_cache=True,
-            **sampling,
+            # the recorder applies temperature, top-k and top-p: generate's own warpers stay off
+            temperature=1.0, top_k=0, top_p=1.0,
+            logits_processor=None if recorder is None else [recorder],
+            **({"output_router_logits": False} if routers(self.model) else {}),  # as the decode loop: no load loss
         )
         self.model.train(was_training)
-        return to_completions(out[:, ids.shape[1]:].cpu(), self.eos_ids, self.pad_id)
+        tokens = out[:, ids.shape[1]:]
+        completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
+        if recorder is not None:
+            completions.sampling_logprobs = recorder.drawn(tokens).cpu() * completions.mask
+        return completions
+
+
+class SamplingRecorder:
+    """A logits processor for ``generate`` that turns the logits into the decode loop's sampling distribution
+    (:func:`posttrain.rollout.generation.sampling_distribution`: temperature, then top-k, then top-p) and keeps
+    the log-probs of each token drawn from it. Only the last step's distribution is held ([N, V]): at each
+    step the token drawn at the one before is read from the ids ``generate`` passes in."""
+
+    def __init__(self, params: SamplingParams):
+        self.params = params
+        self.previous_NV: Tensor | None = None
+        self.logprobs: list[Tensor] = []
+
+    def __call__(self, input_ids: Tensor, scores_NV: Tensor) -> Tensor:
+        from posttrain.rollout.generation import sampling_distribution
+
+        if self.previous_NV is not None:
+            self.logprobs.append(self.previous_NV.gather(1, input_ids[:, -1:])[:, 0])
+        p = self.params
+        probs_NK, token_ids_NK = sampling_distribution(scores_NV, p.temperature, p.top_k, p.top_p)
+        logp_NK = probs_NK.log() - probs_NK.sum(-1, keepdim=True).log()
+        if token_ids_NK is None:
+            self.previous_NV = logp_NK
+        else:
+            self.previous_NV = torch.full_like(scores_NV, -torch.inf, dtype=logp_NK.dtype).scatter_(1, token_ids_NK, logp_NK)
+        return self.previous_NV
+
+    def drawn(self, tokens_NT: Tensor) -> Tensor:
+        """[N, T] the log-prob of each generated token (``tokens_NT``: what ``generate`` appended), 0 after the
+        last step."""
+        steps = [*self.logprobs, self.previous_NV.gather(1, tokens_NT[:, len(self.logprobs):len(self.logprobs) + 1])[:, 0]]
+        logprobs_NT = torch.stack(steps[:tokens_NT.shape[1]], 1)
+        return logprobs_NT.nan_to_num(neginf=0.0)
 
 
 class FastGenerator:

@@ -53,7 +53,7 @@ from typing import Any, Protocol
 import torch
 from torch import Tensor
 
-from posttrain.models.modeling import probe_logprobs
+from posttrain.models.logprobs import probe_logprobs
 from posttrain.parallel.distributed import say
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.vllm import completions_from_samples, ending_in_eos, merged_weights

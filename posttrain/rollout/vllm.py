@@ -33,7 +33,7 @@ import torch
 from torch import Tensor
 
 from posttrain.models.lora import forget_kept_casts
-from posttrain.models.modeling import probe_logprobs
+from posttrain.models.logprobs import probe_logprobs
 from posttrain.rollout.completions import Completions, SamplingParams, completion_mask
 
 VLLM_INSTALL = ("make vllm (a second environment, .venv-vllm: vLLM's CPU build pins torch and transformers; "

@@ -41,7 +41,8 @@ import torch.multiprocessing as mp
 from torch import Tensor
 
 from posttrain.data.rewards import USER_MODULE_PREFIX
-from posttrain.models.modeling import probe_logprobs, register_attention_implementations
+from posttrain.models.logprobs import probe_logprobs
+from posttrain.models.modeling import register_attention_implementations
 from posttrain.rollout.completions import Completions
 
 POLL_SECONDS = 1.0  # how often a waiting side checks that the other is still alive

@@ -44,6 +44,7 @@ GENERATING = ("online", "preference", "sft")  # the trainers whose model writes 
 EVERY_STEP = "every step"
 PAIRED_STEPS = "every step: paired preference presets (not KTO) and reward_model"
 EVALUATIONS = "at step 0, every `eval_every` steps and at the end"
+MOE_STEP = "every step, when the model is a mixture of experts"
 EVALUATIONS_WITH_CHECK = EVALUATIONS + ", when the task checks answers (a built-in task)"
 
 GLOSSARY: tuple[MetricEntry, ...] = (
@@ -154,6 +155,16 @@ GLOSSARY: tuple[MetricEntry, ...] = (
                 "`correction` truncated.", EVERY_STEP, ONLINE),
     MetricEntry("mismatch/masked_fraction", "Share of tokens (or sequences) `correction` masked out.", EVERY_STEP,
                 ONLINE),
+    # --- a mixture of experts ------------------------------------------------------------------------
+    MetricEntry("moe/aux_loss", "The load-balancing loss of the step's training passes (Switch Transformer's, as "
+                "transformers computes it: `top_k` when the experts are evenly loaded); added to the loss times the "
+                "config's `router_aux_loss_coef` when the config sets `output_router_logits`.", MOE_STEP,
+                ("online", "preference")),
+    MetricEntry("moe/expert_load_max", "The most loaded expert's share of the token slots times the number of "
+                "experts, averaged over layers: 1 when the experts are evenly loaded, E when one takes every token.",
+                MOE_STEP, ("online", "preference")),
+    MetricEntry("moe/dead_experts", "The share of (layer, expert) pairs that no real token of the step's training "
+                "passes was routed to.", MOE_STEP, ("online", "preference")),
     # --- online: multi-turn episodes -----------------------------------------------------------------
     MetricEntry("episode/turns", "Mean policy turns per episode.", "every step, with `tools` or `environment`",
                 ONLINE),

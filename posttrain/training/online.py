@@ -41,7 +41,9 @@ from posttrain.config import CORRECTIONS, OffPolicyConfig, OptimConfig
 from posttrain.data.scoring import Scores
 from posttrain.functional._value import explained_variance
 from posttrain.models.batching import micro_batch_rows
-from posttrain.models.modeling import batched_logprobs, collate, forward
+from posttrain.models.experts import aux_loss_coef
+from posttrain.models.logprobs import batched_logprobs
+from posttrain.models.modeling import collate, forward
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.episodes import EpisodeStats
@@ -321,6 +323,7 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
         minis = mini_batch_rows(len(mask), alg.mini_batches, s.config.run.seed, s.step, epoch)
         for mini in minis:
             normalizer = step_normalizer(mask[mini], alg.aggregation)
+            tokens_total = step_normalizer(mask[mini], "token_mean")  # a micro-batch's share of the load loss
             seen = groups.completions.present[mini]
             micros = [mini[rows] for rows in micro_batch_rows(
                 [groups.prompt_ids[int(r)] for r in mini], seen.sum(-1), rows=optim.micro_batch_size,
@@ -328,7 +331,8 @@ def update(s: OnlineSession, groups: Groups, advantages: Tensor, returns: Tensor
             with fsdp.full_parameters(s.policy):
                 for i, micro in enumerate(micros):
                     fsdp.sync_gradients(s.policy, i == len(micros) - 1)  # FSDP reduces at the last backward
-                    metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer, entropy_coef)
+                    metrics = train_micro_batch(s, groups, micro, advantages, returns, ref, normalizer, entropy_coef,
+                                                tokens_total)
                     tokens = float(mask[micro].sum())
                     tokens_seen += tokens
                     for key, value in metrics.items():
@@ -396,8 +400,10 @@ def step_advantages(s: OnlineSession, groups: Groups, ref: Tensor | None, baseli
 
 def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages: Tensor,
                       returns: Tensor | None, ref: Tensor | None, normalizer: Tensor,
-                      entropy_coef: float = 0.0) -> dict[str, float]:
-    """Forward, loss and backward for one micro-batch; returns its metrics."""
+                      entropy_coef: float = 0.0, tokens_total: Tensor | None = None) -> dict[str, float]:
+    """Forward, loss and backward for one micro-batch; returns its metrics. A mixture of experts adds its
+    load-balancing loss where its config asks for it (:mod:`posttrain.models.experts`), this micro-batch's
+    share of it by tokens (``tokens_total``: the mini-batch's, over processes)."""
     alg, comp = s.alg, groups.completions
     batch = collate([groups.prompt_ids[int(r)] for r in rows], comp.completion_ids[rows], comp.mask[rows],
                     s.pad_id, s.device, comp.present[rows], share_prompts=s.config.optim.share_prompts,
@@ -431,6 +437,11 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
         loss = loss + s.config.optim.value_loss_coef * value_loss
         value_metrics.pop("explained_variance")  # the whole batch's, in step_advantages
         metrics = {**metrics, **{f"value/{k}": v for k, v in value_metrics.items()}, "value_loss": value_loss}
+    if out.router is not None:
+        coef = aux_loss_coef(s.policy)
+        if coef:
+            loss = loss + coef * out.router.aux_loss * mask.sum() / (mask.sum() if tokens_total is None else tokens_total)
+        metrics.update(out.router.metrics)
     loss.backward()
     tokens = mask.sum().clamp(min=1)
     metrics = {**metrics, "loss": loss, "entropy": (out.entropy.detach() * mask).sum() / tokens}

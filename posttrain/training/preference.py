@@ -82,6 +82,7 @@ from posttrain.data.preference import (
 )
 from posttrain.data.prompts import PromptSampler, hub_splits
 from posttrain.models.batching import in_item_order, item_micro_batches
+from posttrain.models.experts import RouterStats, aux_loss_coef
 from posttrain.models.modeling import collate, forward, right_pad
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
@@ -279,11 +280,20 @@ def sequence_logps(model: Any, prompts: list[Tensor], completions: list[Tensor],
                    share_prompts: bool = True, trim_padding: bool = True) -> tuple[Tensor, Tensor]:
     """Summed completion log-probs [M] and completion token counts [M] of M sequences, in one forward pass
     (``share_prompts``, ``trim_padding``: the settings, as in ``collate``)."""
+    logps, lengths, _ = sequence_forward(model, prompts, completions, pad_id, share_prompts=share_prompts,
+                                         trim_padding=trim_padding)
+    return logps, lengths
+
+
+def sequence_forward(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int, *,
+                     share_prompts: bool = True, trim_padding: bool = True) -> tuple[Tensor, Tensor, RouterStats | None]:
+    """:func:`sequence_logps`, and a mixture of experts' routing in the pass (with gradient; else None)."""
     ids_MT, mask_MT = right_pad(completions, pad_id)
     batch = collate(prompts, ids_MT, mask_MT, pad_id, model.device, share_prompts=share_prompts,
                     trim_padding=trim_padding)
-    logp_MT = forward(model, batch).logprobs.masked_fill(batch.mask == 0, 0.0)
-    return logp_MT.sum(-1), batch.mask.sum(-1)
+    out = forward(model, batch)
+    logp_MT = out.logprobs.masked_fill(batch.mask == 0, 0.0)
+    return logp_MT.sum(-1), batch.mask.sum(-1), out.router
 
 
 def passes(s: Any) -> dict[str, bool]:
@@ -423,14 +433,19 @@ def example_tokens(data: PreferenceExamples, idx: list[int], share_prompts: bool
 
 
 def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
-                      kl: dict[str, Tensor]) -> dict[str, Tensor]:
-    """One forward pass over the examples' K * n sequences, the loss, backward; returns the detached inputs."""
+                      kl: dict[str, Tensor]) -> tuple[dict[str, Tensor], dict[str, float]]:
+    """One forward pass over the examples' K * n sequences, the loss (with a mixture of experts' load-balancing
+    loss where the model's config asks for it), backward; returns the detached inputs and the routing's
+    metrics weighted by ``share``."""
     k, n = len(s.train.completion_ids), len(idx)
-    logps, lengths = sequence_logps(s.policy, *example_sequences(s.train, idx), s.pad_id, **passes(s))
+    logps, lengths, router = sequence_forward(s.policy, *example_sequences(s.train, idx), s.pad_id, **passes(s))
     inputs = loss_inputs(s.preset, s.train, idx, logps.view(k, n), lengths.view(k, n), reference_logps(s, idx))
     loss, _ = s.preset.preference_loss(**inputs, **kl)
+    if router is not None:
+        loss = loss + aux_loss_coef(s.policy) * router.aux_loss
     (loss * share).backward()  # a mean over n examples, weighted n / N: the step's mean over N
-    return {name: value.detach() for name, value in inputs.items()}
+    routing = {} if router is None else {name: value * share for name, value in router.metrics.items()}
+    return {name: value.detach() for name, value in inputs.items()}, routing
 
 
 def train_step(s: PreferenceSession) -> dict[str, float]:
@@ -446,10 +461,13 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
                                 budget=s.config.optim.max_tokens_per_micro_batch)
     with fsdp.full_parameters(s.policy):  # FSDP: gathered once for the step's passes
         kl = kl_inputs(s, idx)
-        parts = []
+        parts, routing = [], {}
         for k, micro in enumerate(micros):
             fsdp.sync_gradients(s.policy, k == len(micros) - 1)  # FSDP reduces at the last backward
-            parts.append(train_micro_batch(s, [mine[j] for j in micro], len(micro) / len(idx), kl))
+            part, shares = train_micro_batch(s, [mine[j] for j in micro], len(micro) / len(idx), kl)
+            parts.append(part)
+            for name, value in shares.items():
+                routing[name] = routing.get(name, 0.0) + value
     before = s.update_check.before_step()
     grad_norm, s.bad_steps = apply_gradients(s.optimizer, s.scheduler, s.config.optim, s.bad_steps)
     s.update_check.after_step(before, grad_norm, lr)
@@ -472,6 +490,7 @@ def train_step(s: PreferenceSession) -> dict[str, float]:
         "skipped_steps": float(not math.isfinite(grad_norm)),
         "lr": lr,
         "data/truncated": float(s.train.truncated[idx].sum()),
+        **distributed.reduce_values(routing),  # each process's shares of the step: summed, the step's mean
         **round_metrics,
     }
 

@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 
 from posttrain.config import ConfigError
-from posttrain.models.modeling import probe_logprobs
+from posttrain.models.logprobs import probe_logprobs
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.worker import Request, RolloutWorker, ThreadRolloutWorker

@@ -35,7 +35,8 @@ from posttrain.data.rewards import RewardModel, load_reward, load_reward_functio
 from posttrain.data.scoring import RewardPolicy, Scores, score
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import REASONING_GYM_PREFIX
-from posttrain.models.modeling import ValueHead, probe_logprobs, resolve_device
+from posttrain.models.logprobs import probe_logprobs
+from posttrain.models.modeling import ValueHead, resolve_device
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import (

@@ -26,15 +26,19 @@ from torch import nn
 
 from posttrain.config import Config, ConfigError, absolute_path
 from posttrain.data.prompts import encode_prompt
+from posttrain.models.architecture import family, head_unsupported_reason, packing_unsupported_reason
 from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.logprobs import check_causal, check_training_path, paths_taken
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.models.modeling import (
     checkpoint_layers,
     resolve_device,
+    unwrapped,
     use_mixed_precision,
     use_packed_attention,
 )
 from posttrain.parallel import distributed, fsdp, offload
+from posttrain.parallel.distributed import say
 from posttrain.rollout.generators import generate_texts
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.optim import build_optimizer
@@ -130,16 +134,47 @@ def load_policy(config: Config, name: str, inputs: Inputs, *, needs_reference: b
             use_mixed_precision(policy)
     else:
         policy, tokenizer = load_model_and_tokenizer(name, dtype=m.dtype, device=m.device,
-                                                     mixed_precision=m.mixed_precision)
+                                                     mixed_precision=m.mixed_precision,
+                                                     trust_remote_code=m.trust_remote_code)
     if m.lora_r:
         policy = apply_lora(policy, m)  # base weights frozen; the reference is the base model
     policy.train(train_mode)
-    if config.optim.trim_padding:  # packed training passes where the attention allows (models.packing)
+    if config.optim.trim_padding:  # packed training passes where they are the model's own forward (models.packing)
         use_packed_attention(policy)
+    check_model(policy, config)
     reference = reference_model(policy, m.offload_reference) if needs_reference else None
     if m.gradient_checkpointing:
         checkpoint_layers(policy)
     return policy, tokenizer, reference
+
+
+def check_model(policy: nn.Module, config: Config) -> None:
+    """Say which fast paths the model declines and why (one line each), then check that it is causal and that the
+    training passes, with the run's settings, give its own forward's log-probs (:mod:`posttrain.models.logprobs`:
+    a family computed wrongly stops here, before the first step)."""
+    o = config.optim
+    for line in path_notices(policy, trim_padding=o.trim_padding):
+        say(line)
+    vocab = unwrapped(policy).config.get_text_config().vocab_size
+    check_causal(policy, vocab)
+    gap = check_training_path(policy, vocab, share_prompts=o.share_prompts, trim_padding=o.trim_padding,
+                              max_tokens_per_micro_batch=o.max_tokens_per_micro_batch,
+                              micro_batch_size=o.micro_batch_size)
+    say(f"training passes checked against {family(policy)}'s own forward: {gap:.1g} nats per token apart "
+        f"({paths_taken(policy, share_prompts=o.share_prompts, trim_padding=o.trim_padding)})")
+
+
+def path_notices(policy: nn.Module, *, trim_padding: bool) -> list[str]:
+    """One line per fast path that ``policy`` does not take, with why and what runs instead."""
+    lines = []
+    packing = packing_unsupported_reason(policy)
+    if trim_padding and packing is not None:
+        lines.append(f"packed passes: off for {family(policy)}: {packing}; rows grouped by length instead")
+    head = head_unsupported_reason(policy)
+    if head is not None:
+        lines.append(f"folded LM head: off for {family(policy)}: {head}; the model's own head, at the completion's "
+                     "positions only")
+    return lines
 
 
 def load_teacher(config: Config, name: str, student_tokenizer: Any, needs_teacher: bool, algorithm: str) -> nn.Module | None:
@@ -153,7 +188,8 @@ def load_teacher(config: Config, name: str, student_tokenizer: Any, needs_teache
     if not teacher:
         return None
     model, tokenizer = load_model_and_tokenizer(teacher, dtype=config.model.dtype, device=config.model.device,
-                                                mixed_precision=config.model.mixed_precision)
+                                                mixed_precision=config.model.mixed_precision,
+                                                trust_remote_code=config.model.trust_remote_code)
     if tokenizer.get_vocab() != student_tokenizer.get_vocab():
         ours, theirs = len(student_tokenizer.get_vocab()), len(tokenizer.get_vocab())
         raise ConfigError(f"teacher: {teacher} has another tokenizer than the student {name} ({theirs} and {ours} "

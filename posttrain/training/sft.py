@@ -40,7 +40,8 @@ Departures and decisions:
    attention (the default; ``trim_padding``) a micro-batch's examples run as one row without padding,
    one causal attention call each (``posttrain.models.packing``): rows only decide which examples
    share a micro-batch. With another attention, transformers' block mask of each row's examples, which
-   needs a model class whose masks follow restarting position ids (``architecture.SUPPORTED``).
+   needs a model class whose masks follow restarting position ids (``architecture.SUPPORTED``). A model
+   that packing would not keep exact (:func:`packing_unsupported_reason`) gets one example per row, said so.
 5. An example with no trained token left (a prompt longer than ``max_length``) is dropped, and said so.
 6. With ``W`` processes the step's examples are split over them by length, near-equal tokens each
    (``distributed.balanced_shard``: Karmarkar-Karp), so no process waits on another's longer share;
@@ -49,6 +50,8 @@ Departures and decisions:
 """
 
 from __future__ import annotations
+
+import dataclasses
 
 import math
 from dataclasses import dataclass, field
@@ -71,7 +74,7 @@ from posttrain.data.sft import (
     load_rows,
 )
 from posttrain.data.tasks.task import Task
-from posttrain.models.architecture import SUPPORTED, is_supported_class
+from posttrain.models.architecture import family, is_supported_class, row_state_reason
 from posttrain.models.batching import token_budget_micro_batches
 from posttrain.models.modeling import split_head, unwrapped
 from posttrain.models.packing import has_packed_attention, packed_forward, sequences_layout
@@ -136,10 +139,11 @@ class SFTSession:
         policy, tokenizer, _ = load_policy(config, name, inputs, needs_reference=False,
                                            train_mode=False)  # no dropout (decision 2)
         teacher = load_teacher(config, name, tokenizer, preset.objective == "gkd", preset.name)
-        base = unwrapped(policy)
-        if pc.packing and not has_packed_attention(base) and not is_supported_class(base):
-            raise ConfigError(f"packing: {type(base).__name__} is not one of {', '.join(SUPPORTED)}, "
-                              "whose attention transformers keeps within each packed example; set --no-packing")
+        unpackable = packing_unsupported_reason(policy, pc.packing)
+        if unpackable:
+            _say(f"packing: off for {family(policy)}: {unpackable}; one example per row")
+            config = dataclasses.replace(config, preference=dataclasses.replace(pc, packing=False))
+            pc = config.preference
         e = config.episodes
         tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools), *(task.tools if task else ()))
         if tools and preset.objective == "gkd":
@@ -238,6 +242,19 @@ def usable(data: SFTExamples, which: str) -> SFTExamples:
         _say(f"{len(data) - len(keep)} of {len(data)} {which} examples have no trained token within max_length "
              "and are left out")
     return data.subset(keep)
+
+
+def packing_unsupported_reason(model: nn.Module, packing: bool) -> str | None:
+    """Why several examples in one row would not each be the model's own forward over it alone (None: they
+    would, or ``packing`` is off): layers that carry state along the row, or an attention that neither the
+    packed attention nor transformers' block mask keeps within each example."""
+    if not packing:
+        return None
+    base = unwrapped(model)
+    reason = row_state_reason(base.config)
+    if reason is None and not has_packed_attention(base) and not is_supported_class(base):
+        reason = f"its attention ({base.config._attn_implementation}) is not one posttrain keeps within each example"
+    return reason
 
 
 # ---------------------------------------------------------------------------------------
