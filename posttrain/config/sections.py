@@ -85,7 +85,8 @@ class ModelConfig:
     mixed_precision: str = _help(
         "no, or bf16: float32 weights, gradients and optimizer state, with the decoder layers computed in "
         "bfloat16 (torch.autocast) in training and generation; the LM head, log-probs and losses stay "
-        "float32. Needs a GPU or a CPU with AVX512-BF16 or AMX.", "no",
+        "float32. Needs a GPU or a CPU with AVX512-BF16 or AMX. A model of 20M parameters or more gets bf16 "
+        "where the hardware has it, unless set.", "no",
     )
     device: str = _help("cpu, cuda, or auto (cuda when available).", "auto")
     lora_r: int = _help("LoRA rank (0 = train all weights). With LoRA the reference is the base model.", 0)
@@ -103,7 +104,8 @@ class ModelConfig:
     gradient_checkpointing: bool = _help(
         "Keep only each decoder layer's input through the forward pass and recompute the layer in the "
         "backward: the same gradients with a fraction of the activation memory, for about one more "
-        "forward pass of time.", False,
+        "forward pass of time. A model of 20M parameters or more gets it where its step would not fit in half "
+        "the machine's memory otherwise, unless set.", False,
     )
     offload_reference: bool = _help(
         "Keep the reference model's weights (and a teacher's) out of memory between its passes (in a temporary "
@@ -257,8 +259,10 @@ CORRECTIONS = {"token-truncate": ("token", "truncate"), "token-mask": ("token", 
 
 @dataclass(frozen=True)
 class RolloutConfig:
-    prompts_per_step: int = _help("Prompts per optimizer step (B).", 32)
-    group_size: int = _help("Completions sampled per prompt (G).", 8)
+    prompts_per_step: int = _help("Prompts per optimizer step (B). A model of 20M parameters or more on a CPU: 16, "
+                                  "unless set.", 32)
+    group_size: int = _help("Completions sampled per prompt (G). A model of 20M parameters or more on a CPU: 4, "
+                            "unless set.", 8)
     max_new_tokens: int | None = _help("Token budget per completion. Default: the task's.")
     temperature: float = _help("Sampling temperature (log-probs are computed at the same temperature).", 1.0)
     top_p: float = _help("Nucleus sampling threshold (1.0 = off).", 1.0)
@@ -374,6 +378,12 @@ class OffPolicyConfig:
     sampler_dtype: str | None = _help(
         "Sample from a copy of the policy whose weights are in this dtype (bfloat16 or float16) while the trainer "
         "keeps its own: the engine-precision mismatch of the papers on rollout correction. Default: the policy's.")
+    routing_replay: bool = _help(
+        "A mixture of experts' training passes take the experts each token was routed to while it was sampled "
+        "(Rollout Routing Replay, arXiv:2510.11370), the weights recomputed from the trainer's router: a sampler "
+        "in another precision (sampler_dtype) or version routes some tokens elsewhere, and the trainer would "
+        "otherwise score another computation than the one that sampled. Needs the hf backend, single turns, "
+        "and no gradient checkpointing.", False)
     async_rollout: bool = _help(
         "Sample in a process of its own, with its own copy of the weights, up to max_staleness steps ahead of the "
         "trainer, which trains meanwhile: each step trains on completions sampled by the policy max_staleness "
@@ -421,7 +431,9 @@ PAIR_SOURCES = ("auto", "dataset", "policy")
 @dataclass(frozen=True)
 class OptimConfig:
     learning_rate: float = _help("AdamW learning rate (a preset may default to its own: posttrain algorithms "
-                                 "lists default_learning_rate).", 1e-4)
+                                 "lists default_learning_rate). A model of 20M parameters or more gets TRL's rate "
+                                 "for its trainer (1e-6 RL and preference, 2e-5 SFT, 1e-5 reward model), ten times "
+                                 "that under LoRA, unless set.", 1e-4)
     weight_decay: float = _help("AdamW weight decay.", 0.0)
     warmup_steps: int = _help("Linear learning-rate warm-up over this many optimizer steps.", 0)
     lr_schedule: str = _help(
@@ -436,7 +448,8 @@ class OptimConfig:
         "Size micro-batches by tokens instead of rows: rows (online), examples (preference, SFT) or pairs "
         "(reward model) are placed by length, best-fit decreasing, into micro-batches of at most this many "
         "prompt + completion tokens (a prompt computed once counted once); a longer one runs alone. Replaces "
-        "micro_batch_size; the loss is the same.")
+        "micro_batch_size; the loss is the same. A model of 20M parameters or more gets the largest of 4096 down "
+        "to 256 whose step fits in half the machine's memory, unless this or micro_batch_size is set.")
     share_prompts: bool = _help(
         "Online and preference trainers: rows of a micro-batch that share a prompt (a group's samples, a pair's "
         "two answers) run it once, each completion attending to it (where that saves enough positions to pay); "

@@ -109,3 +109,90 @@ class RouterTrace:
                    "moe/expert_load_max": float((loads.amax(-1) * experts).mean()),
                    "moe/dead_experts": float((loads == 0).float().mean())}
         return RouterStats(aux, metrics)
+
+
+# ---------------------------------------------------------------------------------------
+# Routing replay: the experts chosen while sampling, used in the training pass
+# ---------------------------------------------------------------------------------------
+
+
+def _softmax_then_top(module: nn.Module, logits: Tensor, chosen: Tensor) -> Tensor:
+    """Qwen3-MoE, Qwen3-Next, OLMoE, Mixtral: each chosen expert's softmax probability over all experts,
+    renormalised over the chosen ones where the router does (Mixtral always)."""
+    weights = logits.float().softmax(-1).gather(1, chosen)
+    if getattr(module, "norm_topk_prob", True):
+        weights = weights / weights.sum(-1, keepdim=True)
+    return weights if type(module).__name__ == "MixtralTopKRouter" else weights.to(logits.dtype)
+
+
+def _top_then_softmax(module: nn.Module, logits: Tensor, chosen: Tensor) -> Tensor:
+    """gpt-oss, Granite 4: a softmax over the chosen experts' logits only."""
+    return logits.gather(1, chosen).softmax(-1, dtype=logits.dtype)
+
+
+def _sigmoid_scores(module: nn.Module, logits: Tensor, chosen: Tensor) -> Tensor:
+    """DeepSeek-V3, GLM-4.5: the chosen experts' sigmoid scores (without the bias that steers the choice),
+    renormalised where the router does, times its scaling factor."""
+    weights = logits.sigmoid().gather(1, chosen)
+    if module.norm_topk_prob:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return weights * module.routed_scaling_factor
+
+
+REPLAYED_WEIGHTS = {
+    **dict.fromkeys(["Qwen3MoeTopKRouter", "Qwen3NextTopKRouter", "OlmoeTopKRouter", "MixtralTopKRouter"],
+                    _softmax_then_top),
+    **dict.fromkeys(["GptOssTopKRouter", "GraniteMoeHybridTopKRouter"], _top_then_softmax),
+    **dict.fromkeys(["DeepseekV3TopkRouter", "Glm4MoeTopkRouter"], _sigmoid_scores),
+}
+"""Router class -> the weights it gives experts it did not choose itself: the same function of its logits it
+applies to its own choice (checked per family: replaying a router's own choice gives its own output)."""
+
+
+def replay_unsupported_reason(model: nn.Module) -> str | None:
+    """Why routing replay cannot run ``model`` (None: it can): a mixture of experts whose routers posttrain
+    knows how to weight a given choice with."""
+    found = routers(model)
+    if not found:
+        return f"{type(unwrapped(model)).__name__} has no mixture of experts to replay the routing of"
+    unknown = sorted({type(r).__name__ for r in found} - set(REPLAYED_WEIGHTS))
+    if unknown:
+        return f"posttrain does not know how {', '.join(unknown)} weights a given choice of experts"
+    return None
+
+
+class RoutingReplay:
+    """While active, every router of ``model`` takes the experts it is given instead of choosing: for a pass,
+    ``chosen_LTK`` [L, T, k] (one layer's choice per router, in layer order) for the tokens where
+    ``replaced_T`` [T] is True; elsewhere (padding) its own choice. The weights are recomputed from the
+    router's current logits (:data:`REPLAYED_WEIGHTS`), so the router still trains."""
+
+    def __init__(self, model: nn.Module):
+        self.routers = routers(model)
+        self._layer = {id(r): i for i, r in enumerate(self.routers)}
+        self.chosen_LTK: Tensor | None = None
+        self.replaced_T: Tensor | None = None
+        self._handles: list = []
+
+    def __enter__(self) -> RoutingReplay:
+        self._handles = [r.register_forward_hook(self._replay) for r in self.routers]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def set_pass(self, chosen_LTK: Tensor | None, replaced_T: Tensor | None) -> None:
+        self.chosen_LTK, self.replaced_T = chosen_LTK, replaced_T
+
+    def _replay(self, module: nn.Module, args: tuple, out: tuple[Tensor, Tensor, Tensor]):
+        if self.chosen_LTK is None:
+            return out
+        logits, weights, chosen = out
+        given = self.chosen_LTK[self._layer[id(module)]].to(chosen)
+        if given.shape != chosen.shape:
+            raise RuntimeError(f"routing replay: {type(module).__name__} routed {tuple(chosen.shape)} token choices, "
+                               f"the replayed pass holds {tuple(given.shape)}")
+        chosen = torch.where(self.replaced_T.to(chosen.device)[:, None], given, chosen)
+        return logits, REPLAYED_WEIGHTS[type(module).__name__](module, logits, chosen).to(weights.dtype), chosen

@@ -42,9 +42,10 @@ def batched_logprobs(
     share_prompts: bool = True,
     trim_padding: bool = True,
     max_tokens_per_micro_batch: int | None = None,
+    routing: Tensor | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None), 0 outside ``mask``
-    (``present``, ``share_prompts``, ``trim_padding``: as in :func:`posttrain.models.modeling.collate`;
+    (``present``, ``share_prompts``, ``trim_padding``, ``routing``: as in :func:`posttrain.models.modeling.collate`;
     micro-batches as :func:`posttrain.models.batching.micro_batch_rows` makes them)."""
     device = next(model.parameters()).device
     total, width = completion_ids.shape
@@ -55,7 +56,7 @@ def batched_logprobs(
                                  share_prompts=share_prompts):
         batch = collate([prompt_ids[int(r)] for r in rows], completion_ids[rows], mask[rows], pad_id, device,
                         None if present is None else present[rows], share_prompts=share_prompts,
-                        trim_padding=trim_padding)
+                        trim_padding=trim_padding, routing=None if routing is None else routing[rows])
         out = forward(model, batch, temperature=temperature, value_head=value_head)
         t = out.logprobs.shape[1]
         logprobs[rows, :t] = out.logprobs.float().cpu()

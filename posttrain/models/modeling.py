@@ -19,6 +19,7 @@ their own forward, head included, with ``logits_to_keep`` at the predicting posi
 from __future__ import annotations
 
 import functools
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
@@ -29,7 +30,7 @@ import posttrain.functional as F
 from posttrain.config import ConfigError
 from posttrain.models.architecture import (cache_unsupported_reason, head_unsupported_reason,
                                            packing_unsupported_reason, unwrapped)
-from posttrain.models.experts import RouterStats, RouterTrace, experts_per_token, routers
+from posttrain.models.experts import RouterStats, RouterTrace, RoutingReplay, experts_per_token, routers
 from posttrain.models.packing import FLOAT32, PACKED, has_packed_attention, pack, register_packed_attention
 from posttrain.parallel.allocator import bound_kernel_caches
 
@@ -237,6 +238,10 @@ class TokenBatch:
     first_U: Tensor | None = None
     owner_n: Tensor | None = None
     trim_padding: bool = True
+    routing: Tensor | None = None
+    """[n, L, S, k] a mixture of experts' routing of each row as it was sampled, to replay (routing replay):
+    row n's token at sequence position s (prompt then completion, as position_ids count) went to experts
+    ``routing[n, l, s]`` in layer l. None: the routers choose."""
 
     @property
     def prompt_width(self) -> int:
@@ -244,7 +249,8 @@ class TokenBatch:
 
 
 def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device,
-            present: Tensor | None = None, *, share_prompts: bool = True, trim_padding: bool = True) -> TokenBatch:
+            present: Tensor | None = None, *, share_prompts: bool = True, trim_padding: bool = True,
+            routing: Tensor | None = None) -> TokenBatch:
     """Concatenate left-padded prompts with right-padded completions (trimmed to the longest), and
     note which rows share a prompt (a GRPO group's samples, a preference pair's two answers).
 
@@ -268,7 +274,8 @@ def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_
             first_row.setdefault(o, row)
         shared = torch.tensor([first_row[o] for o in range(len(index))]), torch.tensor(owner)
     tensors = (input_ids, attention, position_ids, completion_ids, mask, *shared)
-    return TokenBatch(*(None if t is None else t.to(device) for t in tensors), trim_padding=trim_padding)
+    return TokenBatch(*(None if t is None else t.to(device) for t in tensors), trim_padding=trim_padding,
+                      routing=routing)
 
 
 def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: int) -> bool:
@@ -325,16 +332,32 @@ class Reader:
 
     logits: bool = False
     hidden: bool = False
+    replay: RoutingReplay | None = None
+    """Routing replay: each pass's routers take the experts ``replay_routing`` [n, L, S, k] holds for its tokens."""
+    replay_routing: Tensor | None = None
 
-    def __call__(self, module: nn.Module, keep: int | Tensor, **inputs) -> tuple[Tensor, Tensor | None, object]:
+    def __call__(self, module: nn.Module, keep: int | Tensor, *, rows: Tensor, **inputs) -> tuple[Tensor, Tensor | None, object]:
         """(outputs [B, K, X] at ``keep``: the last ``keep`` positions or those indexed; hidden states there or
-        None; the pass's cache when it made one)."""
+        None; the pass's cache when it made one). ``rows``: the batch row of each input (``[B]``, or ``[1, S]``
+        for a packed row), for routing replay."""
+        if self.replay is not None:
+            self.replay.set_pass(*replayed(self.replay_routing, rows, inputs["position_ids"], inputs["attention_mask"]))
         pick = slice(-keep, None) if isinstance(keep, int) else keep
         if not self.logits:
             out = module(**inputs)
             return out.last_hidden_state[:, pick], None, out.get("cache")
         out = module(**inputs, logits_to_keep=keep, output_hidden_states=self.hidden)
         return out.logits, out.hidden_states[-1][:, pick] if self.hidden else None, out.get("cache")
+
+
+def replayed(routing_NLSK: Tensor, rows: Tensor, positions_BS: Tensor, attention_BX: Tensor) -> tuple[Tensor, Tensor]:
+    """A pass's replayed routing: (chosen [L, B*S, k] for its tokens in order, replaced [B*S] bool: the real ones).
+    ``rows`` [B] (each input row's batch row) or [B, S] (a packed row's); ``positions_BS`` the inputs' position
+    ids, which count a row's sequence as its routing does; ``attention_BX`` their mask (its last S columns)."""
+    rows_BS = rows[:, None].expand(positions_BS.shape) if rows.dim() == 1 else rows
+    at = positions_BS.clamp(0, routing_NLSK.shape[2] - 1).flatten().cpu()
+    chosen_TLK = routing_NLSK[rows_BS.flatten().cpu(), :, at]
+    return chosen_TLK.transpose(0, 1), attention_BX[:, -positions_BS.shape[1]:].flatten().bool()
 
 
 def completion_outputs(module: nn.Module, batch: TokenBatch, read: Reader = Reader()) -> tuple[Tensor, Tensor | None]:
@@ -368,8 +391,9 @@ def completion_outputs(module: nn.Module, batch: TokenBatch, read: Reader = Read
                   or cache_unsupported_reason(unwrapped(module).config) is not None)  # full-attention layers only
     if shared:
         first = batch.first_U
-        prompt = read(module, 1, input_ids=batch.input_ids[first, :p], attention_mask=batch.attention_mask[first, :p],
-                      position_ids=batch.position_ids[first, :p], use_cache=True)
+        prompt = read(module, 1, rows=first, input_ids=batch.input_ids[first, :p],
+                      attention_mask=batch.attention_mask[first, :p], position_ids=batch.position_ids[first, :p],
+                      use_cache=True)
     parts, hidden_parts = [], []
     for group in groups:
         rows = torch.tensor(group, device=batch.input_ids.device)
@@ -377,7 +401,7 @@ def completion_outputs(module: nn.Module, batch: TokenBatch, read: Reader = Read
         if shared:
             out, hidden = _completion_on_prompt_cache(module, batch, computed, prompt, rows, w, read)
         else:
-            out, hidden, _ = read(module, w, input_ids=batch.input_ids[rows, :p + w - 1],
+            out, hidden, _ = read(module, w, rows=rows, input_ids=batch.input_ids[rows, :p + w - 1],
                                   attention_mask=computed[rows, :p + w - 1],
                                   position_ids=batch.position_ids[rows, :p + w - 1], use_cache=False)
         parts.append(out)
@@ -402,8 +426,9 @@ def _packed_outputs(module: nn.Module, batch: TokenBatch, lengths: Tensor, read:
     valid_NT = layout.valid_NT.to(device)
     keep_K = layout.index_NT.to(device)[valid_NT]  # the predicting positions, row by row
     ids = ids.to(device)
-    out_1KX, hidden_1KD, _ = read(module, keep_K, input_ids=ids, position_ids=positions.to(device),
-                                  attention_mask=torch.ones_like(ids), use_cache=False, posttrain_layout=layout.to(device))
+    out_1KX, hidden_1KD, _ = read(module, keep_K, rows=layout.rows_S[None], input_ids=ids,
+                                  position_ids=positions.to(device), attention_mask=torch.ones_like(ids), use_cache=False,
+                                  posttrain_layout=layout.to(device))
 
     def scattered(values_1KX: Tensor) -> Tensor:  # [n, T, X], zero where no token is predicted
         rows = valid_NT.view(-1).nonzero()[:, 0]
@@ -437,16 +462,16 @@ def _completion_on_prompt_cache(module: nn.Module, batch: TokenBatch, computed: 
     if width == 1:
         return first_token, first_hidden
     p = batch.prompt_width
-    out, hidden, _ = read(module, width - 1, input_ids=batch.input_ids[rows, p:p + width - 1],
+    out, hidden, _ = read(module, width - 1, rows=rows, input_ids=batch.input_ids[rows, p:p + width - 1],
                           attention_mask=computed[rows, :p + width - 1],
                           position_ids=batch.position_ids[rows, p:p + width - 1], cache=cache, use_cache=True)
     return torch.cat([first_token, out], 1), None if hidden is None else torch.cat([first_hidden, hidden], 1)
 
 
-def completion_hidden(body: nn.Module, batch: TokenBatch) -> Tensor:
+def completion_hidden(body: nn.Module, batch: TokenBatch, read: Reader = Reader()) -> Tensor:
     """[n, T, D] the decoder stack ``body``'s final hidden states at the positions predicting each completion
     token (:func:`completion_outputs`)."""
-    return completion_outputs(body, batch)[0]
+    return completion_outputs(body, batch, read)[0]
 
 
 @dataclass
@@ -480,20 +505,22 @@ def forward(
     unfused path then holds the [n, T, V] log-softmax for the backward). A mixture of experts' routing comes
     with it in a pass with gradient (:mod:`posttrain.models.experts`)."""
     traced = torch.is_grad_enabled() and bool(routers(model))
-    if not traced:
-        return _forward(model, batch, temperature, with_entropy, value_head, entropy_grad)
-    with RouterTrace(model) as trace:
-        out = _forward(model, batch, temperature, with_entropy, value_head, entropy_grad)
+    with RoutingReplay(model) if batch.routing is not None else nullcontext() as replay:
+        if not traced:
+            return _forward(model, batch, temperature, with_entropy, value_head, entropy_grad, replay)
+        with RouterTrace(model) as trace:
+            out = _forward(model, batch, temperature, with_entropy, value_head, entropy_grad, replay)
     out.router = trace.stats(experts_per_token(model))
     return out
 
 
 def _forward(model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool,
-             value_head: ValueHead | None, entropy_grad: bool) -> ForwardOutput:
+             value_head: ValueHead | None, entropy_grad: bool, replay: RoutingReplay | None) -> ForwardOutput:
+    replaying = dict(replay=replay, replay_routing=batch.routing)
     parts = split_head(model)
     if parts is not None:
         body, head = parts
-        hidden_NTD = completion_hidden(body, batch)
+        hidden_NTD = completion_hidden(body, batch, Reader(**replaying))
         scored_NT = batch.mask.bool()
         logprobs_M, entropy_M = F.linear_log_softmax(
             hidden_NTD[scored_NT].to(head.weight.dtype), head.weight, batch.completion_ids[scored_NT], bias=head.bias,
@@ -502,7 +529,7 @@ def _forward(model: nn.Module, batch: TokenBatch, temperature: float, with_entro
         entropy = zeros_NT.masked_scatter(scored_NT, entropy_M) if with_entropy else None
         values = value_head(hidden_NTD.to(value_head.linear.weight.dtype)) if value_head is not None else None
         return ForwardOutput(zeros_NT.masked_scatter(scored_NT, logprobs_M), entropy, values)
-    logits, hidden = completion_outputs(model, batch, Reader(logits=True, hidden=value_head is not None))
+    logits, hidden = completion_outputs(model, batch, Reader(logits=True, hidden=value_head is not None, **replaying))
     if temperature != 1.0:
         logits = logits / temperature
     padding = batch.mask == 0

@@ -87,12 +87,14 @@ class PackedLayout:
     spans: list[Span]
     index_NT: Tensor
     valid_NT: Tensor
+    rows_S: Tensor | None = None
+    """[S] the batch row each packed position's token comes from (a shared prompt's: its group's first row)."""
     varlen: VarlenIndex | None = None  # built by the first layer that runs the variable-length kernel
     masks: dict[tuple[int, int, int, int | None], Tensor] = field(default_factory=dict)
     """:func:`visible` masks by (query start, queries, keys, window), made once per forward by the first layer."""
 
     def to(self, device: torch.device) -> PackedLayout:
-        return PackedLayout(self.spans, self.index_NT.to(device), self.valid_NT.to(device))
+        return PackedLayout(self.spans, self.index_NT.to(device), self.valid_NT.to(device), self.rows_S)
 
     def mask(self, start: int, queries: int, keys: int, window: int | None, device: torch.device) -> Tensor:
         """[queries, keys] bool (cached): :func:`visible` for queries at positions ``start..`` over keys at
@@ -164,7 +166,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: 
     members: dict[int, list[int]] = {}
     for row, owner in enumerate(owners):
         members.setdefault(owner, []).append(row)
-    ids, positions, spans = [], [], []
+    ids, positions, spans, sources = [], [], [], []
     index = torch.zeros(n, width, dtype=torch.long)
     start = 0
     for rows in members.values():
@@ -173,12 +175,14 @@ def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: 
         p = len(prompt)
         ids.append(prompt)
         positions.append(torch.arange(p))
+        sources.append(torch.full((p,), first))
         blocks = []  # each member's completion inputs: (offset in the group, length)
         offset = p
         for row in rows:
             m = int(lengths[row]) - 1  # the last completion token predicts nothing
             ids.append(input_ids[row, prompt_width:prompt_width + m])
             positions.append(torch.arange(p, p + m))
+            sources.append(torch.full((m,), row))
             index[row, 0] = start + p - 1  # completion token 0 is predicted by the prompt's last position
             index[row, 1:m + 1] = torch.arange(start + offset, start + offset + m)
             blocks.append((offset, m))
@@ -188,7 +192,7 @@ def pack(input_ids: Tensor, attention_mask: Tensor, prompt_width: int, lengths: 
     valid = torch.arange(width)[None, :] < lengths[:, None]
     packed_ids = torch.cat(ids)[None]
     packed_positions = torch.cat(positions)[None]
-    return packed_ids, packed_positions, PackedLayout(spans, index, valid)
+    return packed_ids, packed_positions, PackedLayout(spans, index, valid, torch.cat(sources))
 
 
 def sequences_layout(lengths: list[int]) -> PackedLayout:

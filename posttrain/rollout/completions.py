@@ -42,6 +42,8 @@ class Completions:
                     the trainer sets it (a generator does not know which version it holds). Step ``t``'s
                     rows are ``t - version`` versions stale: 0 in a synchronous run, at most
                     ``max_staleness`` with asynchronous rollouts.
+    routing:        [N, L, S, k] int16, a mixture of experts' chosen experts for each token the training pass
+                    computes, as the sampler routed it (``routing_replay``; :mod:`.routing`); None otherwise.
     """
 
     completion_ids: Tensor
@@ -51,6 +53,7 @@ class Completions:
     inserted: Tensor | None = None
     rewards: Tensor | None = None
     versions: Tensor | None = None
+    routing: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -67,7 +70,7 @@ class Completions:
         """The completions of rows ``index`` (a [n] long tensor)."""
         return Completions(*(None if t is None else t[index] for t in (
             self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted, self.rewards,
-            self.versions)))
+            self.versions, self.routing)))
 
     @staticmethod
     def cat(parts: list["Completions"]) -> "Completions":
@@ -81,8 +84,13 @@ class Completions:
         rewards, versions = (torch.cat([getattr(p, name) for p in parts])
                              if all(getattr(p, name) is not None for p in parts) else None
                              for name in ("rewards", "versions"))
+        routing = None
+        if all(p.routing is not None for p in parts):  # [n, L, S, k]: padded along the positions
+            width = max(p.routing.shape[2] for p in parts)
+            routing = torch.cat([torch.nn.functional.pad(p.routing, (0, 0, 0, width - p.routing.shape[2]))
+                                 for p in parts])
         return Completions(cat_rows([p.completion_ids for p in parts]), cat_rows([p.mask for p in parts]),
-                           cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards, versions)
+                           cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards, versions, routing)
 
 
 def cat_rows(parts: list[Tensor | None]) -> Tensor | None:

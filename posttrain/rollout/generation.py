@@ -186,6 +186,7 @@ def decode(
     temperature: float = 1.0,
     top_k: int = 0,
     top_p: float = 1.0,
+    step_rows: list[Tensor] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``num_samples`` completions of each left-padded prompt: tokens [P*G, T], ``pad_id`` after a row's
     first EOS; T is the number of steps run (all rows finished, or ``max_new_tokens``). Also, when
@@ -194,6 +195,8 @@ def decode(
 
     ids_PL, attention_PL: [P, L] left-padded prompts and their attention mask, on the model's device.
     cache: an empty :func:`preallocated_cache` with ``repeats=num_samples`` and capacity >= L + T.
+    step_rows: when given, each step's running rows (output row indices) before its pass, in order: what a
+    routing recorder needs to place each pass's routing (:mod:`posttrain.rollout.routing`).
     """
     device, g = ids_PL.device, num_samples
     width = ids_PL.shape[1]
@@ -227,6 +230,8 @@ def decode(
             cache.batch_select_indices(keep)
         n = len(rows)
         attention_NS[:n, width + t] = 1
+        if step_rows is not None:
+            step_rows.append(rows.clone())
         if fused is not None:
             logits = fused.step(token_n, position_N1, attention_NS[:n, : width + t + 1], cache)
         else:

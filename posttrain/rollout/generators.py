@@ -14,6 +14,7 @@ it outright, for comparison.
 from __future__ import annotations
 
 import logging
+from contextlib import nullcontext
 import os
 from collections.abc import Mapping, Sequence
 from typing import Any
@@ -22,6 +23,7 @@ import torch
 from torch import Tensor
 
 from posttrain.models.experts import routers
+from posttrain.rollout.routing import RoutingRecorder, decode_routing, generate_routing
 from posttrain.models.modeling import left_pad
 from posttrain.rollout.completions import (
     Completions,
@@ -37,24 +39,41 @@ class HFGenerator:
     """Sampling with ``model.generate`` (KV cache, batched, stops at EOS or the budget); with each sampled token's
     log-prob under the distribution it was drawn from, as the decode loop gives it (:class:`SamplingRecorder`)."""
 
-    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int]):
+    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
+                 record_routing: bool = False):
         self.model = model
         self.tokenizer = tokenizer
         self.params = params
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
+        self.record_routing = record_routing
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
                  rows: Any = None) -> Completions:
         device = self.model.device
         ids, attention = left_pad(prompt_ids, self.pad_id)
+        width = ids.shape[1]
         ids = ids.repeat_interleave(num_samples, 0).to(device)
         attention = attention.repeat_interleave(num_samples, 0).to(device)
         recorder = None if greedy else SamplingRecorder(self.params)
+        routed = RoutingRecorder(self.model) if self.record_routing and not greedy else nullcontext()
         was_training = self.model.training
         self.model.eval()
-        out = self.model.generate(
+        with routed:
+            out = self._generate(ids, attention, greedy, recorder)
+        self.model.train(was_training)
+        tokens = out[:, ids.shape[1]:]
+        completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
+        if recorder is not None:
+            completions.sampling_logprobs = recorder.drawn(tokens).cpu() * completions.mask
+        if isinstance(routed, RoutingRecorder):
+            completions.routing = generate_routing(routed, [len(p) for p in prompt_ids], width, num_samples,
+                                                   completions.lengths)
+        return completions
+
+    def _generate(self, ids: Tensor, attention: Tensor, greedy: bool, recorder: SamplingRecorder | None) -> Tensor:
+        return self.model.generate(
             input_ids=ids,
             attention_mask=attention,
             do_sample=not greedy,
@@ -67,12 +86,6 @@ class HFGenerator:
             logits_processor=None if recorder is None else [recorder],
             **({"output_router_logits": False} if routers(self.model) else {}),  # as the decode loop: no load loss
         )
-        self.model.train(was_training)
-        tokens = out[:, ids.shape[1]:]
-        completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
-        if recorder is not None:
-            completions.sampling_logprobs = recorder.drawn(tokens).cpu() * completions.mask
-        return completions
 
 
 class SamplingRecorder:
@@ -111,12 +124,14 @@ class SamplingRecorder:
 class FastGenerator:
     """Sampling with :func:`posttrain.rollout.generation.decode`; :class:`HFGenerator` for models it cannot hold."""
 
-    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int]):
+    def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
+                 record_routing: bool = False):
         self.model = model
         self.params = params
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
-        self.fallback = HFGenerator(model, tokenizer, params, eos_token_ids)
+        self.record_routing = record_routing
+        self.fallback = HFGenerator(model, tokenizer, params, eos_token_ids, record_routing=record_routing)
         self.fallback_reason: str | None = None  # "" once checked and supported
 
     @torch.no_grad()
@@ -141,23 +156,31 @@ class FastGenerator:
         was_training = self.model.training
         self.model.eval()
         p = self.params
-        tokens, logprobs = decode(self.model, cache, ids.to(device), attention.to(device), num_samples=num_samples,
-                                  max_new_tokens=p.max_new_tokens, eos_ids=self.eos_ids.to(device),
-                                  pad_id=self.pad_id, greedy=greedy, temperature=p.temperature, top_k=p.top_k,
-                                  top_p=p.top_p)
+        routed = RoutingRecorder(self.model) if self.record_routing and not greedy else nullcontext()
+        step_rows: list[Tensor] | None = [] if isinstance(routed, RoutingRecorder) else None
+        with routed:
+            tokens, logprobs = decode(self.model, cache, ids.to(device), attention.to(device), num_samples=num_samples,
+                                      max_new_tokens=p.max_new_tokens, eos_ids=self.eos_ids.to(device),
+                                      pad_id=self.pad_id, greedy=greedy, temperature=p.temperature, top_k=p.top_k,
+                                      top_p=p.top_p, step_rows=step_rows)
         self.model.train(was_training)
         completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
         if logprobs is not None:
             completions.sampling_logprobs = logprobs.cpu() * completions.mask
+        if isinstance(routed, RoutingRecorder):
+            completions.routing = decode_routing(routed, [len(q) for q in prompt_ids], ids.shape[1], num_samples,
+                                                 step_rows, completions.lengths)
         return completions
 
 
 def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
-                   model_path: str | None = None, seed: int = 0):
-    """The configured generator; vLLM needs a GPU, the ``vllm`` package and the model's directory."""
+                   model_path: str | None = None, seed: int = 0, record_routing: bool = False):
+    """The configured generator; vLLM needs a GPU, the ``vllm`` package and the model's directory.
+    ``record_routing``: the completions carry a mixture of experts' routing (``hf`` only; routing replay)."""
     if backend == "hf":
         slow = os.environ.get("POSTTRAIN_HF_GENERATE", "0") == "1"
-        return (HFGenerator if slow else FastGenerator)(model, tokenizer, params, eos_token_ids)
+        return (HFGenerator if slow else FastGenerator)(model, tokenizer, params, eos_token_ids,
+                                                        record_routing=record_routing)
     if backend == "vllm":
         from posttrain.rollout.vllm import VLLMGenerator
 

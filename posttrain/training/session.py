@@ -35,6 +35,7 @@ from posttrain.data.rewards import RewardModel, load_reward, load_reward_functio
 from posttrain.data.scoring import RewardPolicy, Scores, score
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import REASONING_GYM_PREFIX
+from posttrain.models.experts import replay_unsupported_reason
 from posttrain.models.logprobs import probe_logprobs
 from posttrain.models.modeling import ValueHead, resolve_device
 from posttrain.parallel import distributed
@@ -244,6 +245,17 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
     if r.rollout_server and r.weight_transport == "nccl" and not on_gpu:
         raise ConfigError("weight_transport: nccl sends the weights from the trainer's GPU; train on a GPU "
                           "(--device cuda) or use gloo")
+    if config.off_policy.routing_replay:
+        sampled_elsewhere = "rollout servers" if r.rollout_server else "vLLM" if r.backend == "vllm" else None
+        if sampled_elsewhere:
+            raise ConfigError(f"routing_replay: the experts are recorded by posttrain's own sampler (--backend hf); "
+                              f"{sampled_elsewhere} do not return them; drop --routing-replay")
+        if config.episodes.tools or config.episodes.environment or work.tools or work.environment:
+            raise ConfigError("routing_replay: multi-turn episodes (tools, environments) are not recorded; drop "
+                              "--routing-replay or the tools")
+        if config.model.gradient_checkpointing:
+            raise ConfigError("routing_replay: a recomputed layer would route by itself in the backward; drop "
+                              "--gradient-checkpointing or --routing-replay")
     if r.rollout_server and r.backend == "vllm":
         raise ConfigError("rollout_server: the servers sample the rollouts; drop --backend vllm (a colocated engine)")
     if r.backend == "vllm":
@@ -322,6 +334,8 @@ class OnlineSession:
         name = model_name(config, work.default_model, inputs)
         policy, tokenizer, ref = load_policy(config, name, inputs, needs_reference=alg.needs_reference,
                                              train_mode=True)
+        if config.off_policy.routing_replay and replay_unsupported_reason(policy):
+            raise ConfigError(f"routing_replay: {replay_unsupported_reason(policy)}; drop --routing-replay")
         teacher = load_teacher(config, name, tokenizer, alg.needs_teacher, alg.name)
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
         policy, optimizer, scheduler = build_optimization(
@@ -355,7 +369,8 @@ class OnlineSession:
                 return RemoteGenerator(model, tokenizer, params, eos_ids, list(r.rollout_server), transport,
                                        timeout_s=r.rollout_timeout)
             return make_generator(r.backend, model, tokenizer, params, eos_ids,
-                                  model_path=policy.config.name_or_path, seed=seed)
+                                  model_path=policy.config.name_or_path, seed=seed,
+                                  record_routing=config.off_policy.routing_replay)
 
         # sampler_noise/_dtype: a copy samples the rollouts (refresh_sampler); evaluation samples the policy
         sampling_copy = None
