@@ -4,7 +4,7 @@ Every preset's default run must make the built-in tiny-addition model better at 
 (about 40-50% held-out greedy accuracy to start, depending on the CPU):
 
 - every online preset, in its papers' update structure, at the default budget (GRPO also in
-  mixed precision);
+  mixed precision), and the default run with a mixture-of-experts body and a hybrid body;
 - every preference preset's default run (pairs sampled from the policy and labelled by the
   task's answer check) on a reduced budget: held-out greedy and pairwise accuracy both rise;
 - SFT's default run on the task's reference solutions, and the reward model's default run on
@@ -44,6 +44,17 @@ def test_online_preset_raises_held_out_accuracy(name, precision, tmp_path):
     before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
     gain = 0.25 if name in AFTER_THE_SEED else 0.20  # the presets after the seed's lineage: +25 points
     assert after >= before + gain, f"{name}: held-out accuracy {before:.3f} -> {after:.3f}"
+
+
+@pytest.mark.parametrize("model", ["tiny-addition-moe", "tiny-addition-hybrid"])
+def test_other_bodies_raise_held_out_accuracy(model, tmp_path):
+    """`posttrain train --model tiny-addition-moe` (a Qwen3-MoE body: 4 experts, 2 per token) and
+    `--model tiny-addition-hybrid` (an LFM2 body: short convolutions around one attention layer, trained on
+    padded rows): the default run, warm-started like the default model, gains 20 points or more."""
+    config = Config.from_flat({"model": model, "output": str(tmp_path / model), **QUIET})
+    result = train(config)
+    before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
+    assert after >= before + 0.20, f"{model}: held-out accuracy {before:.3f} -> {after:.3f}"
 
 
 @pytest.fixture(scope="module")

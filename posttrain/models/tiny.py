@@ -11,6 +11,10 @@ seconds, hence stopping on accuracy rather than on time.
 ``tiny-addition-base`` is the same network and tokenizer left at its
 random initialisation (``warm_start=False``): the base model that the
 whole RLHF pipeline (``posttrain train --algorithm sft`` first) starts from.
+``tiny-addition-moe`` (a Qwen3-MoE body: 4 experts, 2 per token) and
+``tiny-addition-hybrid`` (an LFM2 body: two gated short-convolution layers
+around one attention layer) are the same task, size and warm start with
+the bodies whose training passes differ most from Llama's.
 
 The build is deterministic given the recipe's seed on one machine (same
 torch version and thread count): weights, batch order and the stopping
@@ -33,7 +37,7 @@ from typing import Any
 
 import torch
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
-from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import Task
@@ -71,6 +75,17 @@ def char_tokenizer(chars: str, model_max_length: int = 128) -> PreTrainedTokeniz
     )
 
 
+BODIES: dict[str, dict[str, Any]] = {
+    # a mixture of experts: 4 experts of half the dense MLP's width, 2 per token (the dense model's compute)
+    "qwen3_moe": dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=176, norm_topk_prob=True,
+                      head_dim=32),
+    # a hybrid: gated short convolutions around one attention layer (LFM2's layout)
+    "lfm2": dict(layer_types=["conv", "full_attention", "conv"], block_ff_dim=352, block_auto_adjust_ff_dim=False),
+}
+"""The other families a built-in model's body can be, at the same width, depth and heads as the Llama one, and
+what makes each its family (bump :class:`TinyRecipe`'s ``version`` of a model that uses an entry changed here)."""
+
+
 def build_tiny_model(
     tokenizer: PreTrainedTokenizerFast,
     seed: int = 0,
@@ -80,13 +95,28 @@ def build_tiny_model(
     num_heads: int = 4,
     intermediate_size: int = 352,
     max_position_embeddings: int = 128,
-) -> LlamaForCausalLM:
-    """A randomly initialised Llama decoder for ``tokenizer``'s vocabulary, seeded.
+    family: str = "llama",
+):
+    """A randomly initialised decoder for ``tokenizer``'s vocabulary, seeded: Llama, or one of :data:`BODIES`.
 
-    Parameters: ``V*d + L*(4*d*d + 3*d*m + 2*d) + d`` for vocabulary V,
+    Llama's parameters: ``V*d + L*(4*d*d + 3*d*m + 2*d) + d`` for vocabulary V,
     width d, L layers and MLP width m (embeddings tied, no biases): about
     0.6M at the defaults.
     """
+    if family != "llama":
+        from transformers import AutoConfig, AutoModelForCausalLM
+
+        config = AutoConfig.for_model(
+            family, vocab_size=len(tokenizer), hidden_size=hidden_size, intermediate_size=intermediate_size,
+            num_hidden_layers=num_layers, num_attention_heads=num_heads, num_key_value_heads=num_heads,
+            max_position_embeddings=max_position_embeddings, tie_word_embeddings=True,
+            pad_token_id=tokenizer.pad_token_id, bos_token_id=tokenizer.bos_token_id,
+            eos_token_id=tokenizer.eos_token_id, **BODIES[family])
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config)
+        model.generation_config.pad_token_id = tokenizer.pad_token_id
+        model.generation_config.eos_token_id = tokenizer.eos_token_id
+        return model
     config = LlamaConfig(
         vocab_size=len(tokenizer),
         hidden_size=hidden_size,
@@ -119,6 +149,8 @@ class TinyRecipe:
     """Cache key suffix; bump whenever any field or the build code changes."""
     task_seed: int = 0
     """Seed of the task's train/test split."""
+    family: str = "llama"
+    """The decoder's family: ``llama``, or one of :data:`BODIES` (a mixture of experts, a hybrid)."""
     seed: int = 0
     """Seed of the initial weights and of the batch order."""
     hidden_size: int = 128
@@ -150,6 +182,10 @@ BUILTIN_MODELS: dict[str, TinyRecipe] = {
     "tiny-addition-base": TinyRecipe(task="addition", chars="0123456789+=,|", warm_start=False),
     # warm-started on answers without a tool (most) and with one: see posttrain/data/tasks/calculator.py
     "tiny-calculator": TinyRecipe(task="calculator", chars="0123456789+-*=;[] acl", target_accuracy=0.10),
+    # the default model's task, budget and warm start with another body: a mixture of experts, and a hybrid
+    # of convolutions and attention (the families whose training passes differ most from Llama's)
+    "tiny-addition-moe": TinyRecipe(task="addition", chars="0123456789+=,|", family="qwen3_moe"),
+    "tiny-addition-hybrid": TinyRecipe(task="addition", chars="0123456789+=,|", family="lfm2"),
 }
 """Built-in model name -> recipe; ``--model tiny-addition`` resolves here."""
 
@@ -164,7 +200,7 @@ def _columns(rows: list[dict[str, Any]]) -> dict[str, list[Any]]:
 
 
 @torch.no_grad()
-def greedy_accuracy(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task,
+def greedy_accuracy(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, task: Task,
                     rows: list[dict[str, Any]], batch_size: int = 256) -> float:
     """Fraction of ``rows`` that ``task.correct`` accepts, decoding greedily (left-padded batches)."""
     was_training = model.training
@@ -208,7 +244,7 @@ def _supervised_batches(task: Task, tokenizer: PreTrainedTokenizerFast, recipe: 
             yield ids, attention, labels
 
 
-def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task: Task,
+def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, task: Task,
                recipe: TinyRecipe) -> dict[str, float]:
     """Supervised training until subset greedy accuracy first reaches ``recipe.target_accuracy``."""
     subset = task.test[:recipe.eval_prompts]
@@ -232,13 +268,14 @@ def warm_start(model: LlamaForCausalLM, tokenizer: PreTrainedTokenizerFast, task
     raise RuntimeError(f"warm start did not reach accuracy {recipe.target_accuracy} in {recipe.max_steps} steps")
 
 
-def build_from_recipe(recipe: TinyRecipe) -> tuple[LlamaForCausalLM, PreTrainedTokenizerFast, dict[str, Any]]:
+def build_from_recipe(recipe: TinyRecipe) -> tuple[PreTrainedModel, PreTrainedTokenizerFast, dict[str, Any]]:
     """Build and warm-start a model; also returns the record written to ``posttrain_recipe.json``."""
     start = time.perf_counter()
     task = get_task(recipe.task, seed=recipe.task_seed)
     tokenizer = char_tokenizer(recipe.chars)
     model = build_tiny_model(tokenizer, recipe.seed, hidden_size=recipe.hidden_size, num_layers=recipe.num_layers,
-                             num_heads=recipe.num_heads, intermediate_size=recipe.intermediate_size)
+                             num_heads=recipe.num_heads, intermediate_size=recipe.intermediate_size,
+                             family=recipe.family)
     n_params = sum(p.numel() for p in model.parameters())
     if recipe.warm_start:
         _log(f"warm-starting a {n_params / 1e6:.2f}M-parameter model on {recipe.task} "
