@@ -109,3 +109,34 @@ def test_grpo_with_lora_on_gsm_trains_only_the_adapters(tmp_path):
     expected, _ = batched_logprobs(base, g.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                                    micro_batch_size=8)
     assert torch.allclose(reference_logprobs(s, g), expected, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("lora", [0, 16], ids=["full", "lora"])
+def test_default_settings_fit_and_do_not_make_smollm2_worse(lora, tmp_path):
+    """`posttrain train --model smollm2-135m --task gsm` with nothing else set (and with --lora-r 16): the run
+    says which defaults it chose for a 135M model, stays within half the machine's memory (measured in the
+    run's own process), takes minutes, not hours, a step, and three steps leave held-out accuracy where it was
+    (within 3 of 100 problems)."""
+    import json
+    import subprocess
+    import sys
+
+    from posttrain.training.defaults import machine_memory
+
+    argv = ["posttrain", "train", "--model", "smollm2-135m", "--task", "gsm", "--max-steps", "3", "--eval-size", "100",
+            "--output", str(tmp_path / "run"), "--report-to", "none", "--no-progress",
+            *(["--lora-r", str(lora)] if lora else [])]
+    child = (f"import atexit, resource, runpy, sys; sys.argv = {argv!r}; atexit.register(lambda: print("
+             "'PEAK_KIB', resource.getrusage(resource.RUSAGE_SELF).ru_maxrss, file=sys.stderr)); "
+             "runpy.run_module('posttrain.cli', run_name='__main__')")
+    done = subprocess.run([sys.executable, "-c", child], check=True, capture_output=True, text=True)
+    said = done.stderr
+    assert f"defaults for smollm2-135m (135M parameters, {'LoRA' if lora else 'full fine-tuning'})" in said
+    assert f"learning_rate {1e-5 if lora else 1e-6:g}" in said
+    peak = int(next(line for line in said.splitlines() if line.startswith("PEAK_KIB")).split()[1]) * 1024
+    assert peak <= machine_memory(torch.device("cpu")) / 2
+    rows = [json.loads(line) for line in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    assert max(row["time/step"] for row in rows if "time/step" in row) < 600
+    accuracy = [row["eval/accuracy"] for row in rows if "eval/accuracy" in row]
+    assert accuracy[-1] >= accuracy[0] - 0.03, accuracy

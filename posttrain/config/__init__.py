@@ -67,6 +67,10 @@ class Config:
     optim: OptimConfig = field(default_factory=OptimConfig)
     preference: PreferenceConfig = field(default_factory=PreferenceConfig)
     run: RunConfig = field(default_factory=RunConfig)
+    given: frozenset[str] = field(default=frozenset(), compare=False, repr=False)
+    """The fields the user set (a flag, a YAML key, a keyword of posttrain.train): the others may be suited to the
+    model and machine at the start of a run (posttrain.training.defaults). A resumed run's saved config sets
+    every field."""
 
     def __post_init__(self) -> None:
         if self.rollout.backend != "hf":  # the vLLM path samples single turns from the policy's own weights
@@ -175,7 +179,9 @@ def resolve(flat: dict[str, Any]) -> Resolved:
     config = None
     if len(built) == len(SECTIONS):
         try:
-            config = Config(algorithm=name, overrides=overrides, **built)
+            given = frozenset(key for values in sections.values() for key in values) - (
+                {"learning_rate"} if preset_rate is not None and "learning_rate" not in translated.flat else set())
+            config = Config(algorithm=name, overrides=overrides, given=given, **built)
         except ConfigError as error:
             problems.extend(error.problems)
     translated_flat = {"algorithm": name, **translated.flat}

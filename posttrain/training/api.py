@@ -34,6 +34,7 @@ from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorith
 from posttrain.config import Config, ConfigError, load_yaml
 from posttrain.parallel.allocator import keep_freed_memory
 from posttrain.training.evaluation import EvalSpec, Evaluation, evaluate_model
+from posttrain.training.defaults import suit_defaults
 from posttrain.training.runner import Callback, completed, run_training
 from posttrain.training.setup import Inputs
 
@@ -200,6 +201,7 @@ def run(config: Config, inputs: Inputs = Inputs(), callbacks: Sequence[Callback]
     done = completed(config)  # a requeued job of a finished run: before any model loads
     if done is not None:
         return done
+    config = suit_defaults(config, inputs.model)  # a real model's learning rate, batch, precision and memory
     preset = config.preset()
     if isinstance(preset, SupervisedAlgorithm) and preset.objective in ("sft", "gkd"):
         from posttrain.training import sft
