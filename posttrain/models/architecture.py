@@ -126,6 +126,9 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     if non_lora_adapters(model):
         return "it carries adapters other than LoRA, which act in the wrapper's forward"
     base = unwrapped(model)
+    declined = getattr(base, "posttrain_packing_declined", None)  # a packed pass measured against its own forward
+    if declined:
+        return declined
     implementation = getattr(base.config, "_attn_implementation", None)
     if implementation not in (*PACKED, *PACKED.values()):
         return f"its attention implementation is {implementation!r}; packing takes 'sdpa' and 'eager'"

@@ -57,6 +57,45 @@ FAMILIES: dict[str, dict[str, Any]] = {
 }
 """``model_type`` -> the fields that make a tiny model of the family (over :data:`_COMMON`)."""
 
+MORE_FAMILIES: dict[str, dict[str, Any]] = {
+    "gemma": {},
+    "cohere2": dict(sliding_window=WINDOW),
+    "exaone4": dict(sliding_window=WINDOW),
+    "olmo3": dict(sliding_window=WINDOW),
+    "ministral": dict(sliding_window=WINDOW),
+    "starcoder2": dict(sliding_window=WINDOW),
+    "afmoe": dict(_MOE, sliding_window=WINDOW),
+    "granite": dict(logits_scaling=2.0, attention_multiplier=0.2),
+    "phi": {},
+    "gpt_neox": {},
+    "glm4": {},
+    "seed_oss": {},
+    "apertus": {},
+    "arcee": {},
+    "nemotron": {},
+    "hunyuan_v1_dense": {},
+    "hunyuan_v1_moe": dict(_MOE),
+    "qwen2_moe": dict(_MOE),
+    "deepseek_v2": dict(_MOE, q_lora_rank=16, kv_lora_rank=8, qk_rope_head_dim=4, qk_nope_head_dim=4, v_head_dim=8,
+                        head_dim=4, num_key_value_heads=4),
+    "minimax_m2": dict(_MOE),
+    "minimax": dict(_MOE, layer_types=["linear_attention", "full_attention"], block_size=4),
+    "lfm2_moe": dict(_MOE, layer_types=["conv", "full_attention"]),
+    "falcon_h1": dict(mamba_d_ssm=32, mamba_n_heads=4, mamba_d_head=8, mamba_d_state=8, mamba_n_groups=1),
+    "jamba": dict(_MOE, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2, expert_layer_offset=1,
+                  mamba_d_state=8, mamba_dt_rank=4),
+    "bamba": dict(mamba_n_heads=4, mamba_d_head=16, mamba_d_state=8, mamba_n_groups=1, mamba_expand=2,
+                  attn_layer_indices=[1]),
+    "nemotron_h": dict(_MOE, layers_block_type=["mamba", "attention"], mamba_num_heads=4, mamba_head_dim=8,
+                       ssm_state_size=8, n_groups=1),
+    "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8,
+                   num_mem_blocks=1),
+}
+"""More families of the pinned transformers, beyond those the issue of any model named: checked on the log-probs
+of the training passes and the run's probe (``tests/test_families.py``), where the declared checks were written
+without them in view (Nemotron's layers, for one, do not hand the packed layout to their attention: its
+packing is declined by the measured check in :func:`posttrain.models.modeling.use_packed_attention`)."""
+
 
 def tiny_config(family: str, vocab_size: int = 64, *, pad_token_id: int = 0, bos_token_id: int = 1,
                 eos_token_id: int = 2, **fields: Any):
@@ -64,7 +103,7 @@ def tiny_config(family: str, vocab_size: int = 64, *, pad_token_id: int = 0, bos
     :data:`_COMMON`'s sizes), ``fields`` over the family's own."""
     from transformers import AutoConfig
 
-    values = {**_COMMON, **FAMILIES.get(family, {}), **fields}
+    values = {**_COMMON, **FAMILIES.get(family, MORE_FAMILIES.get(family, {})), **fields}
     return AutoConfig.for_model(family, vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
                                 eos_token_id=eos_token_id, **values)
 

@@ -182,7 +182,37 @@ def use_packed_attention(model: nn.Module) -> bool:
     if target != current:
         register_packed_attention()
         base.set_attn_implementation(target)
+    gap = packed_pass_gap(base)
+    tolerance = 1e-4 if (autocast_dtype(model) or next(base.parameters()).dtype) == torch.float32 else 5e-2
+    if not gap <= tolerance:  # the layout is lost on its way (layers that do not hand it to their attention)
+        base.set_attn_implementation(current)
+        base.posttrain_packing_declined = (f"a packed pass of two sequences is {gap:.2g} nats per token from its own "
+                                           "forward over each (its layers may not hand the layout to their attention)")
+        return False
     return True
+
+
+@torch.no_grad()
+def packed_pass_gap(model: nn.Module) -> float:
+    """The mean absolute gap between the log-softmax of a packed pass of two short sequences and of ``model``'s
+    forward over each alone: what proves the packed attention reaches every layer of a family not checked
+    before (transformers' layers normally hand their keyword arguments to their attention; a family whose
+    layers do not would attend across the sequences)."""
+    from posttrain.models.packing import packed_forward, sequences_layout
+
+    vocab = model.config.get_text_config().vocab_size
+    lengths = [5, 4]
+    ids = torch.randint(vocab, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    device = next(model.parameters()).device
+    was_training = model.training
+    model.eval()
+    try:
+        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+        packed = packed_forward(model, ids[None].to(device), positions, sequences_layout(lengths).to(device))
+        alone = torch.cat([model(input_ids=part[None].to(device)).logits[0] for part in ids.split(lengths)])
+    finally:
+        model.train(was_training)
+    return float((packed.logits[0].float().log_softmax(-1) - alone.float().log_softmax(-1)).abs().mean())
 
 
 def autocast_dtype(model: nn.Module) -> torch.dtype | None:
