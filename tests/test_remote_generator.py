@@ -42,8 +42,10 @@ class StandIn:
     Given ``model``, it loads each published version into it and answers log-probs as a server does: the
     sampled tokens' under the loaded weights, and ``prompt_logprobs`` (the trainer's sync check)."""
 
-    def __init__(self, eos: int, wrong_version: bool = False, failing: bool = False, model=None):
+    def __init__(self, eos: int, wrong_version: bool = False, failing: bool = False, model=None,
+                 without_logprobs: bool = False):
         self.eos, self.wrong_version, self.failing, self.calls, self.prompts = eos, wrong_version, failing, [], []
+        self.without_logprobs = without_logprobs  # a server that omits the sampled tokens' log-probs
         self.version, self.model, self.loaded = -1, model, []
         self.worker = StandInWorker(model)
         stand_in = self
@@ -97,7 +99,8 @@ class StandIn:
                             sampled = (logprobs(prompt + tokens)[-3:] if stand_in.model is not None
                                        else [-0.5, -0.25, -0.125])
                             choices.append({"index": i * body["n"] + j, "token_ids": tokens,
-                                            "logprobs": {"token_logprobs": sampled}, "finish_reason": "stop"})
+                                            "logprobs": None if stand_in.without_logprobs else {"token_logprobs": sampled},
+                                            "finish_reason": "stop"})
                     self.reply({"choices": choices})
                 else:
                     self.reply({})
@@ -176,6 +179,26 @@ def test_a_server_that_fails_its_shard_is_dropped_and_the_shard_sent_to_another(
     finally:
         failing.stop()
         alive.stop()
+
+
+def test_a_server_that_omits_the_sampled_log_probs_is_named_not_read_as_zeros(policy, tmp_path):
+    """A server that answers without ``logprobs.token_logprobs`` would have the correction and the mismatch
+    metrics compare the trainer with log-probs of 0: it is dropped, naming it and what it left out; its prompts
+    go to a server that answers them."""
+    eos = policy[1].eos_token_id
+    silent, alive, alone = StandIn(eos, without_logprobs=True), StandIn(eos), StandIn(eos, without_logprobs=True)
+    try:
+        remote = generator(policy, [silent.url, alive.url], tmp_path / "weights")
+        out = remote.generate([torch.tensor([10 + k, 1]) for k in range(2)], num_samples=1)
+        assert out.sampling_logprobs[:, :3].tolist() == [[-0.5, -0.25, -0.125]] * 2
+        assert list(remote.dead) == [silent.url]
+        assert f"{silent.url} returned sample 0 without a log-prob for each of its 3 tokens (logprobs.token_logprobs: " \
+               "missing)" in remote.dead[silent.url]
+        with pytest.raises(RolloutServerError, match="without a log-prob for each of its 3 tokens"):
+            generator(policy, [alone.url], tmp_path / "other").generate([torch.tensor([10, 1])], num_samples=1)
+    finally:
+        for server in (silent, alive, alone):
+            server.stop()
 
 
 def test_a_server_that_loads_another_version_is_dropped(policy, tmp_path):

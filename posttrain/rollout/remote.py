@@ -306,6 +306,14 @@ class RemoteGenerator:
         choices = _request(url, "/v1/completions", body, self.timeout_s)["choices"]
         if len(choices) != len(shard) * num_samples:
             raise RolloutServerError(f"{len(choices)} samples for {len(shard)} prompts x {num_samples}")
+        for choice in choices:  # the correction and the mismatch metrics compare them with the trainer's
+            logprobs = (choice.get("logprobs") or {}).get("token_logprobs")
+            if logprobs is None or len(logprobs) != len(choice["token_ids"]) or None in logprobs:
+                raise RolloutServerError(
+                    f"{url} returned sample {choice['index']} without a log-prob for each of its "
+                    f"{len(choice['token_ids'])} tokens (logprobs.token_logprobs: "
+                    f"{'missing' if logprobs is None else f'{len(logprobs)} values'}); serve it with posttrain serve, "
+                    "or a vLLM server that returns the sampled tokens' log-probs")
         return sorted(choices, key=lambda choice: choice["index"])
 
     @torch.no_grad()
@@ -339,8 +347,7 @@ class RemoteGenerator:
             pending = failed
         choices = [choice for shard in results for choice in shard or []]
         token_ids = [list(choice["token_ids"]) for choice in choices]
-        logprobs = [[float(lp) for lp in (choice.get("logprobs") or {}).get("token_logprobs") or [0.0] * len(ids)]
-                    for choice, ids in zip(choices, token_ids)]
+        logprobs = [[float(lp) for lp in choice["logprobs"]["token_logprobs"]] for choice in choices]
         rows = [ending_in_eos(ids, lps, choice.get("finish_reason") == "stop", self.eos_ids)
                 for choice, ids, lps in zip(choices, token_ids, logprobs)]
         return completions_from_samples([r[0] for r in rows], [r[1] for r in rows], self.eos_ids, self.pad_id)
