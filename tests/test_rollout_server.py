@@ -40,8 +40,11 @@ def model_dir(vllm_model_dir) -> Path:
 def start_server(model_dir: Path, log: Path) -> tuple[subprocess.Popen, str]:
     """A ``posttrain serve`` process in its own process group: vLLM's engine and worker are its children."""
     port = free_port()
+    # on a GPU the trainer and two servers share one device: each server takes a quarter of its memory (vLLM's
+    # default, 0.9, would leave nothing for the other two); on a CPU the flag is vLLM's and unused
+    sized = ["--gpu-memory-utilization", "0.25"] if torch.cuda.is_available() else []
     process = subprocess.Popen([sys.executable, "-m", "posttrain", "serve", "--model", str(model_dir), "--port",
-                                str(port), "--dtype", "float32", "--max-model-len", "128"],
+                                str(port), "--dtype", "float32", "--max-model-len", "128", *sized],
                                stdout=open(log, "w"), stderr=subprocess.STDOUT, start_new_session=True)
     return process, f"http://127.0.0.1:{port}"
 

@@ -409,6 +409,7 @@ def test_the_variable_length_layout_equals_the_models_own_forward(kind, shared, 
     monkeypatch.setattr(packing, "varlen_kernel", lambda query: lambda *a, **kw: calls.append(a[3]) or
                         reference_varlen_attn(*a, **kw))
     batch, run, _ = forward_case(kind, False, shared, monkeypatch, lambda model: use_packed_attention(model))
+    calls.clear()  # use_packed_attention's own check of a packed pass ran through the stand-in too
     varlen, varlen_grads = run()
     # one call per layer: a segment per row, or (shared) for prompts a and b a prompt segment and one per
     # completion each, and row 3 (prompt c, alone) one
@@ -452,3 +453,23 @@ def test_the_cuda_varlen_kernel_equals_per_group_attention(dtype):
     torch.testing.assert_close(outs[0][0], outs[1][0], **tolerance)
     for a, b in zip(outs[0][1], outs[1][1]):
         torch.testing.assert_close(a, b, **tolerance)
+
+
+def test_a_varlen_kernel_of_another_signature_is_not_called(monkeypatch, caplog):
+    """The GPU kernel is called with PyTorch 2.13's keywords (scale, window_size, enable_gqa); a varlen_attn
+    without them (an older PyTorch) is said once and left for the per-sequence SDPA calls."""
+    from posttrain.models import packing
+
+    def older(query, key, value, cu_q, cu_k, max_q, max_k, *, is_causal=False):
+        raise AssertionError("not to be called")
+
+    def current(query, key, value, cu_q, cu_k, max_q, max_k, *, scale=None, window_size=(-1, -1), enable_gqa=False):
+        raise AssertionError("not to be called")
+
+    packing._varlen_signature_reason.cache_clear()
+    with caplog.at_level("WARNING"):
+        assert packing._varlen_signature_reason(older) == (
+            f"torch {torch.__version__}'s varlen_attn takes no enable_gqa, scale, window_size (PyTorch 2.13's does); "
+            "packed passes run one SDPA call per sequence instead")
+    assert packing._varlen_signature_reason(current) is None
+    assert "varlen_attn takes no" in caplog.text

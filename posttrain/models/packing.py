@@ -299,7 +299,24 @@ def varlen_kernel(query: Tensor):
         from torch.nn.attention.varlen import varlen_attn
     except ImportError:  # before PyTorch 2.10
         return None
-    return varlen_attn
+    return varlen_attn if _varlen_signature_reason(varlen_attn) is None else None
+
+
+@functools.cache
+def _varlen_signature_reason(kernel) -> str | None:
+    """Why ``kernel`` (this PyTorch's ``varlen_attn``) is not called (None: it is): the packed attention passes
+    ``scale``, ``window_size`` and ``enable_gqa``, as PyTorch 2.13's takes them; another signature is said once
+    and the per-sequence SDPA calls run instead."""
+    import inspect
+    import logging
+
+    missing = {"scale", "window_size", "enable_gqa"} - set(inspect.signature(kernel).parameters)
+    if not missing:
+        return None
+    reason = (f"torch {torch.__version__}'s varlen_attn takes no {', '.join(sorted(missing))} (PyTorch 2.13's does); "
+              "packed passes run one SDPA call per sequence instead")
+    logging.getLogger(__name__).warning("packed attention: %s", reason)
+    return reason
 
 
 def _varlen_attention(query: Tensor, key: Tensor, value: Tensor, layout: PackedLayout, scaling: float | None,
