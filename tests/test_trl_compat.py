@@ -75,11 +75,22 @@ def test_dpo_batch_counts_pairs_and_micro_batches_count_sequences():
     ({"algorithm": "dpo", "loss_type": "ipo"}, "--algorithm dpo (TRL's sigmoid), odpo, simpo, orpo or kto"),
     ({"per_device_train_batch_size": 3, "num_generations": 8}, "3 completions per generation is no whole number"),
     ({"num_generations": 4, "group_size": 8}, "num_generations: TRL's name for group_size, which is also given"),
+    ({"disable_dropout": True}, "disable_dropout true: posttrain's online trainer runs the model's own dropout"),
+    ({"algorithm": "sft", "disable_dropout": False}, "preference, SFT and reward-model trainers always run without"),
 ])
 def test_names_without_an_equivalent_name_the_nearest_field(flat, message):
     with pytest.raises(ConfigError) as info:
         Config.from_flat(flat)
     assert message in str(info.value)
+
+
+@pytest.mark.parametrize("algorithm, value", [("dpo", True), ("sft", True), ("reward_model", True), ("grpo", False)])
+def test_disable_dropout_as_posttrain_runs_it_is_accepted(algorithm, value):
+    """TRL's disable_dropout where it says what posttrain does anyway: the offline trainers run without dropout
+    (TRL's DPO default true), the online trainer with the model's own (TRL's GRPO default false)."""
+    resolved = resolve({"algorithm": algorithm, "disable_dropout": value})
+    assert not resolved.problems and resolved.config is not None
+    assert any(note.startswith(f"disable_dropout {value}: as posttrain runs it") for note in resolved.notes)
 
 
 def test_trl_flags_on_the_command_line_print_what_they_became(capsys):

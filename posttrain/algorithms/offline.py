@@ -44,8 +44,9 @@ class PreferenceAlgorithm:
     desirable_weight: float | None = _field("KTO: weight of desirable examples.")
     undesirable_weight: float | None = _field("KTO: weight of undesirable examples.")
     rpo_alpha: float | None = _field("Weight of the chosen completions' per-token NLL added to the loss (RPO, "
-                                     "arXiv:2404.19733; TRL's rpo_alpha); KTO: the desirable examples'. None = "
-                                     "off; ORPO has its own (lam).")
+                                     "arXiv:2404.19733; TRL's rpo_alpha); KTO: the desirable examples'. Unset: 1 "
+                                     "when the pairs are the policy's own samples (pairs_from policy, the default "
+                                     "on a built-in task), else off; 0 turns it off; ORPO has its own (lam).")
 
     @property
     def needs_reference(self) -> bool:

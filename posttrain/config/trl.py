@@ -29,6 +29,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from posttrain.algorithms.presets import OnlineAlgorithm
+
 RENAMED: dict[str, str] = {
     "output_dir": "output",
     "num_generations": "group_size",
@@ -211,6 +213,21 @@ def _assistant_only_loss(value: Any, context: Context) -> Translation:
     return Translation({"completion_only_loss": True}, "assistant_only_loss true -> completion_only_loss true")
 
 
+def _disable_dropout(value: Any, context: Context) -> Translation:
+    """posttrain's preference, SFT and reward-model trainers always run the model in eval mode (no dropout: the
+    policy and its reference agree before the first update); the online trainer runs the model's own dropout,
+    as TRL's GRPO does by default (modern LLM configs set it to 0)."""
+    online = isinstance(context.preset, OnlineAlgorithm)
+    if online and value:
+        raise NoEquivalent("disable_dropout true: posttrain's online trainer runs the model's own dropout (TRL's "
+                           "default); set the model config's dropout fields to 0 to train without it")
+    if not online and not value:
+        raise NoEquivalent("disable_dropout false: posttrain's preference, SFT and reward-model trainers always run "
+                           "without dropout")
+    return Translation({}, f"disable_dropout {value}: as posttrain runs it (" + (
+        "the model's own dropout online)" if online else "preference, SFT and reward models run without dropout)"))
+
+
 def _logging_steps(value: Any, context: Context) -> Translation:
     return Translation({}, f"logging_steps {value}: dropped (posttrain logs every step's metrics)")
 
@@ -250,6 +267,7 @@ TRANSLATED: dict[str, Callable[[Any, Context], Translation]] = {
     "assistant_only_loss": _assistant_only_loss,
     "logging_steps": _logging_steps,
     "warmup_ratio": _warmup_ratio,
+    "disable_dropout": _disable_dropout,
 }
 """TRL name -> the function that translates its value (it raises NoEquivalent for a value without one)."""
 
@@ -292,7 +310,6 @@ NO_EQUIVALENT: dict[str, str] = {
     "log_completions": "log_samples_every N writes sampled completions to samples.jsonl",
     "num_completions_to_print": "log_samples_every N writes sampled completions to samples.jsonl",
     "loss_weights": "rpo_alpha weights an added NLL term (TRL's ['sigmoid', 'sft'] loss)",
-    "disable_dropout": "posttrain trains with the model's own dropout",
     "model_init_kwargs": "dtype (float32 or bfloat16)",
     "dataset_text_field": "SFT reads a `text` column (or prompt + completion, or messages)",
     "truncation_mode": "max_length keeps the start of a completion and the end of a prompt (max_prompt_length)",
