@@ -1012,3 +1012,55 @@ def test_files_named_in_posttrain_exist():
 def test_a_dangling_reference_is_caught():
     text = "See FACTS.md and docs/no-such.md,\nbut docs/decisions.md, benchmarks/run.py and README.md exist."
     assert dangling_references(text) == [(1, "FACTS.md"), (1, "docs/no-such.md")]
+
+
+PYTEST_SELECTION = re.compile(r"pytest(?P<args>[^`\n]*?)-k (?P<quote>[\"'])(?P<expr>.+?)(?P=quote)", re.S)
+DOCUMENTS = [*DOCS, *sorted((ROOT / "benchmarks").glob("*.md"))]
+
+
+def _top_level_alternatives(expression: str) -> list[str]:
+    """``a or (b and c) or d`` -> ``["a", "(b and c)", "d"]``: the parts of a -k expression joined by a top-level
+    ``or``, each of which selects tests on its own."""
+    parts, current, depth = [], [], 0
+    for word in re.split(r"(\(|\)|\s+or\s+)", " ".join(expression.split())):
+        depth += (word == "(") - (word == ")")
+        if depth == 0 and re.fullmatch(r"\s+or\s+", word):
+            parts.append("".join(current).strip())
+            current = []
+        else:
+            current.append(word)
+    return [part for part in [*parts, "".join(current).strip()] if part]
+
+
+SELECTIONS = [(str(path.relative_to(ROOT)), m["args"], " ".join(m["expr"].split())) for path in DOCUMENTS
+              for m in PYTEST_SELECTION.finditer(path.read_text())]
+
+
+@functools.cache
+def _collected(marker: str, paths: tuple[str, ...]) -> tuple[str, ...]:
+    """The node ids ``pytest -m MARKER PATHS`` collects."""
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", "-p", "no:cacheprovider", "-m",
+                           marker, *paths], cwd=ROOT, capture_output=True, text=True)
+    return tuple(line for line in done.stdout.splitlines() if "::" in line)
+
+
+@pytest.mark.parametrize("document, args, expression", SELECTIONS, ids=[f"{d}:{e[:30]}" for d, _, e in SELECTIONS])
+def test_every_k_selection_the_docs_cite_selects_tests(document, args, expression):
+    """A `pytest ... -k "EXPR"` the docs cite as evidence selects tests, and each of its top-level alternatives
+    does on its own: a deleted or renamed test leaves a citation that selects nothing. (-k matches its names
+    against each test's node id, case-insensitively, as pytest's keyword matching does for names.)"""
+    import shlex
+
+    from _pytest.mark.expression import Expression
+
+    tokens = shlex.split(" ".join(args.split()))
+    marker = tokens[tokens.index("-m") + 1] if "-m" in tokens else "not slow and not smollm2 and not vllm"
+    nodes = _collected(marker, tuple(t for t in tokens if t.startswith("tests")) or ("tests",))
+    for selection in [expression, *_top_level_alternatives(expression)]:
+        compiled = Expression.compile(selection)
+        selected = [node for node in nodes
+                    if compiled.evaluate(lambda name, **kwargs: name.lower() in node.lower())]
+        assert selected, f"{document}: `pytest {args.strip()} -k \"{expression}\"`: {selection!r} selects no test"

@@ -10,7 +10,10 @@ Every preset's default run must make the built-in tiny-addition model better at 
 - SFT's default run on the task's reference solutions, and the reward model's default run on
   the starting model's own right and wrong samples, on reduced budgets.
 
-The figures these thresholds come from are in docs/results.md.
+The figures these thresholds come from are in docs/results.md. The preference, SFT and reward-model tests
+were deleted by mistake in a commit about distillation (1d45f07) while benchmarks/RESULTS.md still cited them,
+and are restored as they were; tests/test_docs.py now checks that every `-k` selection the docs cite selects
+tests.
 """
 
 from __future__ import annotations
@@ -55,6 +58,38 @@ def test_other_bodies_raise_held_out_accuracy(model, tmp_path):
     result = train(config)
     before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
     assert after >= before + 0.20, f"{model}: held-out accuracy {before:.3f} -> {after:.3f}"
+
+
+@pytest.mark.parametrize("name", PREFERENCE)
+def test_preference_presets_default_run_raises_task_and_pairwise_accuracy(name, tmp_path):
+    """`posttrain train --algorithm NAME --max-steps 100`: the default data (a round of pairs from the policy
+    every 10 steps) and loss (the paper's, plus RPO's NLL where the loss takes it), on 100 of the default
+    250 steps."""
+    config = Config.from_flat({"algorithm": name, "max_steps": 100, "output": str(tmp_path / name), **QUIET})
+    result = train(config)
+    before, after = result["before"], result["after"]
+    assert after["eval/accuracy"] >= before["eval/accuracy"] + 0.10, (name, before, after)
+    assert after["eval/pairwise_accuracy"] > before["eval/pairwise_accuracy"], (name, before, after)
+
+
+def test_sft_default_run_raises_held_out_accuracy(tmp_path):
+    """`posttrain train --algorithm sft --max-steps 50`: the task's reference solutions (the default run's
+    evaluation at step 50: 0.504 -> 0.86 on the Intel machine)."""
+    config = Config.from_flat({"algorithm": "sft", "max_steps": 50, "output": str(tmp_path / "sft"), **QUIET})
+    result = train(config)
+    before, after = result["before"]["eval/accuracy"], result["after"]["eval/accuracy"]
+    assert after >= before + 0.10, (before, after)
+
+
+def test_reward_model_default_run_ranks_held_out_pairs(tmp_path):
+    """`posttrain train --algorithm reward_model --max-steps 150`: the starting model's own right and wrong
+    samples; held-out pairs of its samples on prompts it never trained on (the default run's evaluation at
+    step 150: 0.516 -> 0.79 on the Intel machine; 0.86-0.88 at the full 250 steps)."""
+    config = Config.from_flat({"algorithm": "reward_model", "max_steps": 150, "output": str(tmp_path / "rm"),
+                               **QUIET})
+    result = train(config)
+    before, after = result["before"], result["after"]
+    assert after["eval/pairwise_accuracy_low"] > 0.5 and after["eval/pairwise_accuracy"] >= 0.72, (before, after)
 
 
 @pytest.fixture(scope="module")
