@@ -50,7 +50,8 @@ def best_of(fn, repeats: int) -> float:
 
 def step_bytes(model, rows: int, context: float) -> dict[str, float]:
     """Bytes one fused decode step reads at least: its weights as it computes them, and the KV cache."""
-    from posttrain.models.modeling import autocast_dtype, unwrapped
+    from posttrain.models.modeling import unwrapped
+    from posttrain.models.compute import autocast_dtype
     from posttrain.rollout.decode_step import effective_weight
 
     base = unwrapped(model)

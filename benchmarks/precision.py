@@ -37,7 +37,8 @@ import run as bench  # noqa: E402  (benchmarks/run.py: the benchmark model and i
 
 import posttrain.functional as F  # noqa: E402
 from posttrain.data.prompts import encode_prompt  # noqa: E402
-from posttrain.models.modeling import collate, forward, use_mixed_precision  # noqa: E402
+from posttrain.models.compute import use_mixed_precision  # noqa: E402
+from posttrain.models.modeling import collate, forward  # noqa: E402
 from posttrain.models.loading import load_model_and_tokenizer  # noqa: E402
 from posttrain.rollout.completions import SamplingParams  # noqa: E402
 from posttrain.rollout.generators import FastGenerator  # noqa: E402

@@ -28,7 +28,7 @@ os.environ.setdefault("TRANSFORMERS_VERBOSITY", "error")
 from sft_packing import text_rows  # noqa: E402
 
 from posttrain.functional import bradley_terry_loss  # noqa: E402
-from posttrain.models.modeling import use_packed_attention  # noqa: E402
+from posttrain.models.compute import use_packed_attention  # noqa: E402
 from posttrain.models.reward_head import load_reward_model, sequence_scores  # noqa: E402
 from posttrain.parallel.allocator import keep_freed_memory  # noqa: E402
 

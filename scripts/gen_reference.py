@@ -531,7 +531,7 @@ def _model_paths(family: str) -> list[Any]:
     from posttrain.models.lora import default_target_modules, default_target_parameters
     from posttrain.rollout.decode_step import unsupported_reason as fused_reason
 
-    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.compute import use_packed_attention
 
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")

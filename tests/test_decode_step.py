@@ -16,7 +16,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 from posttrain.rollout import decode_step
 from posttrain.rollout.decode_step import FusedDecoder, unsupported_reason
 from posttrain.rollout.generation import preallocated_cache
-from posttrain.models.modeling import use_mixed_precision
+from posttrain.models.compute import use_mixed_precision
 
 from architectures import KINDS, build
 

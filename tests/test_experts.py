@@ -51,7 +51,8 @@ def test_the_training_pass_routes_its_real_tokens_as_the_model_does(family):
     """The training forward's routing (packed rows or padded rows, each prompt in its own row) gives the
     load-balancing loss the model's own forward gives over the same padded rows with their mask, and the
     gradient flows into the routers."""
-    from posttrain.models.modeling import collate, forward, use_packed_attention
+    from posttrain.models.modeling import collate, forward
+    from posttrain.models.compute import use_packed_attention
 
     model = tiny_model(family).train()
     use_packed_attention(model)
@@ -130,7 +131,8 @@ def test_the_training_pass_replays_the_experts_the_sampler_chose(family, monkeyp
     import copy
 
     from posttrain.models.experts import RouterTrace, routers
-    from posttrain.models.modeling import collate, forward, use_packed_attention
+    from posttrain.models.modeling import collate, forward
+    from posttrain.models.compute import use_packed_attention
     from posttrain.models.tiny import char_tokenizer
     from posttrain.rollout.completions import SamplingParams
     from posttrain.rollout.generators import make_generator

@@ -39,7 +39,7 @@ def own(model, prompts, completions, temperature=1.0):
 def test_the_families_paths_are_the_declared_ones(family):
     """Which fast paths each family takes: packed passes for every family whose layers are all attention, the
     folded head where the logits are the head's output, the decode loop's cache for full attention only."""
-    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.compute import use_packed_attention
 
     model = tiny_model(family)
     assert (packing_unsupported_reason(model) is None) == (family not in STATEFUL)
@@ -86,7 +86,8 @@ def test_training_pass_gradients_equal_the_models_own(family, variant, monkeypat
     the family allows) and its backward, against the model's own forward over each sequence alone: log-probs and
     every trainable parameter's gradient, in full fine-tuning, under LoRA and with gradient checkpointing."""
     from posttrain.models import modeling
-    from posttrain.models.modeling import checkpoint_layers, collate, use_packed_attention
+    from posttrain.models.modeling import collate
+    from posttrain.models.compute import checkpoint_layers, use_packed_attention
 
     model = tiny_model(family).train()
     if variant == "lora":
@@ -132,7 +133,7 @@ def test_bf16_autocast_passes_are_the_models_own_within_bf16_rounding(family):
     """Under bf16 mixed precision (the decoder stack in autocast, the head in float32), the training passes
     against the model's own forward under the same autocast: the mean gap per token within the run's bf16
     tolerance, and far below the gap of a wrong attention (the Mistral window bug was 0.11 nats)."""
-    from posttrain.models.modeling import use_mixed_precision
+    from posttrain.models.compute import use_mixed_precision
 
     model = tiny_model(family)
     use_mixed_precision(model)
@@ -263,7 +264,7 @@ def test_a_training_path_that_is_not_the_models_own_stops_the_run_naming_it(monk
     stops the run with the family, the paths it took and the flags that avoid them."""
     from posttrain.models import packing
     from posttrain.models.logprobs import TrainingPathError, check_training_path
-    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.compute import use_packed_attention
 
     model = tiny_model("mistral")
     use_packed_attention(model)
@@ -283,7 +284,8 @@ def test_more_families_train_on_their_own_forward_or_decline(family, monkeypatch
     model's own. A family whose packed pass is not exact (Nemotron: its layers do not hand the layout to their
     attention) is not packed, by the measured check, and says why."""
     from posttrain.models import modeling
-    from posttrain.models.modeling import collate, forward, use_packed_attention
+    from posttrain.models.modeling import collate, forward
+    from posttrain.models.compute import use_packed_attention
     from posttrain.models.logprobs import check_training_path
 
     monkeypatch.setattr(modeling, "worth_sharing", lambda *sizes: True)  # a prompt shared by its completions

@@ -11,8 +11,8 @@ import torch
 
 import posttrain.functional as F
 from posttrain.config import Config, ConfigError
-from posttrain.models.modeling import (autocast_dtype, collate, completion_hidden, forward, frozen_copy, split_head,
-                                use_mixed_precision)
+from posttrain.models.modeling import collate, completion_hidden, forward, frozen_copy, split_head
+from posttrain.models.compute import autocast_dtype, use_mixed_precision
 from posttrain.models import loading
 
 from architectures import build
@@ -63,7 +63,7 @@ def test_the_decoder_stack_runs_in_bfloat16_and_the_head_in_float32(kind):
 def test_attention_stays_float32_on_a_cpu_and_is_not_saved(tmp_path):
     from transformers import LlamaForCausalLM
 
-    from posttrain.models.modeling import FLOAT32_SDPA
+    from posttrain.models.compute import FLOAT32_SDPA
 
     model = build("llama")
     assert model.config._attn_implementation == "sdpa"

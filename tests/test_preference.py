@@ -419,7 +419,7 @@ def test_each_preset_raises_held_out_pairwise_accuracy(name, weaker_start, tmp_p
 def test_gradient_checkpointing_changes_no_step(tiny_model_dir, pair_files):
     """The preference trainer's policy runs in eval mode (no dropout); its layers are still recomputed
     in the backward, and two DPO steps end at the same weights, bit for bit."""
-    from posttrain.models.modeling import is_checkpointed
+    from posttrain.models.compute import is_checkpointed
 
     weights = []
     for checkpointing in (False, True):

@@ -107,7 +107,7 @@ def test_packed_pass_equals_the_models_own_forward_over_padded_rows(kind, lora, 
     values and every gradient, to float32 rounding; with gradient checkpointing the recomputed layers
     get the layout again."""
     from posttrain.models import modeling
-    from posttrain.models.modeling import checkpoint_layers, use_packed_attention
+    from posttrain.models.compute import checkpoint_layers, use_packed_attention
     from posttrain.models.packing import has_packed_attention
 
     def prepare(model):
@@ -225,7 +225,8 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activa
     replays the RNG state), the layers really are recomputed, and rows that share a prompt run
     whole (a recomputed prompt pass would write its cache twice)."""
     from posttrain.models import modeling
-    from posttrain.models.modeling import checkpoint_layers, collate, is_checkpointed
+    from posttrain.models.modeling import collate
+    from posttrain.models.compute import checkpoint_layers, is_checkpointed
 
     if lora and importlib.util.find_spec("peft") is None:
         pytest.skip("peft (extra: lora) is not installed")
@@ -287,7 +288,7 @@ def test_gradient_checkpointing_gives_the_same_gradients_with_fewer_saved_activa
 
 def test_gradient_checkpointing_names_a_model_without_decoder_layers():
     from posttrain.config import ConfigError
-    from posttrain.models.modeling import checkpoint_layers
+    from posttrain.models.compute import checkpoint_layers
 
     with pytest.raises(ConfigError, match="gradient_checkpointing: Linear has no decoder layers"):
         checkpoint_layers(torch.nn.Linear(2, 2))
@@ -340,7 +341,8 @@ def test_packed_pass_with_a_one_token_completion_in_a_shared_group(monkeypatch):
     """A group member whose completion is one token has no completion inputs (its token is predicted by the
     prompt's last position): an empty piece in the packed row, the same log-probs and gradients."""
     from posttrain.models import modeling
-    from posttrain.models.modeling import collate, use_packed_attention
+    from posttrain.models.modeling import collate
+    from posttrain.models.compute import use_packed_attention
 
     model = build("llama").train()
     assert use_packed_attention(model)
@@ -369,7 +371,7 @@ def test_a_packed_pass_builds_no_attention_mask(monkeypatch):
     no mask given, transformers would build an [S, S] one every forward."""
     from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
-    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.compute import use_packed_attention
 
     batch, run, body = forward_case("llama", False, True, monkeypatch, lambda model: use_packed_attention(model))
     name = body.config._attn_implementation
@@ -403,7 +405,7 @@ def test_the_variable_length_layout_equals_the_models_own_forward(kind, shared, 
     from the bottom right) through a CPU stand-in for FlashAttention's varlen kernel, against the model's
     own forward over padded rows: log-probs, entropies, values, every gradient."""
     from posttrain.models import modeling, packing
-    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.compute import use_packed_attention
 
     calls = []
     monkeypatch.setattr(packing, "varlen_kernel", lambda query: lambda *a, **kw: calls.append(a[3]) or

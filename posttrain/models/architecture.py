@@ -67,6 +67,12 @@ def unwrapped(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def decoder_body(model: nn.Module) -> nn.Module:
+    """The decoder stack of a causal LM, under a PEFT wrapper if any (``model.model`` for Llama); the
+    model itself when it names no base model."""
+    return unwrapped(model).base_model
+
+
 def family(model: nn.Module) -> str:
     """What a message calls the model: its class and ``model_type`` (``Qwen3NextForCausalLM (qwen3_next)``)."""
     base = unwrapped(model)

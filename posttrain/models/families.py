@@ -94,7 +94,7 @@ MORE_FAMILIES: dict[str, dict[str, Any]] = {
 """More families of the pinned transformers, beyond those the issue of any model named: checked on the log-probs
 of the training passes and the run's probe (``tests/test_families.py``), where the declared checks were written
 without them in view (Nemotron's layers, for one, do not hand the packed layout to their attention: its
-packing is declined by the measured check in :func:`posttrain.models.modeling.use_packed_attention`)."""
+packing is declined by the measured check in :func:`posttrain.models.compute.use_packed_attention`)."""
 
 
 def tiny_config(family: str, vocab_size: int = 64, *, pad_token_id: int = 0, bos_token_id: int = 1,

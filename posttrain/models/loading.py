@@ -36,7 +36,8 @@ from typing import Any
 import torch
 
 from posttrain.config import ConfigError
-from posttrain.models.modeling import DTYPES, resolve_device, use_mixed_precision
+from posttrain.models.modeling import DTYPES, resolve_device
+from posttrain.models.compute import use_mixed_precision
 from posttrain.models.tiny import BUILTIN_MODELS, cache_root, ensure_tiny_model
 from posttrain.parallel.distributed import say
 
@@ -204,7 +205,7 @@ def check_architecture(path: Path, trust_remote_code: bool = False) -> None:
 def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str = "auto",
                              mixed_precision: str = "no", trust_remote_code: bool = False) -> tuple[Any, Any]:
     """The model (``dtype``, on ``device``; its decoder stack under bfloat16 autocast with
-    ``mixed_precision="bf16"`` or an accelerate launch's bf16: :func:`posttrain.models.modeling.use_mixed_precision`)
+    ``mixed_precision="bf16"`` or an accelerate launch's bf16: :func:`posttrain.models.compute.use_mixed_precision`)
     and tokenizer for the spec ``name``; the tokenizer always has a pad token (the EOS token when it
     defines none: masks come from the first EOS, never from the pad id, so the two may coincide)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer

@@ -18,7 +18,8 @@ from torch import Tensor, nn
 
 from posttrain.models.architecture import family, head_unsupported_reason
 from posttrain.models.batching import micro_batch_rows
-from posttrain.models.modeling import ValueHead, autocast_dtype, collate, forward, has_packed_attention, unwrapped
+from posttrain.models.modeling import ValueHead, collate, forward, has_packed_attention, unwrapped
+from posttrain.models.compute import autocast_dtype
 
 PATH_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """The largest mean gap per token, in nats, between the training passes and the model's own forward that the
@@ -77,7 +78,7 @@ def completion_logprobs(model: nn.Module, prompt_ids: list[list[int]], completio
     (``share_prompts``), micro-batches of ``micro_batch_size`` rows or ``max_tokens_per_micro_batch`` tokens.
     ``model`` is a transformers causal LM (LoRA-wrapped or not), as loaded: its attention implementation is
     set to its packed form, which computes what it computed for any pass that is not packed."""
-    from posttrain.models.modeling import use_packed_attention
+    from posttrain.models.compute import use_packed_attention
 
     if len(prompt_ids) != len(completion_ids):
         raise ValueError(f"completion_logprobs: {len(prompt_ids)} prompts and {len(completion_ids)} completions; "

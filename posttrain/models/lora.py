@@ -32,7 +32,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from posttrain.config import ConfigError, ModelConfig
-from posttrain.models.modeling import autocast_dtype, decoder_body, frozen_copy
+from posttrain.models.architecture import decoder_body
+from posttrain.models.modeling import frozen_copy
+from posttrain.models.compute import autocast_dtype
 from posttrain.parallel.offload import offload
 
 LORA_INSTALL = "pip install 'posttrain[lora]'  (or: pip install 'peft>=0.13,<1')"

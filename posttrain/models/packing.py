@@ -48,7 +48,7 @@ from torch import Tensor, nn
 
 FLOAT32 = "posttrain_sdpa_float32"
 """transformers' SDPA attention computed in float32 with autocast off: what a CPU model under mixed precision
-runs (:func:`posttrain.models.modeling.use_mixed_precision`)."""
+runs (:func:`posttrain.models.compute.use_mixed_precision`)."""
 PACKED = {"sdpa": "posttrain_packed_sdpa", FLOAT32: "posttrain_packed_sdpa_float32", "eager": "posttrain_packed_eager"}
 """The attention implementation a model runs -> the packed form of it: the same implementation for a pass
 without a layout, the packed attention with one (SDPA per piece for the two SDPA forms, the model's own

@@ -38,14 +38,8 @@ from posttrain.models.lora import (
     default_target_modules,
     keep_autocast_inputs,
 )
-from posttrain.models.modeling import (
-    DTYPES,
-    autocast_dtype,
-    resolve_device,
-    right_pad,
-    unwrapped,
-    use_mixed_precision,
-)
+from posttrain.models.modeling import DTYPES, resolve_device, right_pad, unwrapped
+from posttrain.models.compute import autocast_dtype, use_mixed_precision
 from posttrain.models.packing import has_packed_attention, packed_forward, sequences_layout
 
 SCORE_HEAD = "score"

@@ -45,7 +45,8 @@ import torch.nn.functional as F
 from torch import Tensor
 
 from posttrain.models.architecture import SUPPORTED, is_supported_class
-from posttrain.models.modeling import autocast_dtype, unwrapped
+from posttrain.models.modeling import unwrapped
+from posttrain.models.compute import autocast_dtype
 
 
 def unsupported_reason(model) -> str | None:
@@ -244,7 +245,7 @@ class FusedDecoder:
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
         self.scale = self.head_dim**-0.5  # transformers' attention scaling, to the same bits
-        # Mixed precision (posttrain.models.modeling.use_mixed_precision): the layers' products in its dtype, as
+        # Mixed precision (posttrain.models.compute.use_mixed_precision): the layers' products in its dtype, as
         # the decoder stack's forward runs them under autocast; the LM head in the weights' dtype.
         self.autocast_dtype = autocast_dtype(model)
         self.layers = []

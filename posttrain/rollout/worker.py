@@ -42,7 +42,7 @@ from torch import Tensor
 
 from posttrain.data.rewards import USER_MODULE_PREFIX
 from posttrain.models.logprobs import probe_logprobs
-from posttrain.models.modeling import register_attention_implementations
+from posttrain.models.compute import register_attention_implementations
 from posttrain.rollout.completions import Completions
 
 POLL_SECONDS = 1.0  # how often a waiting side checks that the other is still alive

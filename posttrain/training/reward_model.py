@@ -63,12 +63,8 @@ from posttrain.data.rewards import reward_model_text
 from posttrain.functional import bradley_terry_loss
 from posttrain.models.batching import in_item_order, item_micro_batches
 from posttrain.models.loading import load_model_and_tokenizer
-from posttrain.models.modeling import (
-    checkpoint_layers,
-    resolve_device,
-    use_mixed_precision,
-    use_packed_attention,
-)
+from posttrain.models.modeling import resolve_device
+from posttrain.models.compute import checkpoint_layers, use_mixed_precision, use_packed_attention
 from posttrain.models.reward_head import (
     apply_reward_lora,
     check_reward_model,

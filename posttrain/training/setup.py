@@ -30,13 +30,8 @@ from posttrain.models.architecture import family, head_unsupported_reason, packi
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.logprobs import check_causal, check_training_path, paths_taken
 from posttrain.models.lora import apply_lora, reference_model
-from posttrain.models.modeling import (
-    checkpoint_layers,
-    resolve_device,
-    unwrapped,
-    use_mixed_precision,
-    use_packed_attention,
-)
+from posttrain.models.modeling import resolve_device, unwrapped
+from posttrain.models.compute import checkpoint_layers, use_mixed_precision, use_packed_attention
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say
 from posttrain.rollout.generators import generate_texts
