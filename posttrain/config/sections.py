@@ -147,15 +147,18 @@ class DataConfig:
         "environment's multi-turn games (the gem extra). Online presets; ignored when --dataset is given.",
         "addition")
     dataset: str | None = _help(
-        "Training data: a .jsonl/.json/.parquet/.csv file, or a Hugging Face dataset by name (owner/name; "
-        "hf:owner/name too), read by datasets.load_dataset from the local cache when offline. Online presets "
-        "need a `prompt` column; other columns reach the reward functions."
+        "Training data: a .jsonl/.json/.parquet/.csv file; a directory (a datasets save_to_disk Dataset or "
+        "DatasetDict, or data-file shards of one kind, read in name order); or a Hugging Face dataset by name "
+        "(owner/name; hf:owner/name too), read by datasets.load_dataset from the local cache when offline. Online "
+        "presets need a `prompt` column; other columns reach the reward functions."
     )
     dataset_config: str | None = _help("The configuration (subset) of a Hugging Face --dataset / --eval-dataset "
                                        "by name; default: the dataset's only or default one.")
-    dataset_split: str = _help("The split of a Hugging Face --dataset by name that trains.", "train")
+    dataset_split: str = _help("The split of a Hugging Face --dataset by name, or of a saved DatasetDict, that "
+                               "trains.", "train")
     eval_dataset: str | None = _help("Held-out prompts for --dataset runs (same formats); none by default.")
-    eval_dataset_split: str = _help("The split of a Hugging Face --eval-dataset by name.", "test")
+    eval_dataset_split: str = _help("The split of a Hugging Face --eval-dataset by name, or of a saved "
+                                    "DatasetDict.", "test")
     reward: tuple[str, ...] = _help(
         "Reward function(s), repeatable: a built-in or registered name (exact_match, numeric_match, math_answer, "
         "format_reward, length_penalty), its settings in parentheses if any ('length_penalty(max_chars=400)'), or "

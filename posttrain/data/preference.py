@@ -1,6 +1,6 @@
 """Preference data: the columns users already have (TRL's), checked, rendered, tokenized, truncated.
 
-Two formats, from a JSONL/JSON/Parquet/CSV file or ``hf:NAME`` (``posttrain.data.prompts.read_rows``):
+Two formats, from a JSONL/JSON/Parquet/CSV file, a directory or ``hf:NAME`` (``posttrain.data.prompts.read_rows``):
 
 - pairs: ``prompt``, ``chosen``, ``rejected``; ODPO also ``score_chosen`` > ``score_rejected``;
 - unpaired (KTO): ``prompt``, ``completion``, ``label`` (true = desirable).

@@ -26,7 +26,7 @@ class DataError(ValueError):
 @dataclass(frozen=True)
 class HubSplits:
     """Which part of a Hugging Face dataset named by ``--dataset``/``--eval-dataset`` is read: its config
-    (None: the default) and the training and held-out splits. Files ignore it."""
+    (None: the default) and the training and held-out splits (a saved ``DatasetDict``'s too). Files ignore it."""
 
     config: str | None = None
     split: str = "train"
@@ -38,25 +38,68 @@ def hub_splits(data: DataConfig) -> HubSplits:
     return HubSplits(data.dataset_config, data.dataset_split, data.eval_dataset_split)
 
 
+DATA_KINDS = {".jsonl": "json", ".json": "json", ".parquet": "parquet", ".csv": "csv"}
+"""A data file's suffix -> the ``datasets`` builder that reads it."""
+
+
 def read_rows(path: str, config: str | None = None, split: str = "train") -> list[dict[str, Any]]:
-    """Rows of a JSONL/JSON/Parquet/CSV file, or of a Hugging Face dataset named ``owner/name`` (or
-    ``hf:owner/name``): its ``config`` (None: the default) and ``split``, through ``datasets.load_dataset``,
-    which reads the local cache when offline."""
+    """Rows of a JSONL/JSON/Parquet/CSV file; of a directory (:func:`_read_directory`: a dataset saved by
+    ``datasets``' ``save_to_disk``, a ``DatasetDict``'s ``split`` of one, or shards of one kind); or of a
+    Hugging Face dataset named ``owner/name`` (or ``hf:owner/name``): its ``config`` (None: the default) and
+    ``split``, through ``datasets.load_dataset``, which reads the local cache when offline."""
     name = hub_dataset_name(path)
     if name is not None:
         return _read_hub(name, config, split)
     file = Path(path)
     if not file.exists():
         raise DataError(f"{path}: file does not exist")
-    if file.suffix == ".jsonl":
-        return _read_jsonl(file)
-    if file.suffix in (".parquet", ".csv", ".json"):
+    if file.is_dir():
+        return _read_directory(file, split)
+    if file.suffix not in DATA_KINDS:
+        raise DataError(f"{path}: unsupported file type {file.suffix!r}; use .jsonl, .json, .parquet or .csv, a "
+                        "directory of them or one saved by datasets' save_to_disk, or name a Hugging Face dataset "
+                        "(owner/name)")
+    return _read_files([file])
+
+
+def _read_files(files: list[Path]) -> list[dict[str, Any]]:
+    """Rows of data files of one kind, in the order given (JSONL by posttrain's reader, which names a bad line)."""
+    if files[0].suffix == ".jsonl":
+        return [row for file in files for row in _read_jsonl(file)]
+    import datasets
+
+    loaded = datasets.load_dataset(DATA_KINDS[files[0].suffix], data_files=[str(f) for f in files], split="train")
+    return [dict(row) for row in loaded]
+
+
+def _read_directory(directory: Path, split: str) -> list[dict[str, Any]]:
+    """A directory's rows: a ``save_to_disk`` Dataset, a ``save_to_disk`` DatasetDict's ``split``, or its data
+    files of one kind (a suffix of :data:`DATA_KINDS`; other files, hidden ones and ``_SUCCESS``-style markers
+    left out) in name order."""
+    if (directory / "dataset_dict.json").is_file() or (directory / "state.json").is_file():
         import datasets
 
-        kind = {".parquet": "parquet", ".csv": "csv", ".json": "json"}[file.suffix]
-        return [dict(row) for row in datasets.load_dataset(kind, data_files=str(file), split="train")]
-    raise DataError(f"{path}: unsupported file type {file.suffix!r}; use .jsonl, .json, .parquet or .csv, or "
-                    "name a Hugging Face dataset (owner/name)")
+        saved = datasets.load_from_disk(str(directory))
+        if isinstance(saved, datasets.DatasetDict):
+            if split not in saved:
+                raise DataError(f"{directory}: the saved DatasetDict has no split {split!r}; its splits: "
+                                f"{', '.join(saved)} (choose with --dataset-split, or --eval-dataset-split for "
+                                "--eval-dataset)")
+            saved = saved[split]
+        return [dict(row) for row in saved]
+    entries = sorted(p for p in directory.iterdir() if not p.name.startswith((".", "_")))
+    files = [p for p in entries if p.is_file() and p.suffix in DATA_KINDS]
+    kinds = sorted({p.suffix for p in files})
+    if len(kinds) > 1:
+        found = ", ".join(f"{sum(p.suffix == kind for p in files)} {kind}" for kind in kinds)
+        raise DataError(f"{directory}: the directory holds data files of several kinds ({found}); keep the shards "
+                        "of one kind in it")
+    if not files:
+        found = ", ".join(p.name + "/" * p.is_dir() for p in entries[:10]) + (", ..." if len(entries) > 10 else "")
+        raise DataError(f"{directory}: no data file in the directory (found: {found or 'nothing'}); give a "
+                        "directory of .jsonl, .json, .parquet or .csv shards, or one saved by datasets' "
+                        "save_to_disk")
+    return _read_files(files)
 
 
 def _read_hub(name: str, config: str | None, split: str) -> list[dict[str, Any]]:

@@ -1,7 +1,7 @@
 """Supervised fine-tuning data: TRL's three SFT dataset shapes, checked, tokenized, truncated, packed.
 
-From a JSONL/JSON/Parquet/CSV file or ``hf:NAME`` (``posttrain.data.prompts.read_rows``); the first row's
-columns decide the shape, and every row must have it:
+From a JSONL/JSON/Parquet/CSV file, a directory or ``hf:NAME`` (``posttrain.data.prompts.read_rows``); the
+first row's columns decide the shape, and every row must have it:
 
 - ``text``: a string; the loss covers every token;
 - ``prompt`` + ``completion``: two strings, or two lists of chat messages (TRL's conversational
