@@ -165,6 +165,14 @@ class DataConfig:
         "FILE.py:FUNCTION. Default: the task's rewards.", (),
     )
     reward_weights: tuple[float, ...] = _help("One weight per reward function (default 1.0 each).", ())
+    reward_url: tuple[str, ...] = _help(
+        "A reward service's URL (repeatable): each step's batch is posted to it as JSON (prompts, completions, "
+        "every column) and it answers one score per completion (a list, or {\"scores\": [...]}; null: does not "
+        "apply), added to the rewards with weight 1.", ())
+    reward_url_timeout: float = _help("Seconds a reward service (--reward-url, a --judge URL) has to answer one "
+                                      "request before it is retried.", 60.0)
+    reward_url_retries: int = _help("Retries of a request to a reward service that cannot be reached, times out "
+                                    "or answers 5xx, after 0.5 s, 1 s, 2 s, ...", 2)
     reward_model: str | None = _help(
         "A learned reward: a sequence-classification model directory (num_labels 1; posttrain train --algorithm "
         "reward_model makes one) that scores each prompt + completion, batched on the training device. With "
@@ -179,7 +187,9 @@ class DataConfig:
         "completion with judge_rubric (an integer on 1-10, mapped to [0, 1]; an unreadable reply scores None and "
         "is counted in judge/parse_failures), greedy, batched on the training device, cached per (prompt, "
         "completion). With --reward it is added to the functions, without it replaces the task's rewards; in "
-        "preference runs on the policy's own pairs it labels the pairs instead (pairwise, both orders).")
+        "preference runs on the policy's own pairs it labels the pairs instead (pairwise, both orders). A URL "
+        "(http://...) names a judge service instead, which is posted the batch and judge_rubric's text as "
+        "--reward-url is (online presets).")
     judge_rubric: str = _help(
         "The judge's pointwise template: pointwise (built-in) or a text file with {prompt}, {completion}, "
         "{low} and {high}.", "pointwise")
@@ -218,6 +228,13 @@ class DataConfig:
         require = Checks()
         require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
         require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
+        for url in self.reward_url:
+            require(url.startswith(("http://", "https://")), "reward_url",
+                    f"got {url!r}; give the service's URL, e.g. http://127.0.0.1:8000/score")
+        require(len(set(self.reward_url)) == len(self.reward_url), "reward_url", "a service is named twice; "
+                "name each once")
+        require(self.reward_url_timeout > 0, "reward_url_timeout", f"got {self.reward_url_timeout}; use seconds > 0")
+        require(self.reward_url_retries >= 0, "reward_url_retries", f"got {self.reward_url_retries}; use 0 or more")
         require(self.long_prompts in ("error", "drop"), "long_prompts", f"got {self.long_prompts!r}; use error or drop")
         require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
         require(self.eval_subset >= 0, "eval_subset", f"got {self.eval_subset}; use 0 (all of eval_size) or more")

@@ -11,7 +11,9 @@ which is how on-policy preference pairs are labelled with ``--judge``.
 
 The judge runs batched on its model's device, greedy, under ``torch.no_grad``; ``--judge MODEL`` loads
 it on the training device. Anything that maps a list of rendered prompts to a list of replies can
-stand in for the model (``Judge(complete=fn)``), which is how it is tested.
+stand in for the model (``Judge(complete=fn)``), which is how it is tested. ``--judge URL`` names a judge
+service instead, scoring online runs' completions: :func:`posttrain.data.remote.remote_judge` posts it each
+batch with the pointwise rubric's text, the way ``--reward-url`` posts a reward service.
 """
 
 from __future__ import annotations

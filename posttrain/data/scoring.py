@@ -11,7 +11,10 @@ values is never turned into a number. What happens is the ``on_error`` policy:
 - ``skip``: mark the sample failed (the loop drops its whole group) and count it.
 
 A call that fails as a whole is retried sample by sample, so the failure is
-pinned on the sample that caused it. With ``timeout > 0`` every call runs in a
+pinned on the sample that caused it, unless the function declares
+``retry_samples_alone = False`` (a reward service: its failure is the service's,
+and asking again per sample would cost every sample the service's retries); then
+the batch's samples fail together. With ``timeout > 0`` every call runs in a
 forked worker process that is killed at the limit (a hung reward cannot hang
 the run); with ``timeout == 0`` calls run in-process (cheap, the default for
 pure-Python rewards).
@@ -138,7 +141,11 @@ def _score_one(fn: RewardFn, name: str, prompts: list, completions: list, column
     try:
         returned = _call(fn, prompts, completions, columns, policy.timeout)
     except isolation.CallFailed as whole:
-        return _score_one_by_one(fn, name, prompts, completions, columns, policy, whole.detail)
+        if getattr(fn, "retry_samples_alone", True):
+            return _score_one_by_one(fn, name, prompts, completions, columns, policy, whole.detail)
+        if policy.on_error == "error":
+            raise RewardError(f"reward function {name!r} failed on the batch of {n}:\n{whole.detail}") from None
+        return torch.full((n,), math.nan, dtype=torch.float64), torch.ones(n, dtype=torch.bool), {}
     if not _has_length(returned, n):  # the batch is wrong, not one sample: say so, whatever the policy
         raise RewardError(f"reward function {name!r} returned {_describe_count(returned)} for {n} completions; "
                           "it must return one value (or None) per completion")

@@ -103,9 +103,10 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         test_rows = read_rows(data.eval_dataset, data.dataset_config, data.eval_dataset_split) if data.eval_dataset else []
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
-        if not data.reward and not inputs.reward_funcs and data.reward_model is None and data.judge is None:
+        if not (data.reward or inputs.reward_funcs or data.reward_url or data.reward_model or data.judge):
             raise ConfigError("reward: a --dataset needs at least one --reward NAME or FILE.py:FUNCTION (from "
-                              "Python: reward_funcs=[...]), a --reward-model DIR or a --judge MODEL")
+                              "Python: reward_funcs=[...]), a --reward-url URL, a --reward-model DIR or a --judge "
+                              "MODEL")
         task = None
     else:
         task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
@@ -115,16 +116,18 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     if data.train_prompt_variants:  # each prompt asked one of several ways: the problem, not a phrasing, is learnt
         train_rows = ask_each_differently(train_rows, resolve_variants(data.train_prompt_variants),
                                           config.run.seed, data.dataset or data.task)
-    if data.reward or inputs.reward_funcs or data.reward_model is not None or data.judge is not None:
-        fns = [*inputs.reward_funcs, *(load_reward(spec) for spec in data.reward)]
+    from posttrain.data.remote import is_url, remote_judge, remote_rewards
+
+    if data.reward or inputs.reward_funcs or data.reward_url or data.reward_model is not None or data.judge is not None:
+        fns = [*inputs.reward_funcs, *(load_reward(spec) for spec in data.reward), *remote_rewards(data)]
         weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
-                   *(data.reward_weights or [1.0] * len(data.reward))]
+                   *(data.reward_weights or [1.0] * len(data.reward)), *[1.0] * len(data.reward_url)]
         if data.reward_model is not None:  # alongside the functions, or instead of the task's rewards
             fns.append(RewardModel(data.reward_model, batch_size=config.optim.micro_batch_size,
                                    normalize=data.reward_model_normalize, device=resolve_device(config.model.device)))
             weights.append(data.reward_model_weight)
         if data.judge is not None:
-            fns.append(make_judge(config))
+            fns.append(remote_judge(data) if is_url(data.judge) else make_judge(config))
             weights.append(data.judge_weight)
     else:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
