@@ -9,6 +9,7 @@ field and says what to change. :mod:`posttrain.config` puts the sections togethe
 from __future__ import annotations
 
 import re
+import shlex
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -350,14 +351,21 @@ class EpisodeConfig:
         "<|call|>), each ending the turn, its results rendered by the chat template; json (<tool_call>{...}"
         "</tool_call> mid-turn, answered by <tool_response>) or inline ([tool argument], for character-level "
         "models). Default: the task's, else auto.")
+    mcp_server: tuple[str, ...] = _help(
+        "An MCP server whose tools the policy may call, as the command line that starts it over stdio, e.g. "
+        "'npx -y @modelcontextprotocol/server-everything' (repeatable; split as a shell would, run in this "
+        "directory with this environment): its tools join those of --tools, described to the model by their JSON "
+        "schemas, each call waiting up to tool_timeout. One that cannot start stops the run at its start, quoting "
+        "its stderr; one that exits later makes its calls fail as crash (posttrain.rollout.mcp_tools).", ())
     environment: str | None = _help(
         "An environment the policy plays, as FILE.py:CLASS (reset(row), step(turn) -> Step; "
         "posttrain.data.environments): each completion is an episode whose turns the environment answers; its "
         "reward reaches the reward functions as the environment_reward column, and is added to them.")
     max_turns: int = _help("Policy turns per episode with tools or an environment (the last turn's call, if any, "
                            "is not run).", 4)
-    tool_timeout: float | None = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit, "
-                                       "0 in-process. Default: the task's, else 10.")
+    tool_timeout: float | None = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit "
+                                       "(an MCP server's call is cancelled at it), 0 in-process with no limit. "
+                                       "Default: the task's, else 10.")
     tool_errors: str = _help("When a call fails (unknown tool, malformed call, a raise, a timeout, a non-text "
                              "result): feedback (the policy reads the error; counted in episode/tool_errors) or "
                              "error (stop the run). An environment that raises: feedback ends its episode with "
@@ -372,12 +380,24 @@ class EpisodeConfig:
                  f"got {self.tool_timeout}; use 0 (in-process) or seconds")
         require(self.tool_errors in ("feedback", "error"), "tool_errors",
                  f"got {self.tool_errors!r}; use feedback or error")
+        for command in self.mcp_server:
+            require(_command_words(command) is not None, "mcp_server",
+                    f"{command!r} is not a command line (e.g. 'python server.py --flag'): its quotes do not close"
+                    if command.strip() else "an empty command; give the command line that starts the server")
         for field_name, specs, kind in (("tools", self.tools, "FUNCTION"),
                                         ("environment", (self.environment,) if self.environment else (), "CLASS")):
             for spec in specs:
                 require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
                          f"{spec!r} is not FILE.py:{kind} of an existing file")
         require.raise_any()
+
+
+def _command_words(command: str) -> list[str] | None:
+    """A command line's words as a shell splits them; None when it has none or its quotes do not close."""
+    try:
+        return shlex.split(command) or None
+    except ValueError:
+        return None
 
 
 @dataclass(frozen=True)

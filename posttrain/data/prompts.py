@@ -8,6 +8,7 @@ column is passed to the reward functions as a keyword argument.
 from __future__ import annotations
 
 import json
+from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -169,14 +170,14 @@ def require_chat_template(tokenizer: Any, where: str) -> None:
 def encode_prompt(tokenizer: Any, prompt: str | list[dict[str, str]], where: str = "prompt",
                   tools: Sequence[Callable] = ()) -> Tensor:
     """Token ids of a prompt; chat messages get the template and the generation prompt, and the ``tools``'
-    descriptions (from their type hints and docstrings): rendered by the template where it renders tools,
-    else in a system message (:func:`with_tool_descriptions`)."""
+    descriptions (:func:`tool_schema`): rendered by the template where it renders tools, else in a system
+    message (:func:`with_tool_descriptions`)."""
     if is_chat(prompt):
         require_chat_template(tokenizer, where)
         if tools and not renders_tools(tokenizer):
             prompt = with_tool_descriptions(prompt, tools)
-        ids = tokenizer.apply_chat_template(prompt, tools=list(tools) or None, add_generation_prompt=True,
-                                            tokenize=True, return_dict=False)
+        ids = tokenizer.apply_chat_template(prompt, tools=[tool_schema(tool) for tool in tools] or None,
+                                            add_generation_prompt=True, tokenize=True, return_dict=False)
     else:
         ids = tokenizer(prompt)["input_ids"]
     return torch.tensor(ids, dtype=torch.long)
@@ -212,6 +213,36 @@ TOOLS_SYSTEM_PROMPT = (
 the one ``JSONCalls`` parses), with an example call of the first tool."""
 
 
+class ExternalTool(ABC):
+    """A tool that is no Python function of this process, such as an MCP server's
+    (:mod:`posttrain.rollout.mcp_tools`). It brings its own description, a JSON schema, where a function is
+    described from its type hints and docstring, and it runs its calls itself within the time limit it is
+    given, where a function runs in a forked worker (:class:`posttrain.rollout.episodes.Tools`)."""
+
+    __name__: str
+    """The tool's name, which a call names (as a function's ``__name__``)."""
+    schema: dict[str, Any]
+    """``{"type": "function", "function": {"name", "description", "parameters"}}``: the shape of transformers'
+    ``get_json_schema`` of a function, so that a chat template renders both alike."""
+
+    @abstractmethod
+    def call(self, positional: Sequence[Any], arguments: dict[str, Any], timeout: float) -> str:
+        """The call's result as text, waiting at most ``timeout`` seconds (0: no limit); a failure raises
+        :class:`posttrain.data.isolation.CallFailed` with its kind (``error``, ``timeout``, ``crash``,
+        ``not_text``)."""
+
+
+def tool_schema(tool: Callable | ExternalTool) -> dict[str, Any]:
+    """How a chat template is told about a tool: an :class:`ExternalTool`'s own schema, a function's from its
+    type hints and docstring (transformers' ``get_json_schema``, what ``apply_chat_template`` makes of a
+    function)."""
+    if isinstance(tool, ExternalTool):
+        return tool.schema
+    from transformers.utils import get_json_schema
+
+    return get_json_schema(tool)
+
+
 def renders_tools(tokenizer: Any) -> bool:
     """Whether the chat template writes the tools it is given into the prompt."""
     def probe(fn_name: str) -> str:
@@ -223,13 +254,12 @@ def renders_tools(tokenizer: Any) -> bool:
 
 
 def with_tool_descriptions(messages: list[dict[str, str]], tools: Sequence[Callable]) -> list[dict[str, str]]:
-    """``messages`` with the tools' JSON schemas (from their type hints and docstrings) in the system
-    message, :data:`TOOLS_SYSTEM_PROMPT`; after the conversation's own system message, where it has one."""
-    from transformers.utils import get_json_schema
-
-    schemas = [get_json_schema(fn)["function"] for fn in tools]
-    example = {"name": schemas[0]["name"], "arguments": {name: "..." for name in schemas[0]["parameters"]["properties"]}}
-    text = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(get_json_schema(fn)) for fn in tools),
+    """``messages`` with the tools' JSON schemas (:func:`tool_schema`) in the system message,
+    :data:`TOOLS_SYSTEM_PROMPT`; after the conversation's own system message, where it has one."""
+    schemas = [tool_schema(tool) for tool in tools]
+    first = schemas[0]["function"]
+    example = {"name": first["name"], "arguments": {name: "..." for name in first["parameters"].get("properties", {})}}
+    text = TOOLS_SYSTEM_PROMPT.format(tools="\n".join(json.dumps(schema) for schema in schemas),
                                       example=f"<tool_call>{json.dumps(example)}</tool_call>")
     if messages and messages[0].get("role") == "system":
         return [{"role": "system", "content": f"{messages[0]['content']}\n\n{text}"}, *messages[1:]]

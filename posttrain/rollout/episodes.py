@@ -38,6 +38,7 @@ from torch import Tensor
 
 from posttrain.data import isolation
 from posttrain.data.environments import Environment, Step
+from posttrain.data.prompts import ExternalTool
 from posttrain.rollout.completions import Completions, Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
 from posttrain.rollout.tool_formats import FAMILIES, ChatTemplateCalls, ToolCall, detect_format
@@ -151,7 +152,8 @@ class EpisodeStats:
 
 class Tools:
     """Python functions the policy may call, by name; each runs in a forked worker killed after
-    ``timeout`` seconds when ``timeout`` > 0."""
+    ``timeout`` seconds when ``timeout`` > 0. An :class:`~posttrain.data.prompts.ExternalTool` (an MCP
+    server's) runs its calls itself, within the same limit."""
 
     def __init__(self, functions: Sequence[Callable[..., Any]], *, timeout: float = 0.0, on_error: str = "feedback"):
         if on_error not in ("feedback", "raise"):
@@ -166,6 +168,11 @@ class Tools:
         fn = self.functions.get(call.name)
         if fn is None:
             return self.fault("unknown_tool", f"unknown tool {call.name!r}; tools: {', '.join(self.functions)}")
+        if isinstance(fn, ExternalTool):  # no worker to fork: its failure's detail is the message, not a traceback
+            try:
+                return fn.call(call.positional, call.arguments, self.timeout), None
+            except isolation.CallFailed as failure:
+                return self.fault(failure.kind, f"{call.name} failed: {failure.detail}")
         try:
             result = isolation.call(lambda **kwargs: fn(*call.positional, **kwargs), call.arguments,
                                     timeout=self.timeout, limit_name="tool_timeout")

@@ -47,6 +47,7 @@ from posttrain.rollout.episodes import (
     tool_format,
 )
 from posttrain.rollout.generators import generate_texts, make_generator
+from posttrain.rollout.mcp_tools import stop_mcp_servers, with_mcp_tools
 from posttrain.tracking.metrics import VARIANT_SEPARATOR
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.controllers import EntropyControl
@@ -348,7 +349,8 @@ class OnlineSession:
         r, e = config.rollout, config.episodes
         params = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
         seed = config.run.seed + distributed.rank()
-        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools), *work.tools)
+        tools = with_mcp_tools(config, (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools),
+                                        *work.tools))  # starts the --mcp-server servers
         on_error = "raise" if e.tool_errors == "error" else "feedback"
 
         def generator_of(model: Any) -> Any:
@@ -500,8 +502,9 @@ class OnlineSession:
         self.rollouts.load(extra.get("rollouts"))
 
     def close(self) -> None:
-        """Stop the rollout process, if any."""
+        """Stop the rollout process and the MCP servers, if any."""
         self.rollouts.close()
+        stop_mcp_servers(self.tools)
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first completions with their rewards, for samples.jsonl."""

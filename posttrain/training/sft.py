@@ -82,6 +82,7 @@ from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
 from posttrain.rollout.episodes import Tools, make_episode_generator, tool_format
+from posttrain.rollout.mcp_tools import stop_mcp_servers, with_mcp_tools
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
@@ -145,7 +146,8 @@ class SFTSession:
             config = dataclasses.replace(config, preference=dataclasses.replace(pc, packing=False))
             pc = config.preference
         e = config.episodes
-        tools = (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools), *(task.tools if task else ()))
+        tools = with_mcp_tools(config, (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools),
+                                        *(task.tools if task else ())))  # starts the --mcp-server servers
         if tools and preset.objective == "gkd":
             raise ConfigError("tools: gkd's student samples single turns; distil tool use from demonstrations "
                               "with sft, or on-policy with the online preset opd")
@@ -190,7 +192,7 @@ class SFTSession:
         self.bad_steps = state["bad_steps"]
 
     def close(self) -> None:
-        pass  # nothing runs beside the trainer
+        stop_mcp_servers(self.tools)  # what runs beside the trainer: the --mcp-server servers, if any
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first examples with their NLL (GKD: JSD) per trained token, for samples.jsonl."""
