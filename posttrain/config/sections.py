@@ -360,7 +360,9 @@ class EpisodeConfig:
     environment: str | None = _help(
         "An environment the policy plays, as FILE.py:CLASS (reset(row), step(turn) -> Step; "
         "posttrain.data.environments): each completion is an episode whose turns the environment answers; its "
-        "reward reaches the reward functions as the environment_reward column, and is added to them.")
+        "reward reaches the reward functions as the environment_reward column, and is added to them. Or "
+        "verifiers:NAME[(KEY=VALUE,...)], an installed verifiers taskset with its settings (the verifiers "
+        "extra): it replaces --task, bringing its tasks, its rewards and its multi-turn env or tools.")
     max_turns: int = _help("Policy turns per episode with tools or an environment (the last turn's call, if any, "
                            "is not run).", 4)
     tool_timeout: float | None = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit "
@@ -387,8 +389,10 @@ class EpisodeConfig:
         for field_name, specs, kind in (("tools", self.tools, "FUNCTION"),
                                         ("environment", (self.environment,) if self.environment else (), "CLASS")):
             for spec in specs:
-                require(":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
-                         f"{spec!r} is not FILE.py:{kind} of an existing file")
+                require(spec.startswith("verifiers:") and field_name == "environment"
+                        or ":" in spec and Path(spec.rsplit(":", 1)[0]).is_file(), field_name,
+                        f"{spec!r} is not FILE.py:{kind} of an existing file"
+                        + (" or verifiers:NAME" if field_name == "environment" else ""))
         require.raise_any()
 
 

@@ -34,7 +34,7 @@ from posttrain.data.prompt_variants import ask, ask_each_differently, resolve_va
 from posttrain.data.rewards import RewardModel, load_reward, load_reward_function
 from posttrain.data.scoring import RewardPolicy, Scores, score
 from posttrain.data.tasks import get_task
-from posttrain.data.tasks.task import REASONING_GYM_PREFIX
+from posttrain.data.tasks.task import REASONING_GYM_PREFIX, VERIFIERS_PREFIX
 from posttrain.models.experts import replay_unsupported_reason
 from posttrain.models.logprobs import probe_logprobs
 from posttrain.models.modeling import ValueHead, resolve_device
@@ -98,6 +98,10 @@ def _within_budget(config: Config, work: Workload, prompt_ids: list[Tensor]) -> 
 def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     """The task or dataset named by the config, with its reward functions (``inputs``' first); checks the rows."""
     data = config.data
+    env_spec = config.episodes.environment  # verifiers:NAME is a task: it brings its rows and rewards
+    own = env_spec if env_spec and env_spec.startswith(VERIFIERS_PREFIX) else None
+    if own and data.dataset is not None:
+        raise ConfigError(f"environment: {own} brings its own tasks; drop --dataset or the environment")
     if data.dataset is not None:
         train_rows = read_rows(data.dataset, data.dataset_config, data.dataset_split)
         check_prompt_rows(train_rows, data.dataset)
@@ -110,9 +114,9 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
                               "MODEL")
         task = None
     else:
-        task = get_task(data.task)  # a fixed split: the built-in models were warm-started on its train part
+        task = get_task(own or data.task)  # a fixed split: the built-in models were warm-started on its train part
         train_rows, test_rows = list(task.train), list(task.test)
-        distributed.say(f"task {data.task}: {task.description} ({len(train_rows)} training prompts, "
+        distributed.say(f"task {own or data.task}: {task.description} ({len(train_rows)} training prompts, "
                         f"{len(test_rows)} held out)")
     if data.train_prompt_variants:  # each prompt asked one of several ways: the problem, not a phrasing, is learnt
         train_rows = ask_each_differently(train_rows, resolve_variants(data.train_prompt_variants),
@@ -133,7 +137,7 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     else:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
     environment = inputs.environment or (
-        load_reward_function(config.episodes.environment, "environment") if config.episodes.environment else None)
+        load_reward_function(env_spec, "environment") if env_spec and not own else None)
     environment = environment or (task.environment if task else None)
     if environment is not None and environment_reward not in fns:  # the episode's reward counts, always
         fns, weights = [environment_reward, *fns], [1.0, *weights]

@@ -9,7 +9,8 @@ token budget and the built-in starting model the task was designed for.
 Besides the registry :data:`TASKS`, ``--task reasoning-gym:SPEC`` builds a task from reasoning-gym's
 procedural families (:mod:`posttrain.data.tasks.reasoning_gym`, needs the ``reasoning-gym`` extra), and
 ``--task gem:ENV_ID`` a multi-turn task from a GEM environment (:mod:`posttrain.data.tasks.gem`, needs
-the ``gem`` extra).
+the ``gem`` extra), and ``--environment verifiers:NAME`` (or ``--task verifiers:NAME``) a task from a
+taskset of ``verifiers`` (:mod:`posttrain.data.tasks.verifiers`, needs the ``verifiers`` extra).
 """
 
 from __future__ import annotations
@@ -18,7 +19,12 @@ import importlib.util
 from collections.abc import Callable
 
 from posttrain.config import ConfigError
-from posttrain.data.tasks.task import GEM_PREFIX, REASONING_GYM_PREFIX, Task
+from posttrain.data.tasks.task import (
+    GEM_PREFIX,
+    REASONING_GYM_PREFIX,
+    VERIFIERS_PREFIX,
+    Task,
+)
 
 
 def _addition(seed: int) -> Task:
@@ -78,15 +84,26 @@ def _gem(spec: str, seed: int) -> Task:
     return gem.make_task(spec, seed)
 
 
+def _verifiers(spec: str, seed: int) -> Task:
+    if importlib.util.find_spec("verifiers") is None:
+        raise ConfigError(f"environment: {spec!r} needs the verifiers package: pip install 'posttrain[verifiers]'")
+    from posttrain.data.tasks import verifiers
+
+    return verifiers.make_task(spec, seed)
+
+
 def get_task(name: str, seed: int = 0) -> Task:
     """The built-in task ``name``, the reasoning-gym task of a ``reasoning-gym:...`` spec, or the GEM
-    environment of a ``gem:ENV_ID`` spec, its split drawn with ``seed``."""
+    environment of a ``gem:ENV_ID`` spec, the verifiers taskset of a ``verifiers:NAME`` spec, its split drawn
+    with ``seed``."""
     if name.startswith(REASONING_GYM_PREFIX):
         return _reasoning_gym(name, seed)
     if name.startswith(GEM_PREFIX):
         return _gem(name, seed)
+    if name.startswith(VERIFIERS_PREFIX):
+        return _verifiers(name, seed)
     if name not in TASKS:
         raise ValueError(f"unknown task {name!r}; valid tasks: {', '.join(sorted(TASKS))}, "
-                         f"or {REASONING_GYM_PREFIX}FAMILY for a reasoning-gym family, or {GEM_PREFIX}ENV_ID for a "
-                         "GEM environment")
+                         f"or {REASONING_GYM_PREFIX}FAMILY for a reasoning-gym family, {GEM_PREFIX}ENV_ID for a "
+                         f"GEM environment, or {VERIFIERS_PREFIX}NAME for a verifiers taskset")
     return TASKS[name](seed)

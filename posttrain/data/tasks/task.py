@@ -12,6 +12,8 @@ REASONING_GYM_PREFIX = "reasoning-gym:"
 """``--task reasoning-gym:SPEC`` builds a task from reasoning-gym's families (:mod:`.reasoning_gym`)."""
 GEM_PREFIX = "gem:"
 """``--task gem:ENV_ID`` plays a GEM environment (:mod:`.gem`)."""
+VERIFIERS_PREFIX = "verifiers:"
+"""``--environment verifiers:NAME`` (or ``--task verifiers:NAME``) plays a verifiers taskset (:mod:`.verifiers`)."""
 
 
 @dataclass(frozen=True)
