@@ -170,10 +170,13 @@ def test_asynchronous_rollout_settings_are_checked(tiny_model_dir, reward_file):
         Config.from_flat({"async_rollout": True, "max_staleness": -1})
     with pytest.raises(ConfigError, match="rollout_threads: got 0"):
         Config.from_flat({"rollout_threads": 0})
+    from posttrain.rollout import factory
+
+    # combinations: the rollout factory's one check (OnlineSession.create runs it before any model loads)
     with pytest.raises(ConfigError, match="async_rollout: the rollout process samples with posttrain's decode loop"):
-        Config.from_flat({"async_rollout": True, "backend": "vllm"})
+        factory.check(Config.from_flat({"async_rollout": True, "backend": "vllm"}), episodes=False)
     with pytest.raises(ConfigError, match="async_rollout: the rollout process holds a whole copy"):
-        Config.from_flat({"async_rollout": True, "fsdp": True})
+        factory.check(Config.from_flat({"async_rollout": True, "fsdp": True}), episodes=False)
 
 
 def test_a_checkpoint_with_batches_sampled_ahead_resumes_only_asynchronously(tiny_model_dir, reward_file):

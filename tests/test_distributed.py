@@ -26,7 +26,7 @@ from test_online import make_config
 
 from posttrain.config import Config, ConfigError
 from posttrain.parallel import distributed, fsdp
-from posttrain.rollout.completions import Completions, completion_mask
+from posttrain.rollout.completions import POLICY_SAMPLER, Completions, completion_mask
 from posttrain.tracking.metrics import read_metrics
 from posttrain.training.online import train_step
 from posttrain.training.preference import PreferenceSession
@@ -67,6 +67,8 @@ class FixedGenerator:
     ``sevens`` reward every group has reward variance (dynamic sampling keeps them all),
     except in process ``silent_rank``, where every sample is sample 0 (no group has any).
     """
+
+    capabilities = POLICY_SAMPLER
 
     def __init__(self, tokenizer, eos_id: int, width: int, silent_rank: int | None = None):
         self.digits = torch.tensor(tokenizer.convert_tokens_to_ids(list("012345689")))

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from posttrain.config import Config, load_yaml
-from posttrain.training.session import eval_label, load_eval_workloads, load_workload
+from posttrain.training.workload import eval_label, load_eval_workloads, load_workload
 
 RECIPES = sorted((Path(__file__).resolve().parents[1] / "recipes").glob("*.yaml"))
 

@@ -294,8 +294,10 @@ def test_transport_settings_are_checked_before_anything_starts(tiny_model_dir, t
 
     base = {"model": str(tiny_model_dir), "task": "addition", "rollout_server": ["http://127.0.0.1:9"],
             "max_steps": 1, "output": str(tmp_path / "run"), "report_to": "none", "progress": False}
+    from posttrain.rollout import factory
+
     with pytest.raises(ConfigError, match="weight_transport: got 'rdma'; use filesystem, gloo or nccl"):
-        Config.from_flat({**base, "weight_transport": "rdma"})
+        factory.check(Config.from_flat({**base, "weight_transport": "rdma"}), episodes=False)  # the registry's names
     with pytest.raises(ConfigError, match="weight_sync_address: got 'trainer:http'; use HOST or HOST:PORT"):
         Config.from_flat({**base, "weight_sync_address": "trainer:http"})
     with pytest.raises(ConfigError, match="weight_transport: nccl sends the weights from the trainer's GPU"):

@@ -183,7 +183,7 @@ def test_eval_tasks_score_other_tasks_at_every_evaluation(tiny_model_dir, reward
 
 def test_eval_tasks_errors_name_the_field(tiny_model_dir, reward_file):
     from posttrain.config import ConfigError
-    from posttrain.training.session import eval_label
+    from posttrain.training.workload import eval_label
 
     assert eval_label("reasoning-gym:chain_sum(max_terms=3)=2,products") == "chain_sum+products"
     with pytest.raises(ConfigError, match="eval_tasks: two entries are both labelled 'addition'"):

@@ -30,6 +30,7 @@ from posttrain.cli.flags import (
     add_trl_flags,
     boolean_flags,
 )
+from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import (
     SECTIONS,
     Config,
@@ -168,6 +169,8 @@ def _resolve(args: argparse.Namespace, read_data: bool = True) -> tuple[Config, 
     flat, notes, problems = _in_posttrain_names(layers)
     resolved = resolve(flat)
     problems += resolved.problems + (_data_problems(resolved.flat) if read_data else [])
+    if resolved.config is not None and isinstance(resolved.config.preset(), OnlineAlgorithm):
+        problems += _rollout_problems(resolved.config)
     if problems:
         raise ConfigError(*problems)
     return resolved.config, notes + resolved.notes
@@ -190,6 +193,18 @@ def _in_posttrain_names(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], l
         notes += translated.notes
         problems += translated.problems
     return flat, notes, problems
+
+
+def _rollout_problems(config: Config) -> list[str]:
+    """The rollout combination's problems that the config alone shows (the rollout factory's check; a task's own
+    tools are known once it loads, and the session checks again then)."""
+    import torch
+
+    from posttrain.rollout import factory
+
+    m = config.model
+    on_gpu = m.device == "cuda" or (m.device == "auto" and torch.cuda.is_available())
+    return factory.problems(config, episodes=bool(config.episodes.tools or config.episodes.environment), on_gpu=on_gpu)
 
 
 def _data_problems(flat: dict[str, Any]) -> list[str]:

@@ -42,7 +42,6 @@ from posttrain.config.sections import (
     PreferenceConfig,
     RolloutConfig,
     RunConfig,
-    _require,
     hub_dataset_name,
     is_reward_name,
 )
@@ -71,20 +70,6 @@ class Config:
     """The fields the user set (a flag, a YAML key, a keyword of posttrain.train): the others may be suited to the
     model and machine at the start of a run (posttrain.training.defaults). A resumed run's saved config sets
     every field."""
-
-    def __post_init__(self) -> None:
-        if self.rollout.backend != "hf":  # the vLLM path samples single turns from the policy's own weights
-            _require(not self.episodes.tools, "tools", "multi-turn episodes run on the hf backend; set backend hf")
-            _require(not self.episodes.environment, "environment",
-                     "multi-turn episodes run on the hf backend; set backend hf")
-            _require(not self.off_policy.sampling_copy, "sampler_noise" if self.off_policy.sampler_noise
-                     else "sampler_dtype", "a sampling copy of the policy runs on the hf backend; set backend hf")
-            _require(not self.off_policy.async_rollout, "async_rollout",
-                     "the rollout process samples with posttrain's decode loop; set backend hf (vLLM runs its own "
-                     "engine beside the trainer, synchronously)")
-        if self.off_policy.async_rollout:
-            _require(not self.model.fsdp, "async_rollout", "the rollout process holds a whole copy of the model; "
-                     "set fsdp off")
 
     def preset(self):  # -> OnlineAlgorithm | PreferenceAlgorithm
         return algorithm(self.algorithm, **self.overrides)

@@ -320,13 +320,10 @@ class RolloutConfig:
         require(self.temperature > 0, "temperature", f"got {self.temperature}; use a value > 0")
         require(0 < self.top_p <= 1, "top_p", f"got {self.top_p}; use a value in (0, 1]")
         require(self.top_k >= 0, "top_k", f"got {self.top_k}; use 0 (off) or more")
-        require(self.backend in ("hf", "vllm"), "backend", f"got {self.backend!r}; use hf or vllm")
         for url in self.rollout_server:
             require(url.startswith(("http://", "https://")), "rollout_server",
                     f"got {url!r}; give the server's URL, e.g. http://127.0.0.1:8000")
         require(self.rollout_timeout > 0, "rollout_timeout", f"got {self.rollout_timeout}; use seconds > 0")
-        require(self.weight_transport in ("filesystem", "gloo", "nccl"), "weight_transport",
-                f"got {self.weight_transport!r}; use filesystem, gloo or nccl")
         port = self.weight_sync_address.rpartition(":")[2] if ":" in self.weight_sync_address else "0"
         require(port.isdigit() and int(port) < 65536, "weight_sync_address",
                 f"got {self.weight_sync_address!r}; use HOST or HOST:PORT, e.g. 10.0.0.5:29600")

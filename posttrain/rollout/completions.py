@@ -103,7 +103,31 @@ def cat_rows(parts: list[Tensor | None]) -> Tensor | None:
     return torch.cat([torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in parts])
 
 
+@dataclass(frozen=True)
+class Capabilities:
+    """What a generator can do, declared by its class (a trainer reads these, never probes for methods)."""
+
+    own_weights: bool = False
+    """It samples with a copy of the weights of its own (an engine, servers), which must be sent to it."""
+    syncs_weights: bool = False
+    """It brings that copy up to the policy itself before sampling (``sync_weights()``), and checks each sync with
+    the ``sync_check`` the trainer gives it."""
+    sampler_logprobs: bool = True
+    """It returns each sampled token's log-prob under the distribution it drew from (``sampling_logprobs``)."""
+    samples_elsewhere: bool = False
+    """Its compute runs in other processes: asynchronous rollouts drive it from a thread, not a process."""
+    pauses: bool = False
+    """It can pause requests in flight and resume them (servers)."""
+
+
+POLICY_SAMPLER = Capabilities()
+"""A generator that samples with the model it is given, in this process (posttrain's decode loop, transformers'
+generate, the episodes around them)."""
+
+
 class Generator(Protocol):
+    capabilities: Capabilities
+
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
                  rows: Sequence[Mapping[str, Any]] | None = None) -> Completions:
         """``num_samples`` completions of each prompt; ``rows`` are the dataset rows the prompts came from

@@ -39,7 +39,7 @@ from torch import Tensor
 from posttrain.data import isolation
 from posttrain.data.environments import Environment, Step
 from posttrain.data.prompts import ExternalTool
-from posttrain.rollout.completions import Completions, Generator, SamplingParams
+from posttrain.rollout.completions import POLICY_SAMPLER, Completions, Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
 from posttrain.rollout.tool_formats import FAMILIES, ChatTemplateCalls, ToolCall, detect_format
 
@@ -289,6 +289,8 @@ class EpisodeGenerator:
     whose observation ``render`` turns into inserted text. ``stats`` holds what the last ``generate``
     call's episodes did; the completions' ``rewards`` are the environment's, per episode.
     """
+
+    capabilities = POLICY_SAMPLER  # its turns are posttrain's decode loop's, on the model it is given
 
     def __init__(self, turn_generator: Callable[[int], Generator], tokenizer: Any, tools: Tools | None = None,
                  fmt: ToolFormat | None = None, *, environment: Callable[[], Environment] | None = None,

@@ -26,6 +26,7 @@ from posttrain.models.experts import routers
 from posttrain.rollout.routing import RoutingRecorder, decode_routing, generate_routing
 from posttrain.models.modeling import left_pad
 from posttrain.rollout.completions import (
+    POLICY_SAMPLER,
     Completions,
     Generator,
     SamplingParams,
@@ -38,6 +39,8 @@ logger = logging.getLogger(__name__)
 class HFGenerator:
     """Sampling with ``model.generate`` (KV cache, batched, stops at EOS or the budget); with each sampled token's
     log-prob under the distribution it was drawn from, as the decode loop gives it (:class:`SamplingRecorder`)."""
+
+    capabilities = POLICY_SAMPLER
 
     def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
                  record_routing: bool = False):
@@ -123,6 +126,8 @@ class SamplingRecorder:
 
 class FastGenerator:
     """Sampling with :func:`posttrain.rollout.generation.decode`; :class:`HFGenerator` for models it cannot hold."""
+
+    capabilities = POLICY_SAMPLER
 
     def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
                  record_routing: bool = False):

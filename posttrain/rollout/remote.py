@@ -55,7 +55,7 @@ from torch import Tensor
 
 from posttrain.models.logprobs import probe_logprobs
 from posttrain.parallel.distributed import say
-from posttrain.rollout.completions import Completions, SamplingParams
+from posttrain.rollout.completions import Capabilities, Completions, SamplingParams
 from posttrain.rollout.vllm import completions_from_samples, ending_in_eos, merged_weights
 from posttrain.rollout.vllm_worker import WEIGHTS_FILE
 
@@ -231,7 +231,7 @@ class RemoteGenerator:
     servers: Servers = field(default_factory=Servers)
     sync_seconds: float = 0.0  # the last publish and load, for the step's timing
     sync_check: Any = None  # guards.SyncCheck, set by the session: each server's load is checked with it
-    samples_elsewhere = True  # the compute is the servers': an asynchronous sampler needs a thread, not a process
+    capabilities = Capabilities(own_weights=True, syncs_weights=True, samples_elsewhere=True, pauses=True)
 
     def __post_init__(self) -> None:
         self.eos_ids = torch.tensor(self.eos_token_ids, dtype=torch.long)

@@ -34,7 +34,7 @@ from torch import Tensor
 
 from posttrain.models.lora import forget_kept_casts
 from posttrain.models.logprobs import probe_logprobs
-from posttrain.rollout.completions import Completions, SamplingParams, completion_mask
+from posttrain.rollout.completions import Capabilities, Completions, SamplingParams, completion_mask
 
 VLLM_INSTALL = ("make vllm (a second environment, .venv-vllm: vLLM's CPU build pins torch and transformers; "
                 "on a CUDA machine pip install 'posttrain[vllm]')")
@@ -121,6 +121,8 @@ def merged_weights(policy: Any) -> Iterator[list[tuple[str, Tensor]]]:
 
 class VLLMGenerator:
     """Sampling with a colocated vLLM engine; weights pushed from the policy before each rollout."""
+
+    capabilities = Capabilities(own_weights=True, syncs_weights=True)
 
     def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
                  model_path: str, gpu_memory_utilization: float = 0.3, max_model_len: int | None = None,

@@ -16,7 +16,7 @@ The worker's torch random generator starts from the state the trainer gives it a
 its sampling draws from, so a worker that receives the requests a synchronous run would make, in the
 same order, samples the same tokens.
 
-A generator whose compute runs elsewhere (rollout servers: ``samples_elsewhere``) needs no process of
+A generator whose compute runs elsewhere (rollout servers: ``capabilities.samples_elsewhere``) needs no process of
 its own: :class:`ThreadRolloutWorker` answers the same requests, in order, on a thread of the trainer.
 """
 

@@ -245,7 +245,7 @@ class SyncCheck:
             return None
         dtypes = [next(model.parameters()).dtype for model in (policy, sampler) if model is not None]
         check = cls(probe_ids, *dtypes, *([torch.bfloat16] if mixed_precision == "bf16" else []))
-        if hasattr(generator, "sync_weights"):
+        if generator.capabilities.syncs_weights:
             generator.sync_check = check
         return check
 

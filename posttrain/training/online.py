@@ -49,7 +49,8 @@ from posttrain.rollout.completions import Completions
 from posttrain.rollout.episodes import EpisodeStats
 from posttrain.training.groups import Groups, cat_rows, step_tensors
 from posttrain.training.guards import has_signal, step_has_signal
-from posttrain.training.session import OnlineSession, score_texts
+from posttrain.training.session import OnlineSession
+from posttrain.training.workload import score_texts
 
 # ---------------------------------------------------------------------------------------
 # 1-4: sample, generate, score, shape, filter

@@ -90,10 +90,15 @@ from posttrain.rollout.completions import Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
-from posttrain.training.policy_pairs import pairs_source, sample_pairs, with_policy_pairs_defaults
-from posttrain.training.session import eos_token_ids, make_judge
+from posttrain.training.policy_pairs import (
+    pairs_source,
+    sample_pairs,
+    with_policy_pairs_defaults,
+)
+from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
     Inputs,
+    ResumableSession,
     build_optimization,
     fingerprint,
     greedy_accuracy,
@@ -101,10 +106,11 @@ from posttrain.training.setup import (
     model_name,
     start_processes,
 )
+from posttrain.training.workload import make_judge
 
 
 @dataclass
-class PreferenceSession:
+class PreferenceSession(ResumableSession):
     config: Config
     preset: PreferenceAlgorithm
     policy: Any
@@ -212,12 +218,8 @@ class PreferenceSession:
 
     # -- the runner's protocol -----------------------------------------------------------------
 
-    def checkpoint_modules(self) -> dict[str, torch.nn.Module]:
-        """None: the reference stays the starting model, and there is no value head."""
-        return {}
-
     def trainer_state(self) -> dict[str, Any]:
-        state = {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+        state = super().trainer_state()
         if self.prompt_sampler is not None:
             state["prompt_sampler"] = self.prompt_sampler.state_dict()
         return state
@@ -229,13 +231,9 @@ class PreferenceSession:
     def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
         if extra.get("pair_rows"):
             use_pairs(self, extra["pair_rows"])
-        self.sampler.load_state_dict(state["sampler"])
-        self.bad_steps = state["bad_steps"]
+        super().load_trainer_state(state, extra)
         if self.prompt_sampler is not None:
             self.prompt_sampler.load_state_dict(state["prompt_sampler"])
-
-    def close(self) -> None:
-        pass  # nothing runs beside the trainer
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first examples with their log-probs, for samples.jsonl."""

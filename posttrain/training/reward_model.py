@@ -62,9 +62,13 @@ from posttrain.data.prompts import (
 from posttrain.data.rewards import reward_model_text
 from posttrain.functional import bradley_terry_loss
 from posttrain.models.batching import in_item_order, item_micro_batches
+from posttrain.models.compute import (
+    checkpoint_layers,
+    use_mixed_precision,
+    use_packed_attention,
+)
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.modeling import resolve_device
-from posttrain.models.compute import checkpoint_layers, use_mixed_precision, use_packed_attention
 from posttrain.models.reward_head import (
     apply_reward_lora,
     check_reward_model,
@@ -82,6 +86,7 @@ from posttrain.training.policy_pairs import pairs_source, sample_pairs
 from posttrain.training.session import eos_token_ids
 from posttrain.training.setup import (
     Inputs,
+    ResumableSession,
     build_optimization,
     fingerprint,
     model_name,
@@ -137,7 +142,7 @@ def encode_pairs(rows: list[dict[str, Any]], tokenizer: Any, *, max_length: int,
 
 
 @dataclass
-class RewardModelSession:
+class RewardModelSession(ResumableSession):
     config: Config
     preset: SupervisedAlgorithm
     policy: nn.Module  # the reward model being trained (the runner's name for the trained model)
@@ -193,23 +198,6 @@ class RewardModelSession:
         return max(1, self.config.optim.micro_batch_size // 2)
 
     # -- the runner's protocol -----------------------------------------------------------------
-
-    def checkpoint_modules(self) -> dict[str, nn.Module]:
-        """None: the score head is part of the model."""
-        return {}
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
-
-    def extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self.bad_steps = state["bad_steps"]
-
-    def close(self) -> None:
-        pass  # nothing runs beside the trainer
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first pairs with their scores, for samples.jsonl."""

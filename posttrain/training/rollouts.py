@@ -145,7 +145,7 @@ class AsyncRollouts:
         model = s.sampling_copy if s.sampling_copy is not None else s.policy
         rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
         self.sent_version = s.step  # the copy is the current policy's
-        if getattr(s.generator, "samples_elsewhere", False):  # rollout servers: a thread waits on them
+        if s.generator.capabilities.samples_elsewhere:  # rollout servers: a thread waits on them
             model = copy.deepcopy(model)
             self.worker = ThreadRolloutWorker(s.generator.for_model(model), model, rng_state=rng)
             return

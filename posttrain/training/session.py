@@ -19,26 +19,17 @@ import torch
 from torch import Tensor
 
 from posttrain.algorithms.presets import OnlineAlgorithm
-from posttrain.config import Config, ConfigError, DataConfig
-from posttrain.data.environments import ENVIRONMENT_REWARD, environment_reward
-from posttrain.data.judge import Judge, load_rubric
+from posttrain.config import Config, ConfigError
 from posttrain.data.prompts import (
     PromptSampler,
-    as_completion,
-    check_prompt_rows,
     encode_prompt,
-    read_rows,
-    within_prompt_budget,
 )
-from posttrain.data.prompt_variants import ask, ask_each_differently, resolve_variants
-from posttrain.data.rewards import RewardModel, load_reward, load_reward_function
-from posttrain.data.scoring import RewardPolicy, Scores, score
-from posttrain.data.tasks import get_task
-from posttrain.data.tasks.task import REASONING_GYM_PREFIX, VERIFIERS_PREFIX
+from posttrain.data.rewards import load_reward_function
 from posttrain.models.experts import replay_unsupported_reason
 from posttrain.models.logprobs import probe_logprobs
-from posttrain.models.modeling import ValueHead, resolve_device
+from posttrain.models.modeling import ValueHead
 from posttrain.parallel import distributed
+from posttrain.rollout import factory as rollout_factory
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import (
     EpisodeGenerator,
@@ -46,13 +37,19 @@ from posttrain.rollout.episodes import (
     make_episode_generator,
     tool_format,
 )
-from posttrain.rollout.generators import generate_texts, make_generator
+from posttrain.rollout.generators import generate_texts
 from posttrain.rollout.mcp_tools import stop_mcp_servers, with_mcp_tools
 from posttrain.tracking.metrics import VARIANT_SEPARATOR
 from posttrain.tracking.stats import wilson_interval
 from posttrain.training.controllers import EntropyControl
 from posttrain.training.groups import Groups
-from posttrain.training.guards import BF16_WEIGHTS_TOLERANCE, RewardWatch, SignalWatch, SyncCheck, UpdateCheck
+from posttrain.training.guards import (
+    BF16_WEIGHTS_TOLERANCE,
+    RewardWatch,
+    SignalWatch,
+    SyncCheck,
+    UpdateCheck,
+)
 from posttrain.training.optim import apply_gradients
 from posttrain.training.rollouts import AsyncRollouts, SyncRollouts
 from posttrain.training.setup import (
@@ -64,170 +61,14 @@ from posttrain.training.setup import (
     model_name,
     start_processes,
 )
-
-
-@dataclass
-class Workload:
-    """What to train on: prompts, reward functions and (for built-in tasks) a correctness check."""
-
-    train_rows: list[dict[str, Any]]
-    test_rows: list[dict[str, Any]]
-    reward_fns: list[Callable]
-    reward_weights: list[float]
-    correct: Callable | None  # (prompts, completions, **columns) -> list[bool]
-    max_new_tokens: int
-    default_model: str | None
-    final_answer: Callable[[str], str | None] | None = None  # the task's answer parser (posttrain eval's maj@K)
-    tools: tuple[Callable, ...] = ()  # the task's tools (multi-turn episodes)
-    tool_format: str | None = None  # how the task's calls are written
-    tool_timeout: float | None = None  # the task's limit per call
-    environment: Callable[[], Any] | None = None  # the class whose instances play the episodes
-
-
-def _within_budget(config: Config, work: Workload, prompt_ids: list[Tensor]) -> tuple[Workload, list[Tensor]]:
-    """The workload and encoded prompts without those over ``max_prompt_length`` (``long_prompts``)."""
-    source, limit = config.data.dataset or f"task {config.data.task}", config.preference.max_prompt_length
-    kept = within_prompt_budget(prompt_ids, limit, config.data.long_prompts, source, config.rollout.prompts_per_step)
-    if len(kept) == len(prompt_ids):
-        return work, prompt_ids
-    distributed.say(f"{source}: dropped {len(prompt_ids) - len(kept)} of {len(prompt_ids)} prompts longer than "
-                    f"max_prompt_length {limit} tokens (long_prompts drop)")
-    return dataclasses.replace(work, train_rows=[work.train_rows[i] for i in kept]), [prompt_ids[i] for i in kept]
-
-
-def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
-    """The task or dataset named by the config, with its reward functions (``inputs``' first); checks the rows."""
-    data = config.data
-    env_spec = config.episodes.environment  # verifiers:NAME is a task: it brings its rows and rewards
-    own = env_spec if env_spec and env_spec.startswith(VERIFIERS_PREFIX) else None
-    if own and data.dataset is not None:
-        raise ConfigError(f"environment: {own} brings its own tasks; drop --dataset or the environment")
-    if data.dataset is not None:
-        train_rows = read_rows(data.dataset, data.dataset_config, data.dataset_split)
-        check_prompt_rows(train_rows, data.dataset)
-        test_rows = read_rows(data.eval_dataset, data.dataset_config, data.eval_dataset_split) if data.eval_dataset else []
-        if test_rows:
-            check_prompt_rows(test_rows, data.eval_dataset)
-        if not (data.reward or inputs.reward_funcs or data.reward_url or data.reward_model or data.judge):
-            raise ConfigError("reward: a --dataset needs at least one --reward NAME or FILE.py:FUNCTION (from "
-                              "Python: reward_funcs=[...]), a --reward-url URL, a --reward-model DIR or a --judge "
-                              "MODEL")
-        task = None
-    else:
-        task = get_task(own or data.task)  # a fixed split: the built-in models were warm-started on its train part
-        train_rows, test_rows = list(task.train), list(task.test)
-        distributed.say(f"task {own or data.task}: {task.description} ({len(train_rows)} training prompts, "
-                        f"{len(test_rows)} held out)")
-    if data.train_prompt_variants:  # each prompt asked one of several ways: the problem, not a phrasing, is learnt
-        train_rows = ask_each_differently(train_rows, resolve_variants(data.train_prompt_variants),
-                                          config.run.seed, data.dataset or data.task)
-    from posttrain.data.remote import is_url, remote_judge, remote_rewards
-
-    if data.reward or inputs.reward_funcs or data.reward_url or data.reward_model is not None or data.judge is not None:
-        fns = [*inputs.reward_funcs, *(load_reward(spec) for spec in data.reward), *remote_rewards(data)]
-        weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
-                   *(data.reward_weights or [1.0] * len(data.reward)), *[1.0] * len(data.reward_url)]
-        if data.reward_model is not None:  # alongside the functions, or instead of the task's rewards
-            fns.append(RewardModel(data.reward_model, batch_size=config.optim.micro_batch_size,
-                                   normalize=data.reward_model_normalize, device=resolve_device(config.model.device)))
-            weights.append(data.reward_model_weight)
-        if data.judge is not None:
-            fns.append(remote_judge(data) if is_url(data.judge) else make_judge(config))
-            weights.append(data.judge_weight)
-    else:
-        fns, weights = list(task.reward_funcs), list(task.reward_weights)
-    environment = inputs.environment or (
-        load_reward_function(env_spec, "environment") if env_spec and not own else None)
-    environment = environment or (task.environment if task else None)
-    if environment is not None and environment_reward not in fns:  # the episode's reward counts, always
-        fns, weights = [environment_reward, *fns], [1.0, *weights]
-    budget = config.rollout.max_new_tokens or (task.max_new_tokens if task else None)
-    if budget is None:
-        raise ConfigError("max_new_tokens: set the completion token budget for a dataset run")
-    return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
-                    task.correct if task else None, budget, task.default_model if task else None,
-                    task.final_answer if task else None, task.tools if task else (),
-                    task.tool_format if task else None, task.tool_timeout if task else None, environment)
-
-
-def make_judge(config: Config) -> Judge:
-    """The run's ``--judge``, loaded on the training device and batched like the reward model."""
-    from posttrain.models.loading import load_model_and_tokenizer
-
-    data = config.data
-    model, tokenizer = load_model_and_tokenizer(data.judge, device=config.model.device)
-    return Judge(model, tokenizer, rubric=load_rubric(data.judge_rubric, "pointwise"),
-                 pairwise_rubric=load_rubric(data.judge_pairwise_rubric, "pairwise"),
-                 batch_size=config.optim.micro_batch_size)
-
-
-def eval_label(task: str) -> str:
-    """The metric name of an ``eval_tasks`` entry: a built-in task's name, or a reasoning-gym spec's
-    families joined by ``+`` (``reasoning-gym:gsm_symbolic`` -> ``gsm_symbolic``)."""
-    if not task.startswith(REASONING_GYM_PREFIX):
-        return task
-    from posttrain.data.tasks.reasoning_gym import (
-        parse_spec,  # the optional reasoning-gym package
-    )
-
-    return "+".join(c.family for c in parse_spec(task))
-
-
-def load_eval_workloads(config: Config, max_new_tokens: int) -> dict[str, Workload]:
-    """The ``eval_tasks`` by label: each task's held-out rows (up to ``eval_size``), rewards and check,
-    generated with the run's token budget; with ``eval_prompt_variants``, one per task and variant,
-    labelled ``LABEL@VARIANT``."""
-    data = config.data
-    variants = resolve_variants(data.eval_prompt_variants) if data.eval_prompt_variants else [None]
-    workloads: dict[str, Workload] = {}
-    for spec in data.eval_tasks:
-        label = eval_label(spec)
-        if label in workloads:
-            raise ConfigError(f"eval_tasks: two entries are both labelled {label!r}; give each task once")
-        try:
-            task = get_task(spec)
-        except ConfigError:
-            raise
-        except ValueError as error:  # an unknown built-in task
-            raise ConfigError(f"eval_tasks: {error}") from None
-        if not task.test:
-            raise ConfigError(f"eval_tasks: {spec!r} has no held-out problems")
-        rows = list(task.test)[: data.eval_size]
-        for variant in variants:
-            workloads[label if variant is None else f"{label}{VARIANT_SEPARATOR}{variant.name}"] = Workload(
-                [], rows if variant is None else ask(rows, variant, spec), list(task.reward_funcs),
-                list(task.reward_weights), task.correct, max_new_tokens, task.default_model, task.final_answer)
-    return workloads
-
-
-def score_texts(work: Workload, data: DataConfig, rows: list[dict], texts: list[str],
-                g: int, environment_rewards: Tensor | None = None) -> tuple[Scores, Tensor | None]:
-    """The workload's rewards of ``len(rows) * g`` completion texts (row i's at i*g .. i*g + g - 1), and
-    the task's verdicts ([N] bool; None when the workload has no correctness check). An environment's
-    episode rewards ([N]) reach the reward functions and the check as the ``environment_reward`` column."""
-    prompts = [row["prompt"] for row in rows for _ in range(g)]
-    completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
-    columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
-    if environment_rewards is not None:
-        columns[ENVIRONMENT_REWARD] = environment_rewards.tolist()
-    scores = score(work.reward_fns, work.reward_weights, prompts, completions, columns,
-                   RewardPolicy(data.reward_timeout, data.reward_errors))
-    correct = None
-    if work.correct is not None:
-        correct = torch.tensor(work.correct(prompts=prompts, completions=completions, **columns), dtype=torch.bool)
-    return scores, correct
-
-
-def rewards_as_given(config: Config, alg: OnlineAlgorithm, work: Workload) -> OnlineAlgorithm:
-    """The preset for rewards without an answer check (``--reward`` functions, a reward model): a preset's
-    own ``binary_reward`` (DAPO's +-1 for a correct answer) is dropped, so the rewards train as they are and
-    dynamic sampling drops the groups whose rewards are all equal. One the user gave is kept (``validate``
-    refuses it)."""
-    if work.correct is not None or alg.binary_reward is None or "binary_reward" in config.overrides:
-        return alg
-    distributed.say(f"{alg.name}: your rewards train as they are (binary_reward {alg.binary_reward} maps a "
-                    "task's answer check, which they have none of)")
-    return dataclasses.replace(alg, binary_reward=None)
+from posttrain.training.workload import (
+    Workload,
+    load_eval_workloads,
+    load_workload,
+    rewards_as_given,
+    score_texts,
+    within_budget,
+)
 
 
 def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
@@ -246,36 +87,10 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
                           "on your reward functions")
     if r.prompts_per_step > len(work.train_rows):
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
-    if r.rollout_server and (config.episodes.tools or config.episodes.environment or work.tools or work.environment):
-        raise ConfigError("rollout_server: multi-turn episodes (tools, environments) sample on this process; drop "
-                          "--rollout-server or the tools")
-    on_gpu = config.model.device == "cuda" or (config.model.device == "auto" and torch.cuda.is_available())
-    if r.rollout_server and r.weight_transport == "nccl" and not on_gpu:
-        raise ConfigError("weight_transport: nccl sends the weights from the trainer's GPU; train on a GPU "
-                          "(--device cuda) or use gloo")
-    if config.off_policy.routing_replay:
-        sampled_elsewhere = "rollout servers" if r.rollout_server else "vLLM" if r.backend == "vllm" else None
-        if sampled_elsewhere:
-            raise ConfigError(f"routing_replay: the experts are recorded by posttrain's own sampler (--backend hf); "
-                              f"{sampled_elsewhere} do not return them; drop --routing-replay")
-        if config.episodes.tools or config.episodes.environment or work.tools or work.environment:
-            raise ConfigError("routing_replay: multi-turn episodes (tools, environments) are not recorded; drop "
-                              "--routing-replay or the tools")
-        if config.model.gradient_checkpointing:
-            raise ConfigError("routing_replay: a recomputed layer would route by itself in the backward; drop "
-                              "--gradient-checkpointing or --routing-replay")
-    if r.rollout_server and r.backend == "vllm":
-        raise ConfigError("rollout_server: the servers sample the rollouts; drop --backend vllm (a colocated engine)")
-    if r.backend == "vllm":
-        from posttrain.rollout.vllm import check_vllm_available
-
-        try:
-            check_vllm_available()
-        except RuntimeError as error:
-            raise ConfigError(f"backend: {error}") from None
-    if config.off_policy.sampling_copy and config.model.fsdp:
-        raise ConfigError("sampler_noise, sampler_dtype: the sampling copy is a whole model in every process; "
-                          "set fsdp off")
+    # where rollouts come from: the backend, its transport, episodes, a sampling copy, asynchronous rollouts
+    rollout_factory.check(config, episodes=bool(config.episodes.tools or config.episodes.mcp_server
+                                                or config.episodes.environment or work.tools
+                                                or work.environment))
     world = distributed.world_size()
     if r.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
@@ -365,21 +180,8 @@ class OnlineSession:
                     if tools else None,
                     tool_format(first_given(e.tool_format, work.tool_format, "auto"), tokenizer) if tools else None,
                     max_turns=e.max_turns, seed=seed, environment=work.environment, on_error=on_error)
-            if r.rollout_server:
-                from pathlib import Path
-
-                from posttrain.rollout.remote import CollectiveWeights, FilesystemWeights, RemoteGenerator
-
-                if r.weight_transport == "filesystem":
-                    transport: Any = FilesystemWeights(Path(r.weight_sync_dir or Path(config.run.output) / "weights"))
-                else:
-                    host, _, port = r.weight_sync_address.partition(":")
-                    transport = CollectiveWeights(r.weight_transport, host, int(port or 0))
-                return RemoteGenerator(model, tokenizer, params, eos_ids, list(r.rollout_server), transport,
-                                       timeout_s=r.rollout_timeout)
-            return make_generator(r.backend, model, tokenizer, params, eos_ids,
-                                  model_path=policy.config.name_or_path, seed=seed,
-                                  record_routing=config.off_policy.routing_replay)
+            return rollout_factory.build(rollout_factory.Sampling(
+                model, tokenizer, params, eos_ids, config, seed, record_routing=config.off_policy.routing_replay))
 
         # sampler_noise/_dtype: a copy samples the rollouts (refresh_sampler); evaluation samples the policy
         sampling_copy = None
@@ -389,11 +191,11 @@ class OnlineSession:
                 sampling_copy.to(getattr(torch, config.off_policy.sampler_dtype))
         generator = generator_of(sampling_copy if sampling_copy is not None else policy)
         episodes = generator if isinstance(generator, EpisodeGenerator) else None
-        work, prompt_ids = _within_budget(config, work, [
+        work, prompt_ids = within_budget(config, work, [
             encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
             for number, row in enumerate(work.train_rows, start=1)])
-        separate = (sampling_copy is not None or config.off_policy.async_rollout or r.backend == "vllm"
-                    or bool(r.rollout_server))
+        separate = (sampling_copy is not None or config.off_policy.async_rollout
+                    or generator.capabilities.own_weights)
         sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator, config.model.mixed_precision,
                                   separate and not config.off_policy.sampler_noise)  # noise: different on purpose
         if sync_check is not None and r.rollout_server:  # a server may hold bf16 weights (posttrain serve --dtype)

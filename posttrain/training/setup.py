@@ -26,12 +26,20 @@ from torch import nn
 
 from posttrain.config import Config, ConfigError, absolute_path
 from posttrain.data.prompts import encode_prompt
-from posttrain.models.architecture import family, head_unsupported_reason, packing_unsupported_reason
+from posttrain.models.architecture import (
+    family,
+    head_unsupported_reason,
+    packing_unsupported_reason,
+)
+from posttrain.models.compute import (
+    checkpoint_layers,
+    use_mixed_precision,
+    use_packed_attention,
+)
 from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.logprobs import check_causal, check_training_path, paths_taken
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.models.modeling import resolve_device, unwrapped
-from posttrain.models.compute import checkpoint_layers, use_mixed_precision, use_packed_attention
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say
 from posttrain.rollout.generators import generate_texts
@@ -95,6 +103,32 @@ class Trainer(Protocol):
     def close(self) -> None:
         """Release what the session started (a rollout process); the run calls it however it ends."""
         ...
+
+
+class ResumableSession:
+    """The part of :class:`Trainer` every session shares: an exact resume needs its data sampler's position and
+    its run of skipped steps (``bad_steps``); by default it has no modules besides the policy, no tensor state,
+    and nothing running beside it to close. A session that holds more adds it on top (the preference trainer's
+    round of pairs; the online trainer's surplus groups and rollout process)."""
+
+    sampler: Any
+    bad_steps: int
+
+    def checkpoint_modules(self) -> dict[str, nn.Module]:
+        return {}
+
+    def trainer_state(self) -> dict[str, Any]:
+        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
+
+    def extra_state(self) -> dict[str, Any]:
+        return {}
+
+    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
+        self.sampler.load_state_dict(state["sampler"])
+        self.bad_steps = state["bad_steps"]
+
+    def close(self) -> None:
+        """Nothing runs beside the trainer."""
 
 
 def start_processes(config: Config, *, needs_reference: bool, name: str) -> None:

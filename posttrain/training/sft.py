@@ -52,7 +52,6 @@ Departures and decisions:
 from __future__ import annotations
 
 import dataclasses
-
 import math
 from dataclasses import dataclass, field
 from typing import Any, Callable
@@ -63,7 +62,7 @@ from torch import Tensor, nn
 import posttrain.functional as F
 from posttrain.algorithms.presets import SupervisedAlgorithm
 from posttrain.config import Config, ConfigError
-from posttrain.data.prompts import PromptSampler, hub_splits
+from posttrain.data.prompts import PromptSampler, encode_prompt, hub_splits
 from posttrain.data.rewards import load_reward_function
 from posttrain.data.sft import (
     SFTExamples,
@@ -77,7 +76,11 @@ from posttrain.data.tasks.task import Task
 from posttrain.models.architecture import family, is_supported_class, row_state_reason
 from posttrain.models.batching import token_budget_micro_batches
 from posttrain.models.modeling import split_head, unwrapped
-from posttrain.models.packing import has_packed_attention, packed_forward, sequences_layout
+from posttrain.models.packing import (
+    has_packed_attention,
+    packed_forward,
+    sequences_layout,
+)
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
@@ -86,10 +89,10 @@ from posttrain.rollout.mcp_tools import stop_mcp_servers, with_mcp_tools
 from posttrain.rollout.generators import generate_texts, make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
-from posttrain.data.prompts import encode_prompt
 from posttrain.training.session import eos_token_ids, first_given
 from posttrain.training.setup import (
     Inputs,
+    ResumableSession,
     build_optimization,
     fingerprint,
     greedy_accuracy,
@@ -101,7 +104,7 @@ from posttrain.training.setup import (
 
 
 @dataclass
-class SFTSession:
+class SFTSession(ResumableSession):
     config: Config
     preset: SupervisedAlgorithm
     policy: Any
@@ -176,20 +179,6 @@ class SFTSession:
                    teacher=teacher, tools=tools)
 
     # -- the runner's protocol -----------------------------------------------------------------
-
-    def checkpoint_modules(self) -> dict[str, nn.Module]:
-        """None: no reference, no value head."""
-        return {}
-
-    def trainer_state(self) -> dict[str, Any]:
-        return {"sampler": self.sampler.state_dict(), "bad_steps": self.bad_steps}
-
-    def extra_state(self) -> dict[str, Any]:
-        return {}
-
-    def load_trainer_state(self, state: dict[str, Any], extra: dict[str, Any]) -> None:
-        self.sampler.load_state_dict(state["sampler"])
-        self.bad_steps = state["bad_steps"]
 
     def close(self) -> None:
         stop_mcp_servers(self.tools)  # what runs beside the trainer: the --mcp-server servers, if any
