@@ -130,7 +130,7 @@ def test_the_training_pass_replays_the_experts_the_sampler_chose(family, monkeyp
     closer to the sampler's: the mean and the largest gap both shrink."""
     import copy
 
-    from posttrain.models.experts import RouterTrace, routers
+    from posttrain.models.experts import RouterTrace
     from posttrain.models.modeling import collate, forward
     from posttrain.models.compute import use_packed_attention
     from posttrain.models.tiny import char_tokenizer

@@ -4,7 +4,6 @@ from a scheduler, a second run on the same directory, a disk that fills up."""
 from __future__ import annotations
 
 import errno
-import json
 import os
 import signal
 import subprocess

@@ -10,7 +10,7 @@ import time
 import pytest
 import torch
 
-from posttrain.training.checkpoint import CheckpointError, latest_checkpoint
+from posttrain.training.checkpoint import latest_checkpoint
 from posttrain.cli import main
 from posttrain.config import Config
 from posttrain.data.prompts import DataError

@@ -106,7 +106,6 @@ def test_packed_pass_equals_the_models_own_forward_over_padded_rows(kind, lora, 
     inside each group) against the model's own forward over whole padded rows: log-probs, entropies,
     values and every gradient, to float32 rounding; with gradient checkpointing the recomputed layers
     get the layout again."""
-    from posttrain.models import modeling
     from posttrain.models.compute import checkpoint_layers, use_packed_attention
     from posttrain.models.packing import has_packed_attention
 
@@ -404,7 +403,7 @@ def test_the_variable_length_layout_equals_the_models_own_forward(kind, shared, 
     """The GPU path's segments (packing.VarlenIndex: a completion's keys are its prompt's and its own, causal
     from the bottom right) through a CPU stand-in for FlashAttention's varlen kernel, against the model's
     own forward over padded rows: log-probs, entropies, values, every gradient."""
-    from posttrain.models import modeling, packing
+    from posttrain.models import packing
     from posttrain.models.compute import use_packed_attention
 
     calls = []

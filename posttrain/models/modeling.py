@@ -26,7 +26,7 @@ from torch import Tensor, nn
 
 import posttrain.functional as F
 from posttrain.models.architecture import (cache_unsupported_reason, head_unsupported_reason,
-                                           packing_unsupported_reason, unwrapped)
+                                           unwrapped)
 from posttrain.models.experts import RouterStats, RouterTrace, RoutingReplay, experts_per_token, routers
 from posttrain.models.compute import is_checkpointed
 from posttrain.models.packing import has_packed_attention, pack

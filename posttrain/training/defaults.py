@@ -31,7 +31,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from posttrain.algorithms.presets import OnlineAlgorithm, PreferenceAlgorithm, SupervisedAlgorithm
+from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.config import Config, ConfigError
 from posttrain.models.loading import bf16_supported, resolve_model_path
 from posttrain.models.lora import default_target_modules, default_target_parameters

@@ -45,7 +45,6 @@ from posttrain.tracking.metrics import MetricsLogger, NullLogger, read_metrics
 from posttrain.tracking.plots import plot_run
 from posttrain.training.checkpoint import (
     CheckpointError,
-    checkpoint_step,
     latest_checkpoint,
     load_checkpoint,
     load_extra_state,
