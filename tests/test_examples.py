@@ -22,6 +22,7 @@ import json
 import shlex
 import shutil
 import string
+import sys
 from pathlib import Path
 
 import pytest
@@ -31,12 +32,16 @@ from posttrain.tracking.metrics import read_metrics
 from test_docs import ROOT, SHELL, code_blocks, logical_lines
 
 EXAMPLES = ROOT / "examples"
-WALKTHROUGHS = ("grpo_own_data", "dpo_own_pairs", "kto_labelled", "sft_chat")
+WALKTHROUGHS = ("grpo_own_data", "dpo_own_pairs", "kto_labelled", "sft_chat", "agent_calculator", "mcp_calculator",
+                "verifiers_sums")
 HELD_OUT_METRIC = {
     "grpo_own_data": "eval/reward",
     "dpo_own_pairs": "eval/pairwise_accuracy",
     "kto_labelled": "eval/pairwise_accuracy",
     "sft_chat": "eval/nll",
+    "agent_calculator": "eval/accuracy",
+    "mcp_calculator": "eval/reward",
+    "verifiers_sums": "eval/reward",
 }
 """The held-out figure each walkthrough's README quotes before and after training."""
 
@@ -46,10 +51,11 @@ CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|
 
 
 def walkthrough_commands(doc: Path, example: str) -> list[str]:
-    """The `posttrain` command lines of ``doc``'s shell blocks that name ``examples/EXAMPLE/``, in order."""
+    """The `posttrain` command lines of ``doc``'s shell blocks that name ``examples/EXAMPLE/`` or its run
+    directory ``--output runs/EXAMPLE`` (a verifiers environment is named by its package, not its path), in order."""
     return [line for block in code_blocks(doc) if block.lang in SHELL
             for _, line in logical_lines(block)
-            if line.lstrip().startswith("posttrain ") and f"examples/{example}/" in line]
+            if line.lstrip().startswith("posttrain ") and (f"examples/{example}/" in line or f"--output runs/{example}" in line)]
 
 
 def argv_of(command: str) -> list[str]:
@@ -95,14 +101,27 @@ def chat_model_dir(tmp_path_factory) -> Path:
     return path
 
 
+def installed(argv: list[str]) -> list[str]:
+    """What the README's install lines and a shell give the commands: an MCP server's ``python`` is this
+    interpreter (the one with ``mcp``)."""
+    if "--mcp-server" in argv:
+        command = option(argv, "--mcp-server")
+        argv = with_option(argv, "--mcp-server", shlex.join([sys.executable, *shlex.split(command)[1:]])
+                           if shlex.split(command)[0] == "python" else command)
+    return argv
+
+
 def run_walkthrough(example: str, workdir: Path, monkeypatch, adapt=lambda argv: argv) -> list[list[str]]:
     """Runs the README's commands of ``example`` (each adapted by ``adapt``) in ``workdir``, which gets a
-    copy of examples/; returns the argument lists that ran."""
+    copy of examples/; returns the argument lists that ran. A walkthrough's ``pip install -e`` of its own
+    package (verifiers_sums) is its directory on the Python path."""
     shutil.copytree(EXAMPLES, workdir / "examples")
     monkeypatch.chdir(workdir)
+    if (EXAMPLES / example / "pyproject.toml").is_file():
+        monkeypatch.syspath_prepend(str(workdir / "examples" / example))
     ran = []
     for command in walkthrough_commands(ROOT / "README.md", example):
-        argv = adapt(argv_of(command))
+        argv = installed(adapt(argv_of(command)))
         assert main(argv) == 0, f"{command}\nran as: posttrain {shlex.join(argv)}"
         ran.append(argv)
     return ran
@@ -117,7 +136,8 @@ def before_and_after(run_dir: Path, key: str) -> tuple[float, float]:
 
 @pytest.mark.parametrize("example", WALKTHROUGHS)
 def test_walkthrough_runs_on_a_small_model(example, tmp_path, monkeypatch, tiny_model_dir, chat_model_dir):
-    stand_in = chat_model_dir if example == "sft_chat" else tiny_model_dir
+    stand_in = {"sft_chat": chat_model_dir, "verifiers_sums": chat_model_dir, "agent_calculator": chat_model_dir,
+                "mcp_calculator": chat_model_dir}.get(example, tiny_model_dir)  # tool calls need letters
 
     def small(argv):
         if argv[0] != "train":
@@ -146,12 +166,16 @@ LEARNS = {
     "kto_labelled": lambda before, after: before == 0.5 and after >= 0.6,
     # SFT: held-out NLL per assistant token at most half of where it started.
     "sft_chat": lambda before, after: after <= before / 2,
+    # the calculator through an agent and through an MCP server: at least +20 points held out.
+    "agent_calculator": lambda before, after: after >= before + 0.20,
+    "mcp_calculator": lambda before, after: after >= before + 0.20,
 }
+"""What each walkthrough's README claims; verifiers_sums claims a run, not a figure (on the stand-in above)."""
 
 
 @pytest.mark.parametrize("example", [
     pytest.param(name, marks=pytest.mark.smollm2 if name == "sft_chat" else pytest.mark.slow)
-    for name in WALKTHROUGHS])
+    for name in LEARNS])
 def test_walkthrough_as_written_learns(example, tmp_path, monkeypatch):
     """Exactly the README's commands, on the model they name: the held-out figure moves as the walkthrough says."""
     ran = run_walkthrough(example, tmp_path, monkeypatch)

@@ -197,14 +197,16 @@ def _in_posttrain_names(layers: list[dict[str, Any]]) -> tuple[dict[str, Any], l
 
 def _rollout_problems(config: Config) -> list[str]:
     """The rollout combination's problems that the config alone shows (the rollout factory's check; a task's own
-    tools are known once it loads, and the session checks again then)."""
+    tools are known once it loads, and the session checks again then, with the backend's package)."""
     import torch
 
     from posttrain.rollout import factory
 
     m = config.model
     on_gpu = m.device == "cuda" or (m.device == "auto" and torch.cuda.is_available())
-    return factory.problems(config, episodes=bool(config.episodes.tools or config.episodes.environment), on_gpu=on_gpu)
+    e = config.episodes
+    return factory.problems(config, episodes=bool(e.tools or e.mcp_server or e.environment), on_gpu=on_gpu,
+                            agent=e.agent is not None, installed=False)
 
 
 def _data_problems(flat: dict[str, Any]) -> list[str]:

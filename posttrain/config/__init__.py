@@ -87,7 +87,10 @@ class Config:
                 reward_model=absolute_path(self.data.reward_model)),
             episodes=dataclasses.replace(self.episodes, tools=tuple(_absolute_spec(spec) for spec in self.episodes.tools),
                                          environment=_absolute_spec(self.episodes.environment)
-                                         if self.episodes.environment else None),
+                                         if self.episodes.environment else None,
+                                         agent=_absolute_spec(self.episodes.agent)
+                                         if self.episodes.agent and Path(self.episodes.agent.rpartition(":")[0]).is_file()
+                                         else self.episodes.agent),
             run=dataclasses.replace(self.run, output=absolute_path(self.run.output),
                                     resume=absolute_path(self.run.resume),
                                     plugin=tuple(absolute_path(path) for path in self.run.plugin)),

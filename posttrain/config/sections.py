@@ -360,6 +360,15 @@ class EpisodeConfig:
         "reward reaches the reward functions as the environment_reward column, and is added to them. Or "
         "verifiers:NAME[(KEY=VALUE,...)], an installed verifiers taskset with its settings (the verifiers "
         "extra): it replaces --task, bringing its tasks, its rewards and its multi-turn env or tools.")
+    agent: str | None = _help(
+        "Your agent, as FILE.py:FUNCTION or module:function, FUNCTION(client, row) -> float | None: each episode "
+        "runs it once with client, an openai.OpenAI (openai.AsyncOpenAI for an async def) pointed at posttrain's "
+        "chat-completions endpoint, and the dataset row; every call is answered by the policy and recorded token "
+        "for token (posttrain.rollout.agents). The number it returns is the episode's reward; None leaves the "
+        "episode to the task's rewards. With --reward (or --reward-url, --reward-model, --judge) those score every "
+        "episode, the number reaching them as the agent_reward column.")
+    agent_timeout: float = _help("Seconds an agent's episode may run (its calls included); one that runs past "
+                                 "it is dropped and counted in episode/dropped/timeout. 0: no limit.", 600.0)
     max_turns: int = _help("Policy turns per episode with tools or an environment (the last turn's call, if any, "
                            "is not run).", 4)
     tool_timeout: float | None = _help("Seconds per tool call; > 0 runs each in a forked worker killed at the limit "
@@ -379,6 +388,9 @@ class EpisodeConfig:
                  f"got {self.tool_timeout}; use 0 (in-process) or seconds")
         require(self.tool_errors in ("feedback", "error"), "tool_errors",
                  f"got {self.tool_errors!r}; use feedback or error")
+        require(self.agent is None or _is_function_spec(self.agent), "agent",
+                f"{self.agent!r} is not FILE.py:FUNCTION of an existing file or module:function")
+        require(self.agent_timeout >= 0, "agent_timeout", f"got {self.agent_timeout}; use seconds, or 0 for no limit")
         for command in self.mcp_server:
             require(_command_words(command) is not None, "mcp_server",
                     f"{command!r} is not a command line (e.g. 'python server.py --flag'): its quotes do not close"
@@ -391,6 +403,16 @@ class EpisodeConfig:
                         f"{spec!r} is not FILE.py:{kind} of an existing file"
                         + (" or verifiers:NAME" if field_name == "environment" else ""))
         require.raise_any()
+
+
+def _is_function_spec(spec: str) -> bool:
+    """``FILE.py:NAME`` of an existing file, or ``module.path:name``."""
+    location, sep, name = spec.rpartition(":")
+    if not sep or not name.isidentifier():
+        return False
+    if location.endswith(".py") or "/" in location:
+        return Path(location).is_file()
+    return all(part.isidentifier() for part in location.split("."))
 
 
 def _command_words(command: str) -> list[str] | None:

@@ -232,10 +232,12 @@ class ExternalTool(ABC):
         ``not_text``)."""
 
 
-def tool_schema(tool: Callable | ExternalTool) -> dict[str, Any]:
-    """How a chat template is told about a tool: an :class:`ExternalTool`'s own schema, a function's from its
-    type hints and docstring (transformers' ``get_json_schema``, what ``apply_chat_template`` makes of a
-    function)."""
+def tool_schema(tool: Callable | ExternalTool | dict[str, Any]) -> dict[str, Any]:
+    """How a chat template is told about a tool: a schema as it is (an agent's request sends them), an
+    :class:`ExternalTool`'s own, a function's from its type hints and docstring (transformers'
+    ``get_json_schema``, what ``apply_chat_template`` makes of a function)."""
+    if isinstance(tool, dict):
+        return tool
     if isinstance(tool, ExternalTool):
         return tool.schema
     from transformers.utils import get_json_schema

@@ -44,6 +44,11 @@ class Completions:
                     ``max_staleness`` with asynchronous rollouts.
     routing:        [N, L, S, k] int16, a mixture of experts' chosen experts for each token the training pass
                     computes, as the sampler routed it (``routing_replay``; :mod:`.routing`); None otherwise.
+    prompt_ids:     [N] each row's own prompt, where the sampler chose it (a user's agent renders its own
+                    first request: :mod:`.agents`); None: the prompts the generator was given, row ``i*G + j``
+                    reading prompt ``i``.
+    dropped:        [N] bool, an episode that could not be recorded (its agent raised, never called the model,
+                    or its calls were not one token sequence): its group leaves the update. None: none.
     """
 
     completion_ids: Tensor
@@ -54,6 +59,8 @@ class Completions:
     rewards: Tensor | None = None
     versions: Tensor | None = None
     routing: Tensor | None = None
+    prompt_ids: list[Tensor] | None = None
+    dropped: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -70,7 +77,12 @@ class Completions:
         """The completions of rows ``index`` (a [n] long tensor)."""
         return Completions(*(None if t is None else t[index] for t in (
             self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted, self.rewards,
-            self.versions, self.routing)))
+            self.versions, self.routing)), None if self.prompt_ids is None else [self.prompt_ids[int(i)] for i in index],
+            None if self.dropped is None else self.dropped[index])
+
+    def prompts(self, given: list[Tensor], num_samples: int) -> list[Tensor]:
+        """[N] each row's prompt: its own where the sampler chose one, else ``given[i]`` for rows ``i*G .. i*G+G-1``."""
+        return self.prompt_ids if self.prompt_ids is not None else [p for p in given for _ in range(num_samples)]
 
     @staticmethod
     def cat(parts: list["Completions"]) -> "Completions":
@@ -89,8 +101,16 @@ class Completions:
             width = max(p.routing.shape[2] for p in parts)
             routing = torch.cat([torch.nn.functional.pad(p.routing, (0, 0, 0, width - p.routing.shape[2]))
                                  for p in parts])
+        prompt_ids = sum((p.prompt_ids for p in parts), []) if all(p.prompt_ids is not None for p in parts) else None
+        if prompt_ids is None and any(p.prompt_ids is not None for p in parts):
+            raise ValueError("completions with their own prompts and completions without cannot be joined")
+        dropped = None
+        if any(p.dropped is not None for p in parts):
+            dropped = torch.cat([p.dropped if p.dropped is not None else torch.zeros(len(p.mask), dtype=torch.bool)
+                                 for p in parts])
         return Completions(cat_rows([p.completion_ids for p in parts]), cat_rows([p.mask for p in parts]),
-                           cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards, versions, routing)
+                           cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards, versions, routing,
+                           prompt_ids, dropped)
 
 
 def cat_rows(parts: list[Tensor | None]) -> Tensor | None:

@@ -66,6 +66,10 @@ class ToolFormat(Protocol):
         """The text inserted after a call: the tool's result (or error) as the model reads it."""
         ...
 
+    def before(self, turn: str) -> str:
+        """The turn's text before the call it ends with (what a chat API returns as the call's ``content``)."""
+        ...
+
 
 @dataclass(frozen=True)
 class JSONCalls:
@@ -97,6 +101,10 @@ class JSONCalls:
     def result(self, text: str) -> str:
         return f"{self.response_start}{text}{self.response_end}"
 
+    def before(self, turn: str) -> str:
+        """The turn's text before the call it ends with."""
+        return turn[: turn.rfind(self.call_start)] if self.call_start in turn else turn
+
 
 @dataclass(frozen=True)
 class InlineCalls:
@@ -115,6 +123,11 @@ class InlineCalls:
     def result(self, text: str) -> str:
         return f"={text};"
 
+    def before(self, turn: str) -> str:
+        """The turn's text before the call it ends with."""
+        match = self.pattern.search(turn)
+        return turn if match is None else turn[: match.start()]
+
 
 @dataclass
 class EpisodeStats:
@@ -126,25 +139,33 @@ class EpisodeStats:
     errors: dict[str, int] = field(default_factory=lambda: dict.fromkeys(TOOL_ERRORS, 0))
     inserted_tokens: int = 0
     environment_errors: int = 0
+    dropped: dict[str, int] = field(default_factory=dict)
+    """Episodes that could not be recorded, by why (an agent's: :mod:`posttrain.rollout.agents`); their groups
+    leave the update."""
 
     def counts(self) -> dict[str, int]:
         """Totals that add up over calls and processes (:meth:`metrics_of` turns them into per-episode means)."""
         return {"episodes": len(self.turns), "turns": sum(self.turns), "tool_calls": self.tool_calls,
-                "inserted_tokens": self.inserted_tokens, "environment_errors": self.environment_errors, **{f"tool_errors/{k}": v for k, v in self.errors.items()}}
+                "inserted_tokens": self.inserted_tokens, "environment_errors": self.environment_errors,
+                **{f"tool_errors/{k}": v for k, v in self.errors.items()},
+                **{f"dropped/{k}": v for k, v in self.dropped.items()}}
 
     @staticmethod
     def metrics_of(counts: dict[str, float]) -> dict[str, float]:
         """Per-episode means of summed :meth:`counts`: ``episode/turns``, ``episode/tool_calls``,
         ``episode/tool_errors`` (and by kind, where any), ``episode/inserted_tokens``, and
-        ``episode/environment_errors`` where any."""
+        ``episode/environment_errors`` and ``episode/dropped`` (and by why) where any."""
         n = max(counts["episodes"], 1)
         errors = {key.removeprefix("tool_errors/"): value for key, value in counts.items()
                   if key.startswith("tool_errors/")}
+        dropped = {key.removeprefix("dropped/"): value for key, value in counts.items() if key.startswith("dropped/")}
         return {"episode/turns": counts["turns"] / n, "episode/tool_calls": counts["tool_calls"] / n,
                 "episode/tool_errors": sum(errors.values()) / n, "episode/inserted_tokens": counts["inserted_tokens"] / n,
                 **{f"episode/tool_errors/{kind}": count / n for kind, count in errors.items() if count},
                 **({"episode/environment_errors": counts["environment_errors"] / n}
-                   if counts.get("environment_errors") else {})}
+                   if counts.get("environment_errors") else {}),
+                **({"episode/dropped": sum(dropped.values()) / n} if any(dropped.values()) else {}),
+                **{f"episode/dropped/{why}": count / n for why, count in dropped.items() if count}}
 
     def metrics(self) -> dict[str, float]:
         return self.metrics_of(self.counts())

@@ -8,7 +8,8 @@ policy's weights, the episodes around it, and the one check of their combination
 - **Weight transports** (:data:`TRANSPORTS`): ``filesystem``, ``gloo``, ``nccl``, for a backend that holds its
   own copy of the weights.
 - **Episodes**: a backend's sampler wrapped in multi-turn episodes when the run has tools or an environment
-  (:func:`posttrain.rollout.episodes.make_episode_generator`).
+  (:func:`posttrain.rollout.episodes.make_episode_generator`), or answering the calls of the user's agent
+  (:class:`posttrain.rollout.agents.AgentGenerator`, which works on every backend: it samples whole answers).
 
 What a built generator can do at run time is declared on its class
 (:class:`posttrain.rollout.completions.Capabilities`): whether it holds its own weights, syncs them, returns
@@ -18,6 +19,7 @@ sampler log-probs, samples in other processes. A new backend or transport is a b
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -59,6 +61,20 @@ class Backend:
     """Problems of its own with a config (its package missing, settings it needs)."""
 
 
+@dataclass(frozen=True)
+class Episodes:
+    """What plays the episodes around a backend's sampler: tools (and their format) or an environment, turn by
+    turn (``multi_turn`` backends), or the user's agent, whose calls the sampler answers."""
+
+    tools: Any = None  # posttrain.rollout.episodes.Tools
+    fmt: Any = None  # the tool format
+    environment: Callable[[], Any] | None = None
+    agent: Any = None  # posttrain.rollout.agents.Agent
+    max_turns: int = 1
+    on_error: str = "feedback"
+    agent_timeout: float = 0.0
+
+
 BACKENDS: dict[str, Backend] = {}
 TRANSPORTS: dict[str, Callable[[Config], Any]] = {}
 
@@ -80,10 +96,18 @@ def backend_name(config: Config) -> str:
     return "servers" if config.rollout.rollout_server else config.rollout.backend
 
 
-def problems(config: Config, *, episodes: bool, on_gpu: bool) -> list[str]:
+def problems(config: Config, *, episodes: bool, on_gpu: bool, agent: bool = False,
+             installed: bool = True) -> list[str]:
     """Every problem of the config's rollout combination, each naming a field and what to change. ``episodes``:
-    the run has tools or an environment (the config's or the task's); ``on_gpu``: it trains on a GPU."""
+    the run has tools or an environment (the config's or the task's); ``agent``: the user's agent plays them;
+    ``on_gpu``: it trains on a GPU; ``installed``: the backend's own checks too (its package installed here),
+    which a config read for another environment (``.venv-vllm``) leaves out."""
     r, o, name = config.rollout, config.off_policy, backend_name(config)
+    if agent and episodes:
+        return ["agent: the agent calls its own tools and plays its own environment; drop --tools, --mcp-server "
+                "and --environment (or the task's tools: use a task without them, or a --dataset)"]
+    if agent and o.routing_replay:
+        return ["routing_replay: an agent's episodes are not recorded with their routing; drop --routing-replay"]
     if r.rollout_server and r.backend != "hf":
         return [f"rollout_server: the servers sample the rollouts; drop --backend {r.backend} (a colocated engine)"]
     if name not in BACKENDS:
@@ -120,24 +144,46 @@ def problems(config: Config, *, episodes: bool, on_gpu: bool) -> list[str]:
         elif r.weight_transport == "nccl" and not on_gpu:
             found.append("weight_transport: nccl sends the weights from the trainer's GPU; train on a GPU "
                          "(--device cuda) or use gloo")
-    return found + backend.check(config)
+    return found + (backend.check(config) if installed else [])
 
 
 def _choices(names: list[str]) -> str:
     return names[0] if len(names) == 1 else f"{', '.join(names[:-1])} or {names[-1]}"
 
 
-def check(config: Config, *, episodes: bool) -> None:
+def check(config: Config, *, episodes: bool, agent: bool = False) -> None:
     """:func:`problems` of a run on this machine, raised together as one ConfigError (before any model loads)."""
     m = config.model
     on_gpu = m.device == "cuda" or (m.device == "auto" and torch.cuda.is_available())
-    found = problems(config, episodes=episodes, on_gpu=on_gpu)
+    found = problems(config, episodes=episodes, on_gpu=on_gpu, agent=agent)
     if found:
         raise ConfigError(*found)
 
 
-def build(sampling: Sampling) -> Generator:
-    """The config's backend's sampler, with ``sampling``."""
+def build(sampling: Sampling, episodes: Episodes | None = None) -> Generator:
+    """The config's backend's sampler, with ``sampling``; around it, ``episodes``' agent, or its tools and
+    environment turn by turn."""
+    if episodes is not None and episodes.agent is not None:
+        from posttrain.rollout.agents import AgentGenerator
+        from posttrain.rollout.tool_formats import ChatTemplateCalls
+
+        fmt, tokenizer, stops = episodes.fmt, sampling.tokenizer, list(sampling.eos_ids)
+        if isinstance(fmt, ChatTemplateCalls):  # a call ends the turn: at the family's end-of-turn tokens too
+            stops += [i for i in fmt.turn_end_ids(tokenizer) if i not in stops]
+        turn_ends = list(stops)
+        if fmt is not None and fmt.call_end is not None:  # a mid-turn call: the turn stops where it closes
+            stops.append(tokenizer.encode(fmt.call_end, add_special_tokens=False)[-1])
+        sampler = BACKENDS[backend_name(sampling.config)].build(dataclasses.replace(sampling, eos_ids=stops))
+        pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else sampling.eos_ids[0]
+        return AgentGenerator(episodes.agent, sampler, tokenizer, fmt, sampling.params, eos_ids=turn_ends,
+                              pad_id=pad_id, timeout=episodes.agent_timeout)
+    if episodes is not None and (episodes.tools is not None or episodes.environment is not None):
+        from posttrain.rollout.episodes import make_episode_generator
+
+        return make_episode_generator(sampling.config.rollout.backend, sampling.model, sampling.tokenizer,
+                                      sampling.params, sampling.eos_ids, episodes.tools, episodes.fmt,
+                                      max_turns=episodes.max_turns, seed=sampling.seed,
+                                      environment=episodes.environment, on_error=episodes.on_error)
     return BACKENDS[backend_name(sampling.config)].build(sampling)
 
 

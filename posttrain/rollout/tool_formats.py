@@ -227,6 +227,21 @@ class ChatTemplateCalls:
         ValueError (its message says what is wrong) for a call that is malformed."""
         return PARSERS[self.family](turn)
 
+    def content(self, turn: str) -> str:
+        """What a finished turn says besides its calls and its reasoning, as a chat API returns it in
+        ``content``: the text before the first call, after a ``</think>`` (none for Llama 3's call, which is
+        the whole turn); gpt-oss's answer on its ``final`` channel, none with a call (its analysis channel is
+        reasoning)."""
+        if self.family == "harmony":
+            if harmony_calls(turn) or "<|channel|>final<|message|>" not in turn:
+                return ""
+            return turn.rsplit("<|channel|>final<|message|>", 1)[1].split("<|end|>", 1)[0]
+        text = turn.rsplit("</think>", 1)[-1]
+        if self.family == "llama3":
+            return "" if llama3_calls(text) else text.strip()
+        marker = "[TOOL_CALLS]" if self.family == "mistral" else "<tool_call>"
+        return text.split(marker, 1)[0].strip()
+
     def render_results(self, tokenizer: Any, eos_text: str, calls: Sequence[ToolCall], results: Sequence[str]) -> str:
         """The text the chat template puts after an assistant turn making ``calls`` (which ended with
         ``eos_text``): the ``tool`` messages of ``results`` and the next assistant turn's start."""

@@ -43,7 +43,7 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
           tokenizer: Any = None, algorithm: str | None = None, train_dataset: Any = None, eval_dataset: Any = None,
           reward_funcs: Callable | str | Iterable[Callable | str] | None = None,
           tools: Callable | str | Iterable[Callable | str] | None = None, environment: type | str | None = None,
-          callbacks: Iterable[Callback] = (), **fields: Any) -> dict[str, Any]:
+          agent: Callable | str | None = None, callbacks: Iterable[Callback] = (), **fields: Any) -> dict[str, Any]:
     """Train a model; returns ``{"run_dir": Path, "before": {...}, "after": {...}}`` (held-out metrics).
 
     Args:
@@ -64,6 +64,9 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
         environment: an environment class (``reset(row)``, ``step(turn) -> Step``:
             :mod:`posttrain.data.environments`) or a ``FILE.py:CLASS`` spec: each completion is an episode
             the environment answers turn by turn, up to ``max_turns``; its reward is added to the rewards.
+        agent: your agent, ``agent(client, row) -> float | None`` (``async def`` too), or a ``FILE.py:FUNCTION``
+            or ``module:function`` spec: each episode runs it with an OpenAI client pointed at the policy, every
+            call recorded token for token (:mod:`posttrain.rollout.agents`); its number is the reward.
         callbacks: :class:`posttrain.Callback` objects: each sees every step's metrics
             (``on_step(step, metrics)``; returning True stops the run after that step, which then ends as at
             ``max_steps``), every evaluation's (``on_evaluate``) and the result (``on_train_end``).
@@ -74,7 +77,7 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
     if isinstance(config, Config):
         if not (fields or model is not None or tokenizer is not None or algorithm is not None
                 or train_dataset is not None or eval_dataset is not None or reward_funcs is not None
-                or tools is not None or environment is not None):
+                or tools is not None or environment is not None or agent is not None):
             return run(config, callbacks=callbacks)
         flat = config.to_flat()
     elif isinstance(config, (str, Path)):
@@ -98,6 +101,14 @@ def train(config: Config | Mapping[str, Any] | str | Path | None = None, *, mode
                 flat[key] = dataset_path(dataset, output / "inputs" / f"{name}.jsonl", f"{name}_dataset")
     inputs = _record_rewards(flat, inputs, _as_list(reward_funcs))
     inputs = _record_episodes(flat, inputs, _as_list(tools), environment)
+    if agent is not None:
+        spec = recordable(agent, "agent")
+        if spec is not None:
+            flat["agent"] = spec
+        else:
+            from posttrain.rollout.agents import Agent
+
+            inputs = dataclasses.replace(inputs, agent=Agent(agent))
     return run(Config.from_flat(flat), inputs, callbacks)
 
 

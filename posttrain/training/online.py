@@ -78,7 +78,7 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
     sampled = s.rollouts.first_round(s) if first else s.rollouts.extra_round(s)
     indices, completions = sampled.indices, sampled.completions
     rows = [s.train_rows[i] for i in indices]
-    prompt_ids = [s.encoded_prompts[i] for i in indices]
+    prompt_ids = completions.prompts([s.encoded_prompts[i] for i in indices], g)
     texts = decode(s, completions)
     t1 = time.perf_counter()
     scores, correct = score_rows(s, rows, completions, texts, g)
@@ -96,7 +96,7 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
         solved = [i for i, ok in zip(indices, correct.view(-1, g).all(-1).tolist()) if ok]
         s.sampler.record_solved(distributed.concat(solved))
     groups = Groups(
-        list(indices), [p for p in prompt_ids for _ in range(g)], completions, texts,
+        list(indices), prompt_ids, completions, texts,
         rewards.view(-1, g), scores.terms, correct,
     )
     if scores.steps is not None:  # a process reward: its steps' rewards on the tokens where they end
@@ -111,8 +111,9 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
         if hasattr(fn, "step_metrics"):
             failures.update(fn.step_metrics())
     failures.update({f"{EPISODE_COUNT}{key}": value for key, value in sampled.episode_counts.items()})
-    if scores.failed.any():  # reward_errors=skip: a group with a failed sample leaves the update
-        groups = groups.select(~scores.failed.view(-1, g).any(-1))
+    failed = scores.failed if completions.dropped is None else scores.failed | completions.dropped
+    if failed.any():  # reward_errors=skip, or an agent's episode not recorded: a group with one leaves the update
+        groups = groups.select(~failed.view(-1, g).any(-1))
     return groups, times, failures
 
 

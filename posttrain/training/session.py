@@ -30,11 +30,11 @@ from posttrain.models.logprobs import probe_logprobs
 from posttrain.models.modeling import ValueHead
 from posttrain.parallel import distributed
 from posttrain.rollout import factory as rollout_factory
+from posttrain.rollout.agents import AgentGenerator
 from posttrain.rollout.completions import Completions, SamplingParams
 from posttrain.rollout.episodes import (
     EpisodeGenerator,
     Tools,
-    make_episode_generator,
     tool_format,
 )
 from posttrain.rollout.generators import generate_texts
@@ -90,7 +90,7 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
     # where rollouts come from: the backend, its transport, episodes, a sampling copy, asynchronous rollouts
     rollout_factory.check(config, episodes=bool(config.episodes.tools or config.episodes.mcp_server
                                                 or config.episodes.environment or work.tools
-                                                or work.environment))
+                                                or work.environment), agent=work.agent is not None)
     world = distributed.world_size()
     if r.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
@@ -119,7 +119,7 @@ class OnlineSession:
     bad_steps: int = 0
     fingerprint: dict[str, Any] = field(default_factory=dict)
     eval_workloads: dict[str, Workload] = field(default_factory=dict)  # config.data.eval_tasks, by label
-    episodes: EpisodeGenerator | None = None  # with tools or an environment: the generator, whose stats the step logs
+    episodes: EpisodeGenerator | AgentGenerator | None = None  # multi-turn: the generator, whose stats the step logs
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
     sampling_copy: Any | None = None  # sampler_noise/_dtype: the copy of the policy that samples the rollouts
     sync_check: SyncCheck | None = None  # a sampler with weights of its own samples the trained ones (guards)
@@ -172,16 +172,17 @@ class OnlineSession:
                                         *work.tools))  # starts the --mcp-server servers
         on_error = "raise" if e.tool_errors == "error" else "feedback"
 
+        episodes_spec = rollout_factory.Episodes(
+            Tools(tools, timeout=first_given(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
+            if tools else None,
+            tool_format(first_given(e.tool_format, work.tool_format, "auto"), tokenizer)
+            if tools or work.agent else None,
+            work.environment, work.agent, e.max_turns, on_error, e.agent_timeout)
+
         def generator_of(model: Any) -> Any:
-            if tools or work.environment:
-                return make_episode_generator(
-                    r.backend, model, tokenizer, params, eos_ids,
-                    Tools(tools, timeout=first_given(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
-                    if tools else None,
-                    tool_format(first_given(e.tool_format, work.tool_format, "auto"), tokenizer) if tools else None,
-                    max_turns=e.max_turns, seed=seed, environment=work.environment, on_error=on_error)
             return rollout_factory.build(rollout_factory.Sampling(
-                model, tokenizer, params, eos_ids, config, seed, record_routing=config.off_policy.routing_replay))
+                model, tokenizer, params, eos_ids, config, seed, record_routing=config.off_policy.routing_replay),
+                episodes_spec)
 
         # sampler_noise/_dtype: a copy samples the rollouts (refresh_sampler); evaluation samples the policy
         sampling_copy = None
@@ -190,7 +191,7 @@ class OnlineSession:
             if config.off_policy.sampler_dtype:
                 sampling_copy.to(getattr(torch, config.off_policy.sampler_dtype))
         generator = generator_of(sampling_copy if sampling_copy is not None else policy)
-        episodes = generator if isinstance(generator, EpisodeGenerator) else None
+        episodes = generator if isinstance(generator, (EpisodeGenerator, AgentGenerator)) else None
         work, prompt_ids = within_budget(config, work, [
             encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
             for number, row in enumerate(work.train_rows, start=1)])
@@ -308,9 +309,11 @@ class OnlineSession:
         self.rollouts.load(extra.get("rollouts"))
 
     def close(self) -> None:
-        """Stop the rollout process and the MCP servers, if any."""
+        """Stop the rollout process, the MCP servers and the agent endpoint, if any."""
         self.rollouts.close()
         stop_mcp_servers(self.tools)
+        if isinstance(self.generator, AgentGenerator):
+            self.generator.close()
 
     def sample_rows(self, limit: int = 16) -> list[dict[str, Any]]:
         """The last step's first completions with their rewards, for samples.jsonl."""

@@ -66,6 +66,8 @@ class Inputs:
     """Tools the policy may call, before the config's ``tools`` files."""
     environment: Callable[[], Any] | None = None
     """An environment class (:mod:`posttrain.data.environments`), instead of the config's ``environment``."""
+    agent: Any = None
+    """The user's agent (:class:`posttrain.rollout.agents.Agent`), instead of the config's ``agent``."""
 
 
 class Trainer(Protocol):

@@ -9,6 +9,7 @@ loads. :func:`score_texts` scores a batch of completion texts with a workload's 
 from __future__ import annotations
 
 import dataclasses
+import math
 from dataclasses import dataclass
 from typing import Any, Callable
 
@@ -53,6 +54,39 @@ class Workload:
     tool_format: str | None = None  # how the task's calls are written
     tool_timeout: float | None = None  # the task's limit per call
     environment: Callable[[], Any] | None = None  # the class whose instances play the episodes
+    agent: Any = None  # the user's agent (posttrain.rollout.agents.Agent), whose calls the sampler answers
+
+    @property
+    def episode_reward(self) -> str:
+        """The column that holds an episode's own reward (``Completions.rewards``)."""
+        return AGENT_REWARD if self.agent is not None else ENVIRONMENT_REWARD
+
+
+AGENT_REWARD = "agent_reward"
+"""The column of the number an agent returned (None where it returned None)."""
+
+
+@dataclass
+class AgentReward:
+    """An agent's episode reward: the number the agent returned, else (it returned None) the weighted sum of
+    the task's reward functions on the episode; with none, an error that says what to do."""
+
+    fns: list[Callable]
+    weights: list[float]
+    __name__ = "agent"
+
+    def __call__(self, prompts: list, completions: list, agent_reward: list, **columns: Any) -> list[float]:
+        out = list(agent_reward)
+        missing = [i for i, value in enumerate(out) if value is None]
+        if missing and not self.fns:
+            raise ValueError("the agent returned None and the run has no reward function to score its episode: "
+                             "return the episode's reward, or give --reward")
+        if missing:
+            scores = score(self.fns, self.weights, [prompts[i] for i in missing], [completions[i] for i in missing],
+                           {k: [v[i] for i in missing] for k, v in columns.items()}, RewardPolicy())
+            for i, total in zip(missing, scores.total.tolist()):
+                out[i] = total
+        return out
 
 
 def within_budget(config: Config, work: Workload, prompt_ids: list[Tensor]) -> tuple[Workload, list[Tensor]]:
@@ -81,10 +115,6 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         test_rows = read_rows(data.eval_dataset, data.dataset_config, data.eval_dataset_split) if data.eval_dataset else []
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
-        if not (data.reward or inputs.reward_funcs or data.reward_url or data.reward_model or data.judge):
-            raise ConfigError("reward: a --dataset needs at least one --reward NAME or FILE.py:FUNCTION (from "
-                              "Python: reward_funcs=[...]), a --reward-url URL, a --reward-model DIR or a --judge "
-                              "MODEL")
         task = None
     else:
         task = get_task(own or data.task)  # a fixed split: the built-in models were warm-started on its train part
@@ -94,7 +124,20 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     if data.train_prompt_variants:  # each prompt asked one of several ways: the problem, not a phrasing, is learnt
         train_rows = ask_each_differently(train_rows, resolve_variants(data.train_prompt_variants),
                                           config.run.seed, data.dataset or data.task)
-    if data.reward or inputs.reward_funcs or data.reward_url or data.reward_model is not None or data.judge is not None:
+    agent = inputs.agent
+    if agent is None and config.episodes.agent:
+        from posttrain.rollout.agents import load_agent
+
+        try:
+            agent = load_agent(config.episodes.agent)
+        except (ValueError, OSError, AttributeError, TypeError) as error:
+            raise ConfigError(str(error) if str(error).startswith("agent") else f"agent: {error}") from None
+    given = data.reward or inputs.reward_funcs or data.reward_url or data.reward_model is not None or data.judge
+    if data.dataset is not None and not given and agent is None:
+        raise ConfigError("reward: a --dataset needs at least one --reward NAME or FILE.py:FUNCTION (from "
+                          "Python: reward_funcs=[...]), a --reward-url URL, a --reward-model DIR, a --judge MODEL "
+                          "or an --agent that returns rewards")
+    if given:
         fns = [*inputs.reward_funcs, *(load_reward(spec) for spec in data.reward), *remote_rewards(data)]
         weights = [*(inputs.reward_weights or [1.0] * len(inputs.reward_funcs)),
                    *(data.reward_weights or [1.0] * len(data.reward)), *[1.0] * len(data.reward_url)]
@@ -105,11 +148,17 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         if data.judge is not None:
             fns.append(remote_judge(data) if is_url(data.judge) else make_judge(config))
             weights.append(data.judge_weight)
-    else:
+    elif task is not None:
         fns, weights = list(task.reward_funcs), list(task.reward_weights)
+    else:
+        fns, weights = [], []
+    if agent is not None and not given:  # the agent's number, or the task's rewards where it returns None
+        fns, weights = [AgentReward(fns, weights)], [1.0]
     environment = inputs.environment or (
         load_reward_function(env_spec, "environment") if env_spec and not own else None)
     environment = environment or (task.environment if task else None)
+    if agent is not None:  # the agent brings its own tools, environment and loop
+        environment = None
     if environment is not None and environment_reward not in fns:  # the episode's reward counts, always
         fns, weights = [environment_reward, *fns], [1.0, *weights]
     budget = config.rollout.max_new_tokens or (task.max_new_tokens if task else None)
@@ -117,8 +166,8 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
         raise ConfigError("max_new_tokens: set the completion token budget for a dataset run")
     return Workload(train_rows, test_rows[: data.eval_size], fns, weights,
                     task.correct if task else None, budget, task.default_model if task else None,
-                    task.final_answer if task else None, task.tools if task else (),
-                    task.tool_format if task else None, task.tool_timeout if task else None, environment)
+                    task.final_answer if task else None, task.tools if task and agent is None else (),
+                    task.tool_format if task else None, task.tool_timeout if task else None, environment, agent)
 
 
 def make_judge(config: Config) -> Judge:
@@ -175,12 +224,13 @@ def score_texts(work: Workload, data: DataConfig, rows: list[dict], texts: list[
                 g: int, environment_rewards: Tensor | None = None) -> tuple[Scores, Tensor | None]:
     """The workload's rewards of ``len(rows) * g`` completion texts (row i's at i*g .. i*g + g - 1), and
     the task's verdicts ([N] bool; None when the workload has no correctness check). An environment's
-    episode rewards ([N]) reach the reward functions and the check as the ``environment_reward`` column."""
+    episode rewards ([N]) reach the reward functions and the check as the ``environment_reward`` column, an
+    agent's as ``agent_reward`` (None where it returned None)."""
     prompts = [row["prompt"] for row in rows for _ in range(g)]
     completions = [as_completion(p, t) for p, t in zip(prompts, texts)]
     columns = {k: [row.get(k) for row in rows for _ in range(g)] for k in rows[0] if k != "prompt"}
     if environment_rewards is not None:
-        columns[ENVIRONMENT_REWARD] = environment_rewards.tolist()
+        columns[work.episode_reward] = [None if math.isnan(v) else v for v in environment_rewards.tolist()]
     scores = score(work.reward_fns, work.reward_weights, prompts, completions, columns,
                    RewardPolicy(data.reward_timeout, data.reward_errors))
     correct = None
