@@ -347,3 +347,23 @@ def posttrain_train(**kwargs):
     import posttrain
 
     return posttrain.train(**kwargs)
+
+
+def test_offline_trainers_refuse_an_agent_mcp_servers_and_reward_services(tmp_path, printable_model_dir):
+    """Settings only online runs use are errors in the other trainers, never silently ignored."""
+    import posttrain
+    from posttrain.config import ConfigError
+
+    pairs = [{"prompt": "1+1=", "chosen": "2", "rejected": "3"}] * 4
+    for algorithm, settings, field in [("dpo", {"agent": sum_agent}, "agent"),
+                                       ("dpo", {"mcp_server": ["python server.py"]}, "mcp_server"),
+                                       ("sft", {"agent": sum_agent}, "agent"),
+                                       ("sft", {"reward_url": ["http://127.0.0.1:9/score"]}, "reward"),
+                                       ("reward_model", {"reward_url": ["http://127.0.0.1:9/score"]}, "reward"),
+                                       ("reward_model", {"mcp_server": ["python server.py"]}, "tools")]:
+        data = ([{"messages": [{"role": "user", "content": "1+1="}, {"role": "assistant", "content": "2"}]}] * 4
+                if algorithm == "sft" else pairs)
+        with pytest.raises(ConfigError, match=f"^{field}: "):
+            posttrain.train(algorithm=algorithm, model=str(printable_model_dir), train_dataset=data, max_steps=1,
+                            output=str(tmp_path / f"{algorithm}-{field}"), report_to="none", progress=False,
+                            **settings)

@@ -150,9 +150,12 @@ class PreferenceSession(ResumableSession):
             raise ConfigError("eval_tasks: only the online trainer scores other tasks during a run; for a preference "
                               "run, score its final_model/ with posttrain eval --task ...")
         data = config.data
-        if inputs.tools or config.episodes.tools:
-            raise ConfigError("tools: multi-turn episodes are sampled by online presets (grpo, rloo, ...); a "
-                              "preference preset trains on given pairs")
+        if inputs.tools or config.episodes.tools or config.episodes.mcp_server:
+            raise ConfigError(f"{'mcp_server' if config.episodes.mcp_server else 'tools'}: multi-turn episodes are "
+                              "sampled by online presets (grpo, rloo, ...); a preference preset trains on given pairs")
+        if inputs.agent is not None or config.episodes.agent:
+            raise ConfigError("agent: an agent's episodes are online rollouts (grpo, rloo, ...); a preference preset "
+                              "trains on given pairs")
         if inputs.reward_funcs:
             raise ConfigError("reward_funcs: preference presets learn from chosen/rejected pairs, not rewards; "
                               "an online preset (grpo, rloo, ...) takes reward functions")
@@ -169,6 +172,9 @@ class PreferenceSession(ResumableSession):
         if data.judge is not None and not from_policy:
             raise ConfigError("judge: a preference run uses the judge to label pairs of the policy's own samples "
                               "(pairs_from policy, on a built-in task); the given pairs are labelled already")
+        if data.judge is not None and data.judge.startswith(("http://", "https://")):
+            raise ConfigError("judge: a judge service scores completions one at a time (online runs); a preference "
+                              "run's judge compares two: give a judge model directory")
         validate(config, preset, None if from_policy else len(train_rows), task)
         start_processes(config, needs_reference=preset.needs_reference, name=preset.name)
         name = model_name(config, task.source.default_model if task else None, inputs)

@@ -242,11 +242,13 @@ def validate(config: Config, preset: Any, inputs: Inputs) -> None:
         raise ConfigError("pairs_from: pairs of the starting model's samples are drawn in one process; run it "
                           "without torchrun/accelerate, or give the pairs (--dataset) or the task's fixed ones "
                           "(pairs_from dataset)")
-    if inputs.reward_funcs or config.data.reward or config.data.reward_model:
-        raise ConfigError("reward: a reward model learns from chosen/rejected pairs, not from rewards; drop --reward "
-                          "and --reward-model (an online preset takes the trained final_model/ as --reward-model)")
-    if inputs.tools or config.episodes.tools:
-        raise ConfigError("tools: a reward model scores given pairs; tools belong to online presets' episodes")
+    if inputs.reward_funcs or config.data.reward or config.data.reward_model or config.data.reward_url:
+        raise ConfigError("reward: a reward model learns from chosen/rejected pairs, not from rewards; drop --reward, "
+                          "--reward-url and --reward-model (an online preset takes the trained final_model/ as "
+                          "--reward-model)")
+    if inputs.tools or config.episodes.tools or config.episodes.mcp_server or inputs.agent or config.episodes.agent:
+        raise ConfigError("tools: a reward model scores given pairs; tools, MCP servers and agents belong to online "
+                          "presets' episodes")
     if config.data.eval_tasks:
         raise ConfigError("eval_tasks: a reward model is evaluated on held-out pairs (--eval-dataset or the task's "
                           "held-out split); drop eval_tasks")

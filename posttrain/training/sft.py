@@ -199,7 +199,10 @@ def reject_unused(config: Config, preset: Any, inputs: Inputs) -> None:
     if config.episodes.environment:
         raise ConfigError("environment: SFT trains on given demonstrations; environments are played by online "
                           "presets (grpo, rloo, ...)")
-    if inputs.reward_funcs or config.data.reward:
+    if inputs.agent is not None or config.episodes.agent:
+        raise ConfigError("agent: SFT trains on given demonstrations; an agent's episodes are online rollouts "
+                          "(grpo, rloo, ...)")
+    if inputs.reward_funcs or config.data.reward or config.data.reward_url:
         raise ConfigError("reward: SFT learns from demonstrations, not rewards; an online preset (grpo, rloo, ...) "
                           "takes reward functions")
     if config.data.eval_tasks:
