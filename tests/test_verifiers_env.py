@@ -1,4 +1,4 @@
-"""verifiers tasksets as posttrain tasks (posttrain/data/tasks/verifiers.py), with tasksets written here.
+"""verifiers tasksets as posttrain tasks (posttrain/data/tasks/verifiers.py, verifiers_play.py), with tasksets written here.
 
 Three taskset modules are put on the path as verifiers finds installed ones: a single-turn one
 (``vf_echo``: two weighted rewards), a multi-turn one (``vf_guess``: an ``Env`` whose ``run`` answers
