@@ -93,6 +93,10 @@ class ModelConfig:
     lora_r: int = _help("LoRA rank (0 = train all weights). With LoRA the reference is the base model.", 0)
     lora_alpha: float = _help("LoRA scaling numerator (scale = lora_alpha / lora_r).", 16.0)
     lora_dropout: float = _help("Dropout on the LoRA branch.", 0.0)
+    train_vision: str = _help("A vision-language model's vision parts: none (the tower and the projector frozen; "
+                              "the language model trains), projector (the projector trains too) or tower (both "
+                              "do). Under LoRA the adapters stay on the language model and these train whole.",
+                              "none")
     lora_target_modules: tuple[str, ...] = _help(
         "Module names that get adapters (repeatable). Default: every linear layer but the LM head and a router "
         "(attention, MLP, linear-attention and convolution projections) and a mixture of experts' experts "
@@ -134,6 +138,8 @@ class ModelConfig:
         require(self.lora_r >= 0, "lora_r", f"got {self.lora_r}; use 0 (off) or a positive rank")
         require(self.lora_alpha > 0, "lora_alpha", f"got {self.lora_alpha}; use a value > 0")
         require(0 <= self.lora_dropout < 1, "lora_dropout", f"got {self.lora_dropout}; use a value in [0, 1)")
+        require(self.train_vision in ("none", "projector", "tower"), "train_vision",
+                f"got {self.train_vision!r}; use none, projector or tower")
         require(not (self.offload_reference and self.lora_r), "offload_reference",
                  "with LoRA the reference is the policy with its adapters off, not a copy: there is nothing to "
                  "offload; drop --offload-reference or set lora_r 0")

@@ -18,10 +18,16 @@ String prompts are tokenized with the tokenizer's special tokens (BOS), as
 generation sees them; completions without, then EOS is appended unless they
 already end with it.
 
+Images (a vision-language model's rows): an ``images`` column as in online data
+(``posttrain.data.images``), the prompt chat messages with one ``{"type": "image"}``
+part per image, rendered and tokenized by the model's processor; the image inputs
+go with every completion of the example.
+
 Truncation rule (``max_prompt_length`` < ``max_length``, in tokens): a prompt
 longer than ``max_prompt_length`` keeps its END (its last tokens, nearest the
 answer); then each completion keeps its START, up to ``max_length`` minus the
-prompt's length. An example with anything cut is counted as truncated.
+prompt's length. An example with anything cut is counted as truncated. A prompt
+with images is never cut (its image tokens stand for its images).
 
 Every problem with a row is a ``DataError`` naming the source, the 1-based row
 number and the field.
@@ -37,6 +43,14 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.data.images import (
+    IMAGE_COLUMNS,
+    dataset_directory,
+    encode_row_prompt,
+    has_images,
+    processor_of,
+    resolve_image_paths,
+)
 from posttrain.data.prompts import (
     DataError,
     HubSplits,
@@ -158,7 +172,8 @@ def pairs_from_samples(rows: list[dict[str, Any]], texts: list[str], correct: li
 
 def unpair(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
     """Pairs -> KTO rows: ``(prompt, chosen, true)`` then ``(prompt, rejected, false)`` for each pair."""
-    return [{"prompt": row["prompt"], "completion": row[name], "label": name == "chosen"}
+    return [{"prompt": row["prompt"], "completion": row[name], "label": name == "chosen",
+             **{column: row[column] for column in IMAGE_COLUMNS if column in row}}
             for row in rows for name in PAIR_COLUMNS]
 
 
@@ -171,6 +186,9 @@ def load_rows(dataset: str | None, eval_dataset: str | None, task: str | None, *
     if dataset is not None:
         train, source = read_rows(dataset, hub.config, hub.split), dataset
         test = read_rows(eval_dataset, hub.config, hub.eval_split) if eval_dataset else []
+        resolve_image_paths(train, dataset_directory(dataset), dataset)
+        if test:
+            resolve_image_paths(test, dataset_directory(eval_dataset), eval_dataset)
         built_in = None
     else:
         built_in = preference_task(task)
@@ -196,6 +214,7 @@ class PreferenceExamples:
     scores: Tensor | None  # [2, N] (score_chosen, score_rejected), ODPO
     desirable: Tensor | None  # [N] bool, unpaired data
     truncated: Tensor  # [N] bool: prompt or a completion was cut
+    images: list[dict[str, Tensor] | None] | None = None  # [N] a prompt's image inputs (None: it has none)
 
     def __len__(self) -> int:
         return len(self.prompt_ids)
@@ -221,12 +240,16 @@ def prompt_token_ids(tokenizer: Any, prompts: list[Any], source: str = "preferen
 
 
 def completion_text(tokenizer: Any, prompt: Any, completion: Any, where: str) -> str:
-    """A completion as text; chat messages are what the template adds after the prompt (TRL)."""
+    """A completion as text; chat messages are what the template adds after the prompt (TRL), rendered by a
+    vision-language model's processor where the model has one (its template renders image parts)."""
     if not is_chat(prompt):
         return completion
-    require_chat_template(tokenizer, where)
-    prompt_text = tokenizer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
-    full = tokenizer.apply_chat_template(prompt + completion, tokenize=False)
+    renderer = processor_of(tokenizer)
+    if renderer is None or not getattr(renderer, "chat_template", None):
+        require_chat_template(tokenizer, where)
+        renderer = tokenizer
+    prompt_text = renderer.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
+    full = renderer.apply_chat_template(prompt + completion, tokenize=False)
     if not full.startswith(prompt_text):
         raise DataError(f"{where}: the chat template renders the prompt differently when a completion "
                         "follows, so the completion cannot be cut off it; give strings instead")
@@ -244,7 +267,11 @@ def encode(rows: list[dict[str, Any]], tokenizer: Any, *, paired: bool, with_sco
            max_prompt_length: int, source: str = "data") -> PreferenceExamples:
     """Tokenize and truncate checked rows (see the module docstring for the rules)."""
     columns = PAIR_COLUMNS if paired else UNPAIRED_COLUMNS
-    prompts = prompt_token_ids(tokenizer, [row["prompt"] for row in rows], source)
+    prompts, images = prompt_token_ids(tokenizer, [row["prompt"] for row in rows], source), None
+    if any(has_images(row) for row in rows):
+        encoded = [encode_row_prompt(tokenizer, row, f"{source}: row {number}")
+                   for number, row in enumerate(rows, start=1)]
+        prompts, images = [ids.tolist() for ids, _ in encoded], [inputs for _, inputs in encoded]
     texts = [[completion_text(tokenizer, row["prompt"], row[name], f"{source}: row {number}")
               for number, row in enumerate(rows, start=1)] for name in columns]
     completions = [completion_token_ids(tokenizer, column) for column in texts]  # [K][N]
@@ -252,8 +279,11 @@ def encode(rows: list[dict[str, Any]], tokenizer: Any, *, paired: bool, with_sco
     completion_ids: list[list[Tensor]] = [[] for _ in columns]
     truncated = []
     for i, prompt in enumerate(prompts):
+        if images is not None and images[i] is not None:  # cutting its image tokens would orphan its images
+            _fits_whole(len(prompt), max_length, f"{source}: row {i + 1}")
         prompt, ids, cut = truncate(prompt, [column[i] for column in completions], max_length=max_length,
-                                    max_prompt_length=max_prompt_length)
+                                    max_prompt_length=max_prompt_length if images is None or images[i] is None
+                                    else len(prompt))
         prompt_ids.append(torch.tensor(prompt, dtype=torch.long))
         for k, completion in enumerate(ids):
             completion_ids[k].append(torch.tensor(completion, dtype=torch.long))
@@ -261,4 +291,12 @@ def encode(rows: list[dict[str, Any]], tokenizer: Any, *, paired: bool, with_sco
     scores = torch.tensor([[float(row[name]) for row in rows] for name in SCORE_COLUMNS]) if with_scores else None
     desirable = None if paired else torch.tensor([bool(row["label"]) for row in rows])
     return PreferenceExamples(rows, prompt_ids, completion_ids, scores, desirable,
-                              torch.tensor(truncated, dtype=torch.bool))
+                              torch.tensor(truncated, dtype=torch.bool), images)
+
+
+def _fits_whole(prompt_length: int, max_length: int, where: str) -> None:
+    """A prompt with images is kept whole (its image tokens stand for its images); it must leave room for a
+    completion token."""
+    if prompt_length >= max_length:
+        raise DataError(f"{where}: the prompt with its image tokens is {prompt_length} tokens, and max_length is "
+                        f"{max_length}; a prompt with images is never cut, so raise --max-length or use smaller images")

@@ -92,11 +92,17 @@ def non_lora_adapters(model: nn.Module) -> bool:
     return any(c.peft_type != "LORA" for c in getattr(model, "peft_config", {}).values())  # PeftType: a str enum
 
 
+VISION_PASSES = ("a vision-language model's passes are its own forward over padded rows, each row with its images "
+                 "(a group's shared prompt and image run once per row)")
+
+
 def head_unsupported_reason(model: nn.Module) -> str | None:
     """Why the folded head cannot stand for ``model``'s logits (None: it can)."""
     if non_lora_adapters(model):
         return "it carries adapters other than LoRA, which act in the wrapper's forward"
     base = unwrapped(model)
+    if getattr(base.config, "vision_config", None) is not None:
+        return VISION_PASSES
     model_type = getattr(base.config, "model_type", None)
     if not type(base).__module__.startswith("transformers.models.") or not type(base).__name__.endswith("ForCausalLM"):
         return f"{type(base).__name__} is not one of transformers' causal LM classes"
@@ -132,6 +138,8 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     if non_lora_adapters(model):
         return "it carries adapters other than LoRA, which act in the wrapper's forward"
     base = unwrapped(model)
+    if getattr(base.config, "vision_config", None) is not None:
+        return VISION_PASSES
     declined = getattr(base, "posttrain_packing_declined", None)  # a packed pass measured against its own forward
     if declined:
         return declined

@@ -176,6 +176,14 @@ def launched_mixed_precision(configured: str) -> str:
 ENCODER_DECODER_HINT = "posttrain trains decoder-only causal LMs (Llama, Qwen, Mistral, Gemma, ... families)"
 
 
+def is_image_text(path: Path) -> bool:
+    """Whether the model at ``path`` is an image-text-to-text model (a vision-language model) transformers builds."""
+    from transformers.models.auto.modeling_auto import MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+
+    raw = json.loads((path / "config.json").read_text())
+    return raw.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and "vision_config" in raw
+
+
 def check_architecture(path: Path, trust_remote_code: bool = False) -> None:
     """A ConfigError naming the architecture unless the model at ``path`` is a decoder-only causal LM that
     transformers builds (or ``trust_remote_code`` allows its own code to): not a model that needs code of its
@@ -197,7 +205,7 @@ def check_architecture(path: Path, trust_remote_code: bool = False) -> None:
     if model_type in MODEL_FOR_MASKED_LM_MAPPING_NAMES and not getattr(config, "is_decoder", False):
         raise ConfigError(f"model: {path} is an encoder ({architecture}), which attends to later tokens too; "
                           f"{ENCODER_DECODER_HINT}")
-    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not code:
+    if model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES and not code and not is_image_text(path):
         raise ConfigError(f"model: {path} ({architecture}) is not a causal LM transformers knows; "
                           f"{ENCODER_DECODER_HINT}")
 
@@ -218,8 +226,19 @@ def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str =
     check_dtype(dtype, target, mixed_precision)
     path = resolve_model_path(name)
     check_architecture(path, trust_remote_code)
-    tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype], trust_remote_code=trust_remote_code).to(target)
+    if is_image_text(path):  # a vision-language model: its processor rides on its tokenizer
+        from transformers import AutoModelForImageTextToText, AutoProcessor
+
+        from posttrain.data.images import attach_processor
+
+        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        tokenizer = attach_processor(processor.tokenizer, processor)
+        model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype],
+                                                            trust_remote_code=trust_remote_code).to(target)
+    else:
+        tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=trust_remote_code)
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=DTYPES[dtype],
+                                                     trust_remote_code=trust_remote_code).to(target)
     if mixed_precision == "bf16":
         use_mixed_precision(model)
     if tokenizer.pad_token_id is None:

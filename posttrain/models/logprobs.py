@@ -44,9 +44,11 @@ def batched_logprobs(
     trim_padding: bool = True,
     max_tokens_per_micro_batch: int | None = None,
     routing: Tensor | None = None,
+    images: list[dict[str, Tensor]] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """Log-probs (and values) of whole rollouts without gradient: ([N, T], [N, T] | None), 0 outside ``mask``
-    (``present``, ``share_prompts``, ``trim_padding``, ``routing``: as in :func:`posttrain.models.modeling.collate`;
+    (``present``, ``share_prompts``, ``trim_padding``, ``routing``, ``images``: as in
+    :func:`posttrain.models.modeling.collate`;
     micro-batches as :func:`posttrain.models.batching.micro_batch_rows` makes them)."""
     device = next(model.parameters()).device
     total, width = completion_ids.shape
@@ -57,7 +59,8 @@ def batched_logprobs(
                                  share_prompts=share_prompts):
         batch = collate([prompt_ids[int(r)] for r in rows], completion_ids[rows], mask[rows], pad_id, device,
                         None if present is None else present[rows], share_prompts=share_prompts,
-                        trim_padding=trim_padding, routing=None if routing is None else routing[rows])
+                        trim_padding=trim_padding, routing=None if routing is None else routing[rows],
+                        images=None if images is None else [images[int(r)] for r in rows])
         out = forward(model, batch, temperature=temperature, value_head=value_head)
         t = out.logprobs.shape[1]
         logprobs[rows, :t] = out.logprobs.float().cpu()
@@ -123,11 +126,17 @@ each prompt between its completions (``posttrain.models.modeling.worth_sharing``
 window drops keys."""
 
 
-def probe_sequences(vocab_size: int, seed: int = 0) -> tuple[list[Tensor], list[Tensor]]:
-    """(prompt ids, completion ids) of the probe, one prompt per completion, random ids of the vocabulary."""
+def probe_sequences(vocab_size: int, seed: int = 0, exclude: list[int] = ()) -> tuple[list[Tensor], list[Tensor]]:
+    """(prompt ids, completion ids) of the probe, one prompt per completion, random ids of the vocabulary but
+    ``exclude`` (a vision-language model's image tokens, which stand for images the probe does not have)."""
     generator = torch.Generator().manual_seed(seed)
-    prompts = [torch.randint(vocab_size, (n,), generator=generator) for n in PROBE_PROMPTS]
-    completions = [torch.randint(vocab_size, (n,), generator=generator) for n in PROBE_COMPLETIONS * len(prompts)]
+    allowed = torch.tensor(sorted(set(range(vocab_size)) - set(exclude)))
+
+    def draw(n: int) -> Tensor:
+        return allowed[torch.randint(len(allowed), (n,), generator=generator)]
+
+    prompts = [draw(n) for n in PROBE_PROMPTS]
+    completions = [draw(n) for n in PROBE_COMPLETIONS * len(prompts)]
     return [p for p in prompts for _ in PROBE_COMPLETIONS], completions
 
 
@@ -142,6 +151,8 @@ def own_logprobs(model: nn.Module, prompt: Tensor, completion: Tensor, temperatu
 
 def paths_taken(model: nn.Module, *, share_prompts: bool, trim_padding: bool) -> str:
     """The training passes ``model`` takes, in words, for messages."""
+    if getattr(unwrapped(model).config, "vision_config", None) is not None:
+        return "padded rows with their images, the model's own forward"
     packed = trim_padding and has_packed_attention(unwrapped(model))
     rows = ("packed rows" + (", a prompt shared by its completions" if share_prompts else "")) if packed else \
         ("rows grouped by length" if trim_padding else "padded rows")
@@ -154,7 +165,9 @@ def check_training_path(model: nn.Module, vocab_size: int, *, share_prompts: boo
     """The mean gap per token between the training passes (:func:`batched_logprobs` with the run's settings) and
     the model's own forward over each probe sequence alone; :class:`TrainingPathError` beyond
     :data:`PATH_TOLERANCE`, naming the family and the paths, and what to run instead."""
-    prompts, completions = probe_sequences(vocab_size)
+    from posttrain.models.vision import image_token_ids, is_vision_model
+
+    prompts, completions = probe_sequences(vocab_size, exclude=image_token_ids(model) if is_vision_model(model) else [])
     width = max(len(c) for c in completions)
     completion_ids = torch.zeros(len(completions), width, dtype=torch.long)
     mask = torch.zeros_like(completion_ids)

@@ -35,6 +35,7 @@ from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.architecture import decoder_body
 from posttrain.models.modeling import frozen_copy
 from posttrain.models.compute import autocast_dtype
+from posttrain.models.vision import is_vision_model, language_only, vision_parts
 from posttrain.parallel.offload import offload
 
 LORA_INSTALL = "pip install 'posttrain[lora]'  (or: pip install 'peft>=0.13,<1')"
@@ -81,9 +82,14 @@ def apply_lora(model: nn.Module, model_config: ModelConfig) -> nn.Module:
 
     targets = list(model_config.lora_target_modules) or default_target_modules(model)
     parameters = [] if model_config.lora_target_modules else default_target_parameters(model)
+    whole = None
+    if is_vision_model(model):  # adapters on the language model; the vision parts train whole or not at all
+        towers, projectors = vision_parts(model)
+        targets = language_only(model, targets)
+        whole = {"none": None, "projector": projectors, "tower": towers + projectors}[model_config.train_vision]
     config = LoraConfig(r=model_config.lora_r, lora_alpha=model_config.lora_alpha,
                         lora_dropout=model_config.lora_dropout, target_modules=targets, bias="none",
-                        task_type="CAUSAL_LM", target_parameters=parameters or None)
+                        task_type="CAUSAL_LM", target_parameters=parameters or None, modules_to_save=whole)
     wrapped = get_peft_model(model, config)
     if autocast_dtype(model) is not None:
         keep_autocast_inputs(wrapped)

@@ -30,6 +30,7 @@ from posttrain.models.architecture import (cache_unsupported_reason, head_unsupp
 from posttrain.models.experts import RouterStats, RouterTrace, RoutingReplay, experts_per_token, routers
 from posttrain.models.compute import is_checkpointed
 from posttrain.models.packing import has_packed_attention, pack
+from posttrain.models.vision import batch_image_inputs, is_vision_model, vision_outputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -111,6 +112,9 @@ class TokenBatch:
     """[n, L, S, k] a mixture of experts' routing of each row as it was sampled, to replay (routing replay):
     row n's token at sequence position s (prompt then completion, as position_ids count) went to experts
     ``routing[n, l, s]`` in layer l. None: the routers choose."""
+    images: list[dict[str, Tensor]] | None = None
+    """Each row's image inputs for a vision-language model, as its processor gave them for the row's prompt
+    (:func:`posttrain.data.images.encode_image_prompt`); None: no images."""
 
     @property
     def prompt_width(self) -> int:
@@ -119,13 +123,14 @@ class TokenBatch:
 
 def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_id: int, device: torch.device,
             present: Tensor | None = None, *, share_prompts: bool = True, trim_padding: bool = True,
-            routing: Tensor | None = None) -> TokenBatch:
+            routing: Tensor | None = None, images: list[dict[str, Tensor]] | None = None) -> TokenBatch:
     """Concatenate left-padded prompts with right-padded completions (trimmed to the longest), and
     note which rows share a prompt (a GRPO group's samples, a preference pair's two answers).
 
     ``mask`` [n, T] marks the tokens scored (the policy's); ``present`` [n, T] every token attention sees,
     inserted ones included (multi-turn episodes; default: ``mask``). ``share_prompts`` and ``trim_padding``
-    False give the padded reference path (the ``share_prompts`` and ``trim_padding`` settings)."""
+    False give the padded reference path (the ``share_prompts`` and ``trim_padding`` settings). ``images``: each
+    row's image inputs (a vision-language model's)."""
     present = mask if present is None else present
     width = max(int(present.sum(-1).max()), 1)
     completion_ids, mask, present = completion_ids[:, :width], mask[:, :width], present[:, :width]
@@ -144,7 +149,7 @@ def collate(prompt_ids: list[Tensor], completion_ids: Tensor, mask: Tensor, pad_
         shared = torch.tensor([first_row[o] for o in range(len(index))]), torch.tensor(owner)
     tensors = (input_ids, attention, position_ids, completion_ids, mask, *shared)
     return TokenBatch(*(None if t is None else t.to(device) for t in tensors), trim_padding=trim_padding,
-                      routing=routing)
+                      routing=routing, images=images)
 
 
 def worth_sharing(rows: int, prompts: int, prompt_width: int, completion_width: int) -> bool:
@@ -386,6 +391,9 @@ def forward(
 def _forward(model: nn.Module, batch: TokenBatch, temperature: float, with_entropy: bool,
              value_head: ValueHead | None, entropy_grad: bool, replay: RoutingReplay | None) -> ForwardOutput:
     replaying = dict(replay=replay, replay_routing=batch.routing)
+    if is_vision_model(model):  # its own forward, the rows' images batched as its processor batches them
+        logits, hidden = _vision_outputs(model, batch, hidden=value_head is not None)
+        return _from_logits(logits, hidden, batch, temperature, with_entropy, value_head, entropy_grad)
     parts = split_head(model)
     if parts is not None:
         body, head = parts
@@ -399,6 +407,18 @@ def _forward(model: nn.Module, batch: TokenBatch, temperature: float, with_entro
         values = value_head(hidden_NTD.to(value_head.linear.weight.dtype)) if value_head is not None else None
         return ForwardOutput(zeros_NT.masked_scatter(scored_NT, logprobs_M), entropy, values)
     logits, hidden = completion_outputs(model, batch, Reader(logits=True, hidden=value_head is not None, **replaying))
+    return _from_logits(logits, hidden, batch, temperature, with_entropy, value_head, entropy_grad)
+
+
+def _vision_outputs(model: nn.Module, batch: TokenBatch, hidden: bool) -> tuple[Tensor, Tensor | None]:
+    p, (n, width) = batch.prompt_width, batch.input_ids.shape
+    images = batch_image_inputs(batch.images or [{}] * n, batch.attention_mask[:, :p].sum(-1).tolist(), p, width)
+    return vision_outputs(model, batch.input_ids, batch.attention_mask, batch.completion_ids.shape[1], images, hidden)
+
+
+def _from_logits(logits: Tensor, hidden: Tensor | None, batch: TokenBatch, temperature: float, with_entropy: bool,
+                 value_head: ValueHead | None, entropy_grad: bool) -> ForwardOutput:
+    """The completion tokens' log-probs (entropies, values) from the logits [n, T, V] that predict them."""
     if temperature != 1.0:
         logits = logits / temperature
     padding = batch.mask == 0

@@ -49,6 +49,8 @@ class Completions:
                     reading prompt ``i``.
     dropped:        [N] bool, an episode that could not be recorded (its agent raised, never called the model,
                     or its calls were not one token sequence): its group leaves the update. None: none.
+    images:         [N] each row's image inputs for a vision-language model (its prompt's, as the processor gave
+                    them: ``pixel_values``, ...), which every training pass takes with it. None: no images.
     """
 
     completion_ids: Tensor
@@ -61,6 +63,7 @@ class Completions:
     routing: Tensor | None = None
     prompt_ids: list[Tensor] | None = None
     dropped: Tensor | None = None
+    images: list[dict[str, Tensor]] | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -78,7 +81,8 @@ class Completions:
         return Completions(*(None if t is None else t[index] for t in (
             self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted, self.rewards,
             self.versions, self.routing)), None if self.prompt_ids is None else [self.prompt_ids[int(i)] for i in index],
-            None if self.dropped is None else self.dropped[index])
+            None if self.dropped is None else self.dropped[index],
+            None if self.images is None else [self.images[int(i)] for i in index])
 
     def prompts(self, given: list[Tensor], num_samples: int) -> list[Tensor]:
         """[N] each row's prompt: its own where the sampler chose one, else ``given[i]`` for rows ``i*G .. i*G+G-1``."""
@@ -108,9 +112,10 @@ class Completions:
         if any(p.dropped is not None for p in parts):
             dropped = torch.cat([p.dropped if p.dropped is not None else torch.zeros(len(p.mask), dtype=torch.bool)
                                  for p in parts])
+        images = sum((p.images or [{}] * len(p.mask) for p in parts), []) if any(p.images for p in parts) else None
         return Completions(cat_rows([p.completion_ids for p in parts]), cat_rows([p.mask for p in parts]),
                            cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards, versions, routing,
-                           prompt_ids, dropped)
+                           prompt_ids, dropped, images)
 
 
 def cat_rows(parts: list[Tensor | None]) -> Tensor | None:

@@ -75,10 +75,13 @@ class HFGenerator:
                                                    completions.lengths)
         return completions
 
-    def _generate(self, ids: Tensor, attention: Tensor, greedy: bool, recorder: SamplingRecorder | None) -> Tensor:
+    def _generate(self, ids: Tensor, attention: Tensor, greedy: bool, recorder: SamplingRecorder | None,
+                  suppress: list[int] | None = None, **images: Tensor) -> Tensor:
         return self.model.generate(
             input_ids=ids,
             attention_mask=attention,
+            **images,
+            **({"suppress_tokens": suppress} if suppress else {}),
             do_sample=not greedy,
             max_new_tokens=self.params.max_new_tokens,
             pad_token_id=self.pad_id,
@@ -89,6 +92,60 @@ class HFGenerator:
             logits_processor=None if recorder is None else [recorder],
             **({"output_router_logits": False} if routers(self.model) else {}),  # as the decode loop: no load loss
         )
+
+
+class VisionGenerator(HFGenerator):
+    """``generate`` on a vision-language model: each prompt with its row's images, encoded by the model's
+    processor (:func:`posttrain.data.images.encode_row_prompt`, once per row), batched as the training passes
+    batch them (:func:`posttrain.models.vision.batch_image_inputs`); the completions carry each row's image
+    inputs for those passes."""
+
+    def __init__(self, *args: Any, **kwargs: Any):
+        super().__init__(*args, **kwargs)
+        self.encoded: dict[int, tuple[Mapping[str, Any], dict[str, Tensor]]] = {}
+
+    def images_of(self, prompt: Tensor, row: Mapping[str, Any] | None) -> dict[str, Tensor]:
+        """A row's image inputs ({} for a row without images); its ids must be the prompt's."""
+        from posttrain.data.images import encode_row_prompt, has_images
+
+        if row is None or not has_images(row):
+            return {}
+        if id(row) not in self.encoded:  # the row is held too, so that its id is never another row's
+            ids, images = encode_row_prompt(self.tokenizer, dict(row), f"the row with prompt {str(row['prompt'])[:60]!r}")
+            if not torch.equal(ids, prompt.cpu()):
+                raise ValueError("a row's prompt ids differ from its images' encoding: encode image prompts with "
+                                 "posttrain.data.images.encode_row_prompt")
+            self.encoded[id(row)] = (row, images)
+        return self.encoded[id(row)][1]
+
+    @torch.no_grad()
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
+                 rows: Any = None) -> Completions:
+        from posttrain.models.vision import batch_image_inputs, image_token_ids
+
+        per_row = [self.images_of(p, None if rows is None else rows[i]) for i, p in enumerate(prompt_ids)
+                   for _ in range(num_samples)]
+        ids, attention = left_pad(prompt_ids, self.pad_id)
+        ids = ids.repeat_interleave(num_samples, 0).to(self.model.device)
+        attention = attention.repeat_interleave(num_samples, 0).to(self.model.device)
+        width = ids.shape[1]
+        images = batch_image_inputs(per_row, [len(p) for p in prompt_ids for _ in range(num_samples)], width, width)
+        dtype = next(p.dtype for p in self.model.parameters() if p.is_floating_point())
+        images = {k: v.to(self.model.device, dtype) if v.is_floating_point() else v.to(self.model.device)
+                  for k, v in images.items()}
+        recorder = None if greedy else SamplingRecorder(self.params)
+        was_training = self.model.training
+        self.model.eval()
+        # an image placeholder in a completion would take an image the row does not have: never sampled (the
+        # recorder sees its probability as 0, and the importance correction covers it as it covers top-k)
+        out = self._generate(ids, attention, greedy, recorder, suppress=image_token_ids(self.model), **images)
+        self.model.train(was_training)
+        tokens = out[:, width:]
+        completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
+        if recorder is not None:
+            completions.sampling_logprobs = recorder.drawn(tokens).cpu() * completions.mask
+        completions.images = per_row if any(per_row) else None
+        return completions
 
 
 class SamplingRecorder:
@@ -183,6 +240,10 @@ def make_generator(backend: str, model: Any, tokenizer: Any, params: SamplingPar
     """The configured generator; vLLM needs a GPU, the ``vllm`` package and the model's directory.
     ``record_routing``: the completions carry a mixture of experts' routing (``hf`` only; routing replay)."""
     if backend == "hf":
+        from posttrain.models.vision import is_vision_model
+
+        if is_vision_model(model):  # images go through generate's prefill; the decode loop takes token ids only
+            return VisionGenerator(model, tokenizer, params, eos_token_ids)
         slow = os.environ.get("POSTTRAIN_HF_GENERATE", "0") == "1"
         return (HFGenerator if slow else FastGenerator)(model, tokenizer, params, eos_token_ids,
                                                         record_routing=record_routing)

@@ -33,7 +33,7 @@ from torch import nn
 
 from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.config import Config, ConfigError
-from posttrain.models.loading import bf16_supported, resolve_model_path
+from posttrain.models.loading import bf16_supported, is_image_text, resolve_model_path
 from posttrain.models.lora import default_target_modules, default_target_parameters
 from posttrain.models.modeling import resolve_device
 from posttrain.parallel.distributed import say
@@ -202,12 +202,13 @@ def suit_defaults(config: Config, model: nn.Module | None) -> Config:
         return config  # the task's own built-in model
     device = resolve_device(config.model.device)
     if model is None:
-        from transformers import AutoConfig, AutoModelForCausalLM
+        from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
 
         path = resolve_model_path(name)
         model_config = AutoConfig.from_pretrained(path, trust_remote_code=config.model.trust_remote_code)
+        kind = AutoModelForImageTextToText if is_image_text(path) else AutoModelForCausalLM
         with torch.device("meta"):
-            model = AutoModelForCausalLM.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
+            model = kind.from_config(model_config, trust_remote_code=config.model.trust_remote_code)
     shape = model_shape(model, config.model.lora_r, name or type(model).__name__)
     suited_config, lines = suited(config, shape, device, machine_memory(device))
     for line in lines:

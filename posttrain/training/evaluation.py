@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
-from posttrain.data.prompts import encode_prompt
+from posttrain.data.images import encode_row_prompt
 from posttrain.data.prompt_variants import PromptVariant, ask, resolve_variants
 from posttrain.data.rewards import final_answer
 from posttrain.models.loading import load_model_and_tokenizer
@@ -174,7 +174,7 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
             environment=work.environment)
     else:
         generator = make_generator("hf", policy, tokenizer, params, eos_ids)
-    prompt_ids = [encode_prompt(tokenizer, row["prompt"], f"{name}: row {i}", tools=work.tools)
+    prompt_ids = [encode_row_prompt(tokenizer, row, f"{name}: row {i}", tools=work.tools)[0]
                   for i, row in enumerate(rows, 1)]
     say(f"eval: {label}, {len(rows)} problems" + (f", {spec.samples} samples each" if spec.samples > 1 else ""))
     k, per_sample, answers = spec.samples, None, None

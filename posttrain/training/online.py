@@ -233,7 +233,7 @@ def rollout_logprobs(s: OnlineSession, groups: Groups) -> tuple[Tensor, Tensor |
     comp = groups.completions
     return batched_logprobs(s.policy, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                             temperature=s.config.rollout.temperature, value_head=s.value_head, present=comp.present,
-                            routing=comp.routing, **passes(s.config.optim))
+                            routing=comp.routing, images=comp.images, **passes(s.config.optim))
 
 
 def passes(optim: OptimConfig) -> dict[str, Any]:
@@ -248,7 +248,7 @@ def reference_logprobs(s: OnlineSession, groups: Groups, model: object = None) -
     with offload.resident(model):
         logprobs, _ = batched_logprobs(model, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                                        temperature=s.config.rollout.temperature, present=comp.present,
-                                       **passes(s.config.optim))
+                                       images=comp.images, **passes(s.config.optim))
     return logprobs
 
 
@@ -409,7 +409,8 @@ def train_micro_batch(s: OnlineSession, groups: Groups, rows: Tensor, advantages
     alg, comp = s.alg, groups.completions
     batch = collate([groups.prompt_ids[int(r)] for r in rows], comp.completion_ids[rows], comp.mask[rows],
                     s.pad_id, s.device, comp.present[rows], share_prompts=s.config.optim.share_prompts,
-                    trim_padding=s.config.optim.trim_padding, routing=None if comp.routing is None else comp.routing[rows])
+                    trim_padding=s.config.optim.trim_padding, routing=None if comp.routing is None else comp.routing[rows],
+                    images=None if comp.images is None else [comp.images[int(r)] for r in rows])
     out = forward(s.policy, batch, temperature=s.config.rollout.temperature, with_entropy=True,
                   value_head=s.value_head, entropy_grad=entropy_coef > 0)
     t = out.logprobs.shape[1]

@@ -82,14 +82,23 @@ from posttrain.data.preference import (
 )
 from posttrain.data.prompts import PromptSampler, hub_splits
 from posttrain.models.batching import in_item_order, item_micro_batches
-from posttrain.models.experts import RouterStats, aux_loss_coef
-from posttrain.models.modeling import collate, forward, right_pad
+from posttrain.models.experts import aux_loss_coef
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say as _say
 from posttrain.rollout.completions import Generator, SamplingParams
 from posttrain.rollout.generators import make_generator
 from posttrain.training.guards import UpdateCheck
 from posttrain.training.optim import apply_gradients
+from posttrain.training.preference_passes import (
+    chunked_logps,
+    dataset_logps,
+    example_images,
+    example_sequences,
+    mismatched_sequences,
+    passes,
+    sequence_forward,
+    sequence_logps,
+)
 from posttrain.training.policy_pairs import (
     pairs_source,
     sample_pairs,
@@ -276,69 +285,6 @@ def validate(config: Config, preset: PreferenceAlgorithm, num_examples: int | No
 
 
 # ---------------------------------------------------------------------------------------
-# Sequence log-probs
-# ---------------------------------------------------------------------------------------
-
-
-def sequence_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int, *,
-                   share_prompts: bool = True, trim_padding: bool = True) -> tuple[Tensor, Tensor]:
-    """Summed completion log-probs [M] and completion token counts [M] of M sequences, in one forward pass
-    (``share_prompts``, ``trim_padding``: the settings, as in ``collate``)."""
-    logps, lengths, _ = sequence_forward(model, prompts, completions, pad_id, share_prompts=share_prompts,
-                                         trim_padding=trim_padding)
-    return logps, lengths
-
-
-def sequence_forward(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int, *,
-                     share_prompts: bool = True, trim_padding: bool = True) -> tuple[Tensor, Tensor, RouterStats | None]:
-    """:func:`sequence_logps`, and a mixture of experts' routing in the pass (with gradient; else None)."""
-    ids_MT, mask_MT = right_pad(completions, pad_id)
-    batch = collate(prompts, ids_MT, mask_MT, pad_id, model.device, share_prompts=share_prompts,
-                    trim_padding=trim_padding)
-    out = forward(model, batch)
-    logp_MT = out.logprobs.masked_fill(batch.mask == 0, 0.0)
-    return logp_MT.sum(-1), batch.mask.sum(-1), out.router
-
-
-def passes(s: Any) -> dict[str, bool]:
-    """The prompt-sharing and padding settings of a session's passes."""
-    return {"share_prompts": s.config.optim.share_prompts, "trim_padding": s.config.optim.trim_padding}
-
-
-def example_sequences(data: PreferenceExamples, idx: list[int]) -> tuple[list[Tensor], list[Tensor]]:
-    """The K * n (prompt, completion) sequences of examples ``idx``: all chosen, then all rejected."""
-    prompts = [data.prompt_ids[i] for _ in data.completion_ids for i in idx]
-    completions = [column[i] for column in data.completion_ids for i in idx]
-    return prompts, completions
-
-
-def mismatched_sequences(data: PreferenceExamples, idx: list[int],
-                         max_length: int) -> tuple[list[Tensor], list[Tensor]]:
-    """KTO's mismatched pairs: prompt ``idx[i]`` with the completion of ``idx[i-1]``, cyclic in the batch
-    (cut to fit ``max_length`` after the new prompt)."""
-    prompts = [data.prompt_ids[i] for i in idx]
-    shifted = idx[-1:] + idx[:-1]
-    completions = [data.completion_ids[0][j][:max_length - len(p)] for p, j in zip(prompts, shifted)]
-    return prompts, completions
-
-
-@torch.no_grad()
-def chunked_logps(model: Any, prompts: list[Tensor], completions: list[Tensor], pad_id: int,
-                  chunk: int, **passes: bool) -> tuple[Tensor, Tensor]:
-    """``sequence_logps`` without gradient, ``chunk`` sequences per forward pass: ([M], [M])."""
-    parts = [sequence_logps(model, prompts[i:i + chunk], completions[i:i + chunk], pad_id, **passes)
-             for i in range(0, len(prompts), chunk)]
-    return torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts])
-
-
-def dataset_logps(model: Any, data: PreferenceExamples, pad_id: int, chunk: int) -> tuple[Tensor, Tensor]:
-    """Summed log-probs and token counts of every completion of ``data``, on the CPU: ([K, N], [K, N])."""
-    logps, lengths = chunked_logps(model, *example_sequences(data, list(range(len(data)))), pad_id, chunk)
-    k = len(data.completion_ids)
-    return logps.view(k, -1).cpu(), lengths.view(k, -1).cpu()
-
-
-# ---------------------------------------------------------------------------------------
 # The loss inputs
 # ---------------------------------------------------------------------------------------
 
@@ -375,7 +321,8 @@ def reference_logps(s: PreferenceSession, idx: list[int]) -> Tensor | None:
     if s.ref_logps is not None:
         return s.ref_logps[:, idx].to(s.policy.device)
     with torch.no_grad(), offload.resident(s.ref):
-        logps, _ = sequence_logps(s.ref, *example_sequences(s.train, idx), s.pad_id, **passes(s))
+        logps, _ = sequence_logps(s.ref, *example_sequences(s.train, idx), s.pad_id,
+                                  images=example_images(s.train, idx), **passes(s))
     return logps.view(len(s.train.completion_ids), -1)
 
 
@@ -385,11 +332,12 @@ def kl_inputs(s: PreferenceSession, idx: list[int]) -> dict[str, Tensor]:
     if s.preset.paired:
         return {}
     prompts, completions = mismatched_sequences(s.train, idx, s.config.preference.max_length)
+    images = example_images(s.train, idx, repeats=1)
     mine = (distributed.shard(prompts), distributed.shard(completions))
-    chunk = s.config.optim.micro_batch_size
+    chunk, where = s.config.optim.micro_batch_size, {**passes(s), "images": images and distributed.shard(images)}
     with offload.resident(s.ref):
-        ref_logps = chunked_logps(s.ref, *mine, s.pad_id, chunk, **passes(s))[0]
-    return {"kl_logps": distributed.gather_rows(chunked_logps(s.policy, *mine, s.pad_id, chunk, **passes(s))[0]),
+        ref_logps = chunked_logps(s.ref, *mine, s.pad_id, chunk, **where)[0]
+    return {"kl_logps": distributed.gather_rows(chunked_logps(s.policy, *mine, s.pad_id, chunk, **where)[0]),
             "kl_ref_logps": distributed.gather_rows(ref_logps)}
 
 
@@ -442,7 +390,8 @@ def train_micro_batch(s: PreferenceSession, idx: list[int], share: float,
     loss where the model's config asks for it), backward; returns the detached inputs and the routing's
     metrics weighted by ``share``."""
     k, n = len(s.train.completion_ids), len(idx)
-    logps, lengths, router = sequence_forward(s.policy, *example_sequences(s.train, idx), s.pad_id, **passes(s))
+    logps, lengths, router = sequence_forward(s.policy, *example_sequences(s.train, idx), s.pad_id,
+                                              images=example_images(s.train, idx), **passes(s))
     inputs = loss_inputs(s.preset, s.train, idx, logps.view(k, n), lengths.view(k, n), reference_logps(s, idx))
     loss, _ = s.preset.preference_loss(**inputs, **kl)
     if router is not None:

@@ -20,10 +20,8 @@ from torch import Tensor
 
 from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError
-from posttrain.data.prompts import (
-    PromptSampler,
-    encode_prompt,
-)
+from posttrain.data.images import encode_row_prompt
+from posttrain.data.prompts import PromptSampler
 from posttrain.data.rewards import load_reward_function
 from posttrain.models.experts import replay_unsupported_reason
 from posttrain.models.logprobs import probe_logprobs
@@ -193,7 +191,7 @@ class OnlineSession:
         generator = generator_of(sampling_copy if sampling_copy is not None else policy)
         episodes = generator if isinstance(generator, (EpisodeGenerator, AgentGenerator)) else None
         work, prompt_ids = within_budget(config, work, [
-            encode_prompt(tokenizer, row["prompt"], f"training prompts: row {number}", tools=tools)
+            encode_row_prompt(tokenizer, row, f"training prompts: row {number}", tools=tools)[0]
             for number, row in enumerate(work.train_rows, start=1)])
         separate = (sampling_copy is not None or config.off_policy.async_rollout
                     or generator.capabilities.own_weights)
@@ -370,7 +368,8 @@ def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, pref
     if not rows:
         return {}
     texts, completions = generate_texts(s.eval_generator or s.generator, s.tokenizer,
-                                        [encode_prompt(s.tokenizer, r["prompt"], tools=s.tools) for r in rows],
+                                        [encode_row_prompt(s.tokenizer, r, "held-out prompts", tools=s.tools)[0]
+                                         for r in rows],
                                         greedy=True, rows=rows)
     scores, correct = score_texts(work, s.config.data, rows, texts, 1, completions.rewards)
     out = {f"{prefix}reward": scores.total.mean().item(),

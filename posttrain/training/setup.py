@@ -25,8 +25,9 @@ import torch
 from torch import nn
 
 from posttrain.config import Config, ConfigError, absolute_path
-from posttrain.data.prompts import encode_prompt
+from posttrain.data.images import encode_row_prompt
 from posttrain.models.architecture import (
+    VISION_PASSES,
     family,
     head_unsupported_reason,
     packing_unsupported_reason,
@@ -40,6 +41,7 @@ from posttrain.models.loading import load_model_and_tokenizer
 from posttrain.models.logprobs import check_causal, check_training_path, paths_taken
 from posttrain.models.lora import apply_lora, reference_model
 from posttrain.models.modeling import resolve_device, unwrapped
+from posttrain.models.vision import freeze_vision, is_vision_model
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say
 from posttrain.rollout.generators import generate_texts
@@ -169,6 +171,13 @@ def load_policy(config: Config, name: str, inputs: Inputs, *, needs_reference: b
                                                      trust_remote_code=m.trust_remote_code)
     if m.lora_r:
         policy = apply_lora(policy, m)  # base weights frozen; the reference is the base model
+    elif is_vision_model(policy):
+        freeze_vision(policy, m.train_vision)
+    if is_vision_model(policy):
+        vision = {"none": "the vision tower and the projector frozen", "projector": "the projector trained, the vision "
+                  "tower frozen", "tower": "the vision tower and the projector trained"}[m.train_vision]
+        say(f"vision-language model: {vision} (train_vision {m.train_vision}), "
+            f"{'LoRA adapters on the language model' if m.lora_r else 'the language model trained whole'}")
     policy.train(train_mode)
     if config.optim.trim_padding:  # packed training passes where they are the model's own forward (models.packing)
         use_packed_attention(policy)
@@ -199,6 +208,8 @@ def path_notices(policy: nn.Module, *, trim_padding: bool) -> list[str]:
     """One line per fast path that ``policy`` does not take, with why and what runs instead."""
     lines = []
     packing = packing_unsupported_reason(policy)
+    if packing == VISION_PASSES:  # one line says it: both fast paths step aside for the model's own forward
+        return [f"packed passes, shared prompts and the folded LM head: off for {family(policy)}: {packing}"]
     if trim_padding and packing is not None:
         lines.append(f"packed passes: off for {family(policy)}: {packing}; rows grouped by length instead")
     head = head_unsupported_reason(policy)
@@ -252,8 +263,8 @@ def greedy_accuracy(generator: Any, tokenizer: Any, correct: Callable[..., list[
     """``eval/accuracy`` (with its 95% Wilson interval, ``_low``/``_high``): the share of ``rows`` whose greedy
     completion the task's ``correct(prompts, completions, **columns)`` accepts, for the offline trainers
     (prompts rendered with the ``tools`` the generator's episodes call)."""
-    prompts = [encode_prompt(tokenizer, r["prompt"], tools=tools) for r in rows]
-    texts, _ = generate_texts(generator, tokenizer, prompts, greedy=True)
+    prompts = [encode_row_prompt(tokenizer, r, "held-out prompts", tools=tools)[0] for r in rows]
+    texts, _ = generate_texts(generator, tokenizer, prompts, greedy=True, rows=rows)
     columns = {key: [r[key] for r in rows] for key in rows[0] if key != "prompt"}
     right = sum(correct([r["prompt"] for r in rows], texts, **columns))
     low, high = wilson_interval(right, len(rows))

@@ -19,6 +19,7 @@ from torch import Tensor
 from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError, DataConfig
 from posttrain.data.environments import ENVIRONMENT_REWARD, environment_reward
+from posttrain.data.images import dataset_directory, resolve_image_paths
 from posttrain.data.judge import Judge, load_rubric
 from posttrain.data.prompt_variants import ask, ask_each_differently, resolve_variants
 from posttrain.data.prompts import (
@@ -112,9 +113,11 @@ def load_workload(config: Config, inputs: Inputs = Inputs()) -> Workload:
     if data.dataset is not None:
         train_rows = read_rows(data.dataset, data.dataset_config, data.dataset_split)
         check_prompt_rows(train_rows, data.dataset)
+        resolve_image_paths(train_rows, dataset_directory(data.dataset), data.dataset)
         test_rows = read_rows(data.eval_dataset, data.dataset_config, data.eval_dataset_split) if data.eval_dataset else []
         if test_rows:
             check_prompt_rows(test_rows, data.eval_dataset)
+            resolve_image_paths(test_rows, dataset_directory(data.eval_dataset), data.eval_dataset)
         task = None
     else:
         task = get_task(own or data.task)  # a fixed split: the built-in models were warm-started on its train part
