@@ -26,6 +26,12 @@ first row's columns decide the shape, and every row must have it:
 A ``messages`` conversation is tokenized piece by piece (a piece is a span trained on or not), so an
 assistant span's tokens are exactly its text's whatever the tokenizer would merge across its border.
 
+Images (a vision-language model's rows): an ``images`` column as in online data (``posttrain.data.images``), in
+``prompt`` + ``completion`` rows whose prompt is chat messages, or ``messages`` rows whose last message is the one
+assistant turn; the prompt (the conversation before that turn) is encoded with its images by the model's processor
+and never trained on, so image tokens are never scored. Such an example is one row of its own (no packing), and a
+prompt with images is never cut.
+
 A built-in task (``--task addition``) gives demonstrations: each training prompt with its reference
 ``solution`` as the completion (the rows a built-in model is warm-started on); its held-out prompts
 with theirs are the held-out demonstrations.
@@ -52,6 +58,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.data.images import dataset_directory, encode_row_prompt, has_images, resolve_image_paths
 from posttrain.data.preference import completion_text, completion_token_ids
 from posttrain.data.prompts import (
     DataError,
@@ -96,6 +103,9 @@ def check_rows(rows: list[dict[str, Any]], source: str, *, completion_only_loss:
                                 f"({' + '.join(SHAPES[shape])}; columns here: {', '.join(row)})")
         if shape == "text":
             _check_string(row, "text", where)
+            if has_images(row):
+                raise DataError(f"{where}: a text row cannot hold images; give prompt + completion or messages rows "
+                                'whose user content has a {"type": "image"} part per image')
         elif shape == "messages":
             _check_messages(row, "messages", where)
             if completion_only_loss and not any(m["role"] == "assistant" for m in row["messages"]):
@@ -150,11 +160,31 @@ def _check_messages(row: dict[str, Any], name: str, where: str) -> None:
     if not isinstance(value, list) or not value:
         raise DataError(f"{where}: {name!r} must be a non-empty list of {{'role', 'content'}} messages, got "
                         f"{value!r:.60}")
+    parts_allowed = has_images(row)  # a vision-language row: content may be a list of text and image parts
     for k, message in enumerate(value, start=1):
+        content = message.get("content") if isinstance(message, dict) else None
         if not (isinstance(message, dict) and isinstance(message.get("role"), str)
-                and isinstance(message.get("content"), str)):
-            raise DataError(f"{where}: {name!r} message {k} must have a string 'role' and a string 'content', "
-                            f"got {message!r:.80}")
+                and (isinstance(content, str) or parts_allowed and _is_parts(content))):
+            raise DataError(f"{where}: {name!r} message {k} must have a string 'role' and a string 'content'"
+                            f"{' (or a list of text and image parts)' if parts_allowed else ''}, got {message!r:.80}")
+    if parts_allowed and name == "messages":
+        _check_image_conversation(value, where)
+
+
+def _is_parts(content: Any) -> bool:
+    return isinstance(content, list) and all(
+        isinstance(p, dict) and (p.get("type") == "image" or p.get("type") == "text" and isinstance(p.get("text"), str))
+        for p in content)
+
+
+def _check_image_conversation(messages: list[dict[str, Any]], where: str) -> None:
+    """A conversation with images trains on its one assistant turn, the last message (its prompt, images
+    included, is encoded by the processor as one piece)."""
+    assistants = [k for k, m in enumerate(messages, start=1) if m["role"] == "assistant"]
+    if assistants != [len(messages)]:
+        raise DataError(f"{where}: a conversation with images trains on one assistant turn, its last message; this "
+                        f"one has assistant messages at {assistants or 'none'} of {len(messages)}: give a row per "
+                        "assistant turn (the conversation up to it), or prompt + completion rows")
 
 
 def demonstrations(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -176,6 +206,9 @@ def load_rows(dataset: str | None, eval_dataset: str | None, task: str | None, *
     if dataset is not None:
         train, source, built_in = read_rows(dataset, hub.config, hub.split), dataset, None
         test = read_rows(eval_dataset, hub.config, hub.eval_split) if eval_dataset else []
+        resolve_image_paths(train, dataset_directory(dataset), dataset)
+        if test:
+            resolve_image_paths(test, dataset_directory(eval_dataset), eval_dataset)
     else:
         built_in = get_task(task, seed)
         if not built_in.train or "solution" not in built_in.train[0]:
@@ -201,6 +234,7 @@ class SFTExamples:
     input_ids: list[Tensor]  # [N] each [L_i] long
     loss_mask: list[Tensor]  # [N] each [L_i] bool: the token is trained on (never token 0)
     truncated: Tensor  # [N] bool: the example was cut to max_length
+    images: list[dict[str, Tensor] | None] | None = None  # [N] an example's image inputs (None: it has none)
     loss_tokens: Tensor = field(init=False)  # [N] long: each example's trained tokens
 
     def __post_init__(self) -> None:
@@ -211,7 +245,8 @@ class SFTExamples:
 
     def subset(self, keep: list[int]) -> "SFTExamples":
         return SFTExamples([self.rows[i] for i in keep], [self.input_ids[i] for i in keep],
-                           [self.loss_mask[i] for i in keep], self.truncated[keep])
+                           [self.loss_mask[i] for i in keep], self.truncated[keep],
+                           None if self.images is None else [self.images[i] for i in keep])
 
 
 def pieces_to_tokens(tokenizer: Any, pieces: list[tuple[str, bool]]) -> tuple[list[int], list[bool]]:
@@ -278,14 +313,35 @@ def encode(rows: list[dict[str, Any]], tokenizer: Any, *, completion_only_loss: 
     """Tokenize and truncate checked rows (the module docstring's rules); chat prompts get the ``tools``'
     descriptions as the online trainer renders them, so a warm start sees the prompts RL will."""
     shape = dataset_shape(rows[0], f"{source}: row 1")
-    input_ids, loss_mask, truncated = [], [], []
+    input_ids, loss_mask, truncated, images = [], [], [], []
     for number, row in enumerate(rows, start=1):
-        ids, trained = example_tokens(tokenizer, row, shape, f"{source}: row {number}", completion_only_loss, tools)
+        where = f"{source}: row {number}"
+        if has_images(row):
+            ids, trained, inputs = image_example_tokens(tokenizer, row, where)
+            if not any(trained[:max_length]):  # the cut would fall in the prompt, among its image tokens
+                raise DataError(f"{where}: the prompt with its image tokens fills max_length ({max_length}); a prompt "
+                                "with images is never cut, so raise --max-length or use smaller images")
+        else:
+            (ids, trained), inputs = example_tokens(tokenizer, row, shape, where, completion_only_loss, tools), None
         trained[0] = False  # nothing predicts the first token
         input_ids.append(torch.tensor(ids[:max_length], dtype=torch.long))
         loss_mask.append(torch.tensor(trained[:max_length], dtype=torch.bool))
         truncated.append(len(ids) > max_length)
-    return SFTExamples(rows, input_ids, loss_mask, torch.tensor(truncated, dtype=torch.bool))
+        images.append(inputs)
+    return SFTExamples(rows, input_ids, loss_mask, torch.tensor(truncated, dtype=torch.bool),
+                       images if any(i is not None for i in images) else None)
+
+
+def image_example_tokens(tokenizer: Any, row: dict[str, Any], where: str) -> tuple[list[int], list[bool], dict]:
+    """(token ids, trained flags, image inputs) of a row with images: its prompt (the conversation before the last
+    message, for ``messages``) encoded with its images by the processor and never trained on (image tokens are not
+    scored, whatever ``completion_only_loss`` says), then its completion as the template writes it."""
+    prompt, completion = (row["messages"][:-1], row["messages"][-1:]) if "messages" in row else \
+        (row["prompt"], row["completion"])
+    ids, inputs = encode_row_prompt(tokenizer, {**row, "prompt": prompt}, where)
+    text = completion_text(tokenizer, prompt, completion, where)
+    answer = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return ids.tolist() + answer, [False] * len(ids) + [True] * len(answer), inputs
 
 
 # --- packing -------------------------------------------------------------------------------
@@ -332,10 +388,11 @@ class TokenRows:
     loss_mask: Tensor
     example: Tensor
     examples: list[int]  # dataset indices of the rows' examples, in row order
+    images: list[dict[str, Tensor]] | None = None  # [R] each row's image inputs (rows of one example each)
 
     def to(self, device: torch.device) -> "TokenRows":
         return TokenRows(self.input_ids.to(device), self.position_ids.to(device), self.targets.to(device),
-                         self.loss_mask.to(device), self.example.to(device), self.examples)
+                         self.loss_mask.to(device), self.example.to(device), self.examples, self.images)
 
 
 def layout(data: SFTExamples, rows: list[list[int]], pad_id: int) -> TokenRows:
@@ -359,4 +416,5 @@ def layout(data: SFTExamples, rows: list[list[int]], pad_id: int) -> TokenRows:
             examples.append(i)
             at += n
         position_ids[r, at:] = torch.arange(shape[1] - at)  # padding: a segment of its own
-    return TokenRows(input_ids, position_ids, targets, loss_mask, example, examples)
+    images = None if data.images is None else [data.images[row[0]] or {} for row in rows]  # unpacked: one each
+    return TokenRows(input_ids, position_ids, targets, loss_mask, example, examples, images)

@@ -184,6 +184,19 @@ def is_image_text(path: Path) -> bool:
     return raw.get("model_type") in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES and "vision_config" in raw
 
 
+def load_processor(path: Path, trust_remote_code: bool = False) -> Any:
+    """The image-text model's processor; a ConfigError naming it when transformers cannot build it here."""
+    from transformers import AutoProcessor
+
+    try:
+        return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+    except (ImportError, AttributeError) as error:  # a processor part that needs a package this machine lacks
+        hint = ("; transformers builds this processor only with torchvision installed (the build made for your "
+                "torch)") if "VIDEO_PROCESSOR" in str(error) or "orchvision" in str(error) else ""
+        raise ConfigError(f"model: the processor of {path} cannot be built here ({type(error).__name__}: "
+                          f"{str(error).strip()[:200]}){hint}") from None
+
+
 def check_architecture(path: Path, trust_remote_code: bool = False) -> None:
     """A ConfigError naming the architecture unless the model at ``path`` is a decoder-only causal LM that
     transformers builds (or ``trust_remote_code`` allows its own code to): not a model that needs code of its
@@ -231,7 +244,7 @@ def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str =
 
         from posttrain.data.images import attach_processor
 
-        processor = AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
+        processor = load_processor(path, trust_remote_code)
         tokenizer = attach_processor(processor.tokenizer, processor)
         model = AutoModelForImageTextToText.from_pretrained(path, dtype=DTYPES[dtype],
                                                             trust_remote_code=trust_remote_code).to(target)

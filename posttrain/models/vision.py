@@ -78,12 +78,12 @@ def language_only(model: nn.Module, names: list[str]) -> str:
 
 
 def batch_image_inputs(inputs: list[dict[str, Tensor]], prompt_lengths: list[int], prompt_width: int,
-                       width: int) -> dict[str, Tensor]:
+                       width: int, *, right_padded: bool = False) -> dict[str, Tensor]:
     """One batch's image inputs from each row's own (``encode_image_prompt``'s, one prompt each): a per-image or
     per-patch tensor (``pixel_values``, ``image_grid_thw``, ...) concatenated along its first dimension, its
     other dimensions zero-padded to the widest (Idefics3's images per prompt); a per-token one (``PER_TOKEN``)
     left-padded as the prompt is (``prompt_lengths``, to ``prompt_width``) and zero over the completion, to
-    ``width`` columns. Rows without images add nothing."""
+    ``width`` columns (``right_padded``: each row's prompt starts at column 0). Rows without images add nothing."""
     keys = list(dict.fromkeys(k for row in inputs for k in row))
     out = {}
     for key in keys:
@@ -91,7 +91,8 @@ def batch_image_inputs(inputs: list[dict[str, Tensor]], prompt_lengths: list[int
             column = torch.zeros(len(inputs), width, dtype=torch.long)
             for row, (given, length) in enumerate(zip(inputs, prompt_lengths)):
                 if key in given:
-                    column[row, prompt_width - length: prompt_width] = given[key][0, -length:]
+                    start = 0 if right_padded else prompt_width - length
+                    column[row, start:start + length] = given[key][0, -length:]
             out[key] = column
             continue
         parts = [row[key] for row in inputs if key in row]

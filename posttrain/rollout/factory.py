@@ -163,6 +163,9 @@ def check(config: Config, *, episodes: bool, agent: bool = False) -> None:
 def build(sampling: Sampling, episodes: Episodes | None = None) -> Generator:
     """The config's backend's sampler, with ``sampling``; around it, ``episodes``' agent, or its tools and
     environment turn by turn."""
+    vision = vision_problems(sampling, episodes)
+    if vision:
+        raise ConfigError(*vision)
     if episodes is not None and episodes.agent is not None:
         from posttrain.rollout.agents import AgentGenerator
         from posttrain.rollout.tool_formats import ChatTemplateCalls
@@ -185,6 +188,27 @@ def build(sampling: Sampling, episodes: Episodes | None = None) -> Generator:
                                       max_turns=episodes.max_turns, seed=sampling.seed,
                                       environment=episodes.environment, on_error=episodes.on_error)
     return BACKENDS[backend_name(sampling.config)].build(sampling)
+
+
+def vision_problems(sampling: Sampling, episodes: Episodes | None) -> list[str]:
+    """What a vision-language policy's rollouts cannot do yet: its images go through transformers' ``generate``
+    in this process, with the prompt's images only."""
+    from posttrain.models.vision import is_vision_model
+
+    if not is_vision_model(sampling.model):
+        return []
+    found, c = [], sampling.config
+    if backend_name(c) != "hf":
+        found.append(f"backend: a vision-language model samples with its images through transformers' generate; "
+                     f"use --backend hf{' without rollout servers' if c.rollout.rollout_server else ''}")
+    if c.off_policy.async_rollout or c.off_policy.sampling_copy:
+        found.append("async_rollout, sampler_dtype, sampler_noise: a vision-language model samples with the policy "
+                     "itself; drop them")
+    if episodes is not None and (episodes.agent is not None or episodes.tools is not None
+                                 or episodes.environment is not None):
+        found.append("agent, tools, environment: episodes of a vision-language model are not built (its images are "
+                     "the prompt's); train it on single-turn rows")
+    return found
 
 
 # ---------------------------------------------------------------------------------------

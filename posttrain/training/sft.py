@@ -76,6 +76,7 @@ from posttrain.data.tasks.task import Task
 from posttrain.models.architecture import family, is_supported_class, row_state_reason
 from posttrain.models.batching import token_budget_micro_batches
 from posttrain.models.modeling import split_head, unwrapped
+from posttrain.models.vision import batch_image_inputs, is_vision_model
 from posttrain.models.packing import (
     has_packed_attention,
     packed_forward,
@@ -244,6 +245,8 @@ def packing_unsupported_reason(model: nn.Module, packing: bool) -> str | None:
     packed attention nor transformers' block mask keeps within each example."""
     if not packing:
         return None
+    if is_vision_model(model):
+        return "a vision-language model's examples each run through its own forward with their images"
     base = unwrapped(model)
     reason = row_state_reason(base.config)
     if reason is None and not has_packed_attention(base) and not is_supported_class(base):
@@ -266,7 +269,9 @@ def token_logprobs(model: nn.Module, batch: TokenRows) -> Tensor:
     mask_RW = batch.loss_mask
     parts = split_head(model)
     stack = parts[0] if parts is not None else model
-    if has_packed_attention(stack):
+    if batch.images is not None:  # a vision-language model: one example per row, its images with it
+        out, trained = image_forward(model, batch), mask_RW
+    elif has_packed_attention(stack):
         real_RW = batch.example >= 0
         lengths = torch.bincount(batch.example[real_RW], minlength=len(batch.examples)).tolist()
         layout = sequences_layout(lengths).to(batch.input_ids.device)
@@ -283,6 +288,19 @@ def token_logprobs(model: nn.Module, batch: TokenRows) -> Tensor:
         logits_MV = out.logits.flatten(0, 1)[trained.flatten()]
         logp_M = F.selective_log_softmax(logits_MV[None], batch.targets[mask_RW][None])[0]
     return logp_M.new_zeros(mask_RW.shape).masked_scatter(mask_RW, logp_M)
+
+
+def image_forward(model: nn.Module, batch: TokenRows) -> Any:
+    """A vision-language model's own forward over right-padded rows of one example each, with their images
+    (its own position ids: a Qwen-VL's rope reads the image grid)."""
+    real_RW = batch.example >= 0
+    prompt_lengths = [int(row.sum()) for row in real_RW]  # a per-token input runs along the row from column 0
+    images = batch_image_inputs(batch.images, prompt_lengths, batch.input_ids.shape[1], batch.input_ids.shape[1],
+                                right_padded=True)
+    dtype = next(p.dtype for p in unwrapped(model).parameters() if p.is_floating_point())
+    images = {k: v.to(batch.input_ids.device, dtype) if v.is_floating_point() else v.to(batch.input_ids.device)
+              for k, v in images.items()}
+    return model(input_ids=batch.input_ids, attention_mask=real_RW.long(), use_cache=False, **images)
 
 
 def per_example(batch: TokenRows, values_RW: Tensor) -> Tensor:
@@ -343,6 +361,9 @@ def jsd_to_teacher(s: SFTSession, batch: TokenRows) -> Tensor:
     """[R, W] GKD's generalised JSD between the teacher's and the student's next-token distributions at each
     trained position, 0 elsewhere."""
     mask_RW = batch.loss_mask
+    if batch.images is not None:
+        raise ConfigError("gkd: distilling on rows with images is not built (the teacher's forward would need the "
+                          "images too); train the vision-language student with sft, or distill on text rows")
     student = s.policy(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[mask_RW]
     with torch.no_grad(), offload.resident(s.teacher):
         teacher = s.teacher(input_ids=batch.input_ids, position_ids=batch.position_ids, use_cache=False).logits[mask_RW]
