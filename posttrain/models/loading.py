@@ -240,7 +240,7 @@ def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str =
     path = resolve_model_path(name)
     check_architecture(path, trust_remote_code)
     if is_image_text(path):  # a vision-language model: its processor rides on its tokenizer
-        from transformers import AutoModelForImageTextToText, AutoProcessor
+        from transformers import AutoModelForImageTextToText
 
         from posttrain.data.images import attach_processor
 
