@@ -147,5 +147,6 @@ def encode_image_prompt(processor: Any, prompt: Any, images: list[Any], where: s
     text = processor.apply_chat_template(prompt, add_generation_prompt=True, tokenize=False)
     encoded = dict(processor(text=[text], images=images or None, return_tensors="pt"))
     ids = encoded.pop("input_ids")[0]
-    encoded.pop("attention_mask", None)
+    for made_for_supervision in ("attention_mask", "labels"):  # PaliGemma's processor writes labels
+        encoded.pop(made_for_supervision, None)
     return ids, encoded

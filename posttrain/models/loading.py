@@ -190,9 +190,11 @@ def load_processor(path: Path, trust_remote_code: bool = False) -> Any:
 
     try:
         return AutoProcessor.from_pretrained(path, trust_remote_code=trust_remote_code)
-    except (ImportError, AttributeError) as error:  # a processor part that needs a package this machine lacks
+    except (ImportError, AttributeError, OSError, ValueError) as error:  # a part missing, or a package it needs
         hint = ("; transformers builds this processor only with torchvision installed (the build made for your "
-                "torch)") if "VIDEO_PROCESSOR" in str(error) or "orchvision" in str(error) else ""
+                "torch)") if "VIDEO_PROCESSOR" in str(error) or "orchvision" in str(error) else (
+                "; a vision-language model's directory holds its processor (processor_config.json or "
+                "preprocessor_config.json), as save_pretrained writes it") if isinstance(error, OSError) else ""
         raise ConfigError(f"model: the processor of {path} cannot be built here ({type(error).__name__}: "
                           f"{str(error).strip()[:200]}){hint}") from None
 

@@ -144,8 +144,10 @@ def probe_sequences(vocab_size: int, seed: int = 0, exclude: list[int] = ()) -> 
 def own_logprobs(model: nn.Module, prompt: Tensor, completion: Tensor, temperature: float = 1.0) -> Tensor:
     """[len(completion)] the completion's log-probs from the model's own forward over prompt + completion alone
     (no padding, no layout, its own head)."""
+    from posttrain.models.vision import causal_text_inputs
+
     ids = torch.cat([prompt, completion])[None].to(next(model.parameters()).device)
-    logits = model(input_ids=ids).logits[0, len(prompt) - 1:-1].float() / temperature
+    logits = model(input_ids=ids, **causal_text_inputs(model, ids)).logits[0, len(prompt) - 1:-1].float() / temperature
     return logits.log_softmax(-1).gather(-1, completion.to(logits.device)[:, None])[:, 0].cpu()
 
 
@@ -203,13 +205,17 @@ def check_causal(model: nn.Module, vocab_size: int) -> None:
     """A ConfigError unless ``model`` is causal: a position's logits must not change when a later token does (an
     encoder's bidirectional attention, loaded through a causal LM head, would train on the future)."""
     from posttrain.config import ConfigError
+    from posttrain.models.vision import causal_text_inputs, image_token_ids, is_vision_model
 
-    ids = torch.randint(vocab_size, (16,), generator=torch.Generator().manual_seed(1))
-    changed = ids.clone()
-    changed[12:] = (ids[12:] + 1) % vocab_size
+    ids, changed = probe_sequences(vocab_size, seed=1, exclude=image_token_ids(model) if is_vision_model(model) else [])
+    ids = ids[0][:16]
+    changed = torch.cat([ids[:12], changed[0][:4]])  # the same first 12 tokens, later ones drawn again
+    if torch.equal(ids, changed):
+        changed[12:] = ids[12:].roll(1)
     device = next(model.parameters()).device
     with torch.no_grad():  # the same shapes, the same first 12 tokens: a causal model's logits there are the same
-        logits = [model(input_ids=x[None].to(device)).logits[0, :12].float() for x in (ids, changed)]
+        logits = [model(input_ids=x[None].to(device), **causal_text_inputs(model, x[None].to(device))).logits[0, :12]
+                  .float() for x in (ids, changed)]
     if not torch.allclose(*logits, rtol=1e-5, atol=1e-5):
         raise ConfigError(f"model: {family(model)} is not causal: its predictions for earlier positions change when a "
                           "later token does (a bidirectional encoder); posttrain trains decoder-only causal LMs")

@@ -46,14 +46,17 @@ ROUTERS = ("gate", "router")
 so LoRA does not change which experts a token goes to."""
 
 
-def default_target_modules(model: nn.Module) -> list[str]:
+def default_target_modules(model: nn.Module, outside: tuple[str, ...] = ()) -> list[str]:
     """Names (last component) of every ``nn.Linear`` except the output head and a mixture of experts' router:
     the attention and MLP projections of a decoder, and the projections around its linear-attention,
-    convolution and Mamba mixers, whatever the architecture calls them."""
+    convolution and Mamba mixers, whatever the architecture calls them. Modules under the ``outside`` paths (a
+    vision-language model's tower and projector) add no names: a projector's ``nn.Sequential`` would add ``0``,
+    which names whole decoder layers too."""
     head = model.get_output_embeddings()
     experts = _routed_experts(model)
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
              if isinstance(module, nn.Linear) and module is not head
+             and not any(name.startswith(prefix + ".") for prefix in outside)
              and not (experts and name.rsplit(".", 1)[-1] in ROUTERS and module.out_features == experts)}
     return sorted(names)
 
@@ -80,11 +83,11 @@ def apply_lora(model: nn.Module, model_config: ModelConfig) -> nn.Module:
         raise ConfigError(f"lora_r: LoRA needs the peft package, which is not installed; install it with: {LORA_INSTALL}")
     from peft import LoraConfig, get_peft_model
 
-    targets = list(model_config.lora_target_modules) or default_target_modules(model)
+    towers, projectors = vision_parts(model) if is_vision_model(model) else ([], [])
+    targets = list(model_config.lora_target_modules) or default_target_modules(model, tuple(towers + projectors))
     parameters = [] if model_config.lora_target_modules else default_target_parameters(model)
     whole = None
     if is_vision_model(model):  # adapters on the language model; the vision parts train whole or not at all
-        towers, projectors = vision_parts(model)
         targets = language_only(model, targets)
         whole = {"none": None, "projector": projectors, "tower": towers + projectors}[model_config.train_vision]
     config = LoraConfig(r=model_config.lora_r, lora_alpha=model_config.lora_alpha,

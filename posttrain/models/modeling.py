@@ -30,7 +30,7 @@ from posttrain.models.architecture import (cache_unsupported_reason, head_unsupp
 from posttrain.models.experts import RouterStats, RouterTrace, RoutingReplay, experts_per_token, routers
 from posttrain.models.compute import is_checkpointed
 from posttrain.models.packing import has_packed_attention, pack
-from posttrain.models.vision import batch_image_inputs, is_vision_model, vision_outputs
+from posttrain.models.vision import batch_image_inputs, generated_token_type, is_vision_model, vision_outputs
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
@@ -412,7 +412,8 @@ def _forward(model: nn.Module, batch: TokenBatch, temperature: float, with_entro
 
 def _vision_outputs(model: nn.Module, batch: TokenBatch, hidden: bool) -> tuple[Tensor, Tensor | None]:
     p, (n, width) = batch.prompt_width, batch.input_ids.shape
-    images = batch_image_inputs(batch.images or [{}] * n, batch.attention_mask[:, :p].sum(-1).tolist(), p, width)
+    images = batch_image_inputs(batch.images or [{}] * n, batch.attention_mask[:, :p].sum(-1).tolist(), p, width,
+                                completion_type=generated_token_type(model))
     return vision_outputs(model, batch.input_ids, batch.attention_mask, batch.completion_ids.shape[1], images, hidden)
 
 

@@ -27,8 +27,26 @@ TOWERS = ("vision_tower", "visual", "vision_model", "vision_encoder", "image_enc
 """What families call their vision encoder (the submodule's own name)."""
 PROJECTORS = ("multi_modal_projector", "connector", "mm_projector", "merger", "vision_projection", "projector")
 """What families call the map from image features into the language model's embeddings."""
+PROJECTOR_PARAMETERS = ("image_newline", "image_seperator", "image_separator")
+"""Parameters outside any module that belong to the image embedding (LLaVA-NeXT's row separator): frozen with the
+projector."""
 PER_TOKEN = ("token_type_ids", "mm_token_type_ids")
 """Image inputs that run along the prompt's tokens (Gemma 3's image-token marks): padded as the ids are."""
+GENERATED_TOKEN_TYPE = {"paligemma": 1}
+"""The ``token_type_ids`` a family gives the tokens it generates, where not 0: PaliGemma's 0 marks the prefix that
+attends both ways, 1 the causal suffix (its ``generate`` marks each new token 1); Gemma 3's 0 is plain text."""
+
+
+def generated_token_type(model: nn.Module) -> int:
+    """The token type of a completion's tokens for ``model`` (:data:`GENERATED_TOKEN_TYPE`, else 0)."""
+    return GENERATED_TOKEN_TYPE.get(getattr(unwrapped(model).config, "model_type", None), 0)
+
+
+def causal_text_inputs(model: nn.Module, input_ids: Tensor) -> dict[str, Tensor]:
+    """What a forward over text alone needs so that it is causal: PaliGemma's ids all marked as its suffix
+    (unmarked, its whole row would attend both ways); nothing for other models."""
+    kind = generated_token_type(model) if is_vision_model(model) else 0
+    return {"token_type_ids": torch.full_like(input_ids, kind)} if kind else {}
 
 
 def is_vision_model(model: nn.Module) -> bool:
@@ -68,6 +86,10 @@ def freeze_vision(model: nn.Module, train: str) -> None:
     modules = dict(unwrapped(model).named_modules())
     for name in frozen:
         modules[name].requires_grad_(False)
+    if train == "none":  # a projector's loose parameters (LLaVA-NeXT's image_newline) stay with the projector
+        for name, parameter in unwrapped(model).named_parameters():
+            if name.rsplit(".", 1)[-1] in PROJECTOR_PARAMETERS:
+                parameter.requires_grad_(False)
 
 
 def language_only(model: nn.Module, names: list[str]) -> str:
@@ -78,20 +100,22 @@ def language_only(model: nn.Module, names: list[str]) -> str:
 
 
 def batch_image_inputs(inputs: list[dict[str, Tensor]], prompt_lengths: list[int], prompt_width: int,
-                       width: int, *, right_padded: bool = False) -> dict[str, Tensor]:
+                       width: int, *, right_padded: bool = False, completion_type: int = 0) -> dict[str, Tensor]:
     """One batch's image inputs from each row's own (``encode_image_prompt``'s, one prompt each): a per-image or
     per-patch tensor (``pixel_values``, ``image_grid_thw``, ...) concatenated along its first dimension, its
     other dimensions zero-padded to the widest (Idefics3's images per prompt); a per-token one (``PER_TOKEN``)
     left-padded as the prompt is (``prompt_lengths``, to ``prompt_width``) and zero over the completion, to
-    ``width`` columns (``right_padded``: each row's prompt starts at column 0). Rows without images add nothing."""
+    ``width`` columns (``right_padded``: each row's prompt starts at column 0), ``completion_type`` after the prompt
+    (:func:`generated_token_type`). Rows without images add nothing."""
     keys = list(dict.fromkeys(k for row in inputs for k in row))
     out = {}
     for key in keys:
         if key in PER_TOKEN:
             column = torch.zeros(len(inputs), width, dtype=torch.long)
             for row, (given, length) in enumerate(zip(inputs, prompt_lengths)):
+                start = 0 if right_padded else prompt_width - length
+                column[row, start + length:] = completion_type
                 if key in given:
-                    start = 0 if right_padded else prompt_width - length
                     column[row, start:start + length] = given[key][0, -length:]
             out[key] = column
             continue
@@ -114,6 +138,8 @@ def vision_outputs(model: nn.Module, input_ids: Tensor, attention_mask: Tensor, 
     dtype = next(p.dtype for p in unwrapped(model).parameters() if p.is_floating_point())
     device = input_ids.device
     given = {k: (v.to(device, dtype) if v.is_floating_point() else v.to(device)) for k, v in image_inputs.items()}
+    if "token_type_ids" not in given:
+        given.update(causal_text_inputs(model, input_ids))
     out = model(input_ids=input_ids, attention_mask=attention_mask, logits_to_keep=completion_width + 1,
                 output_hidden_states=hidden, **given)
     logits = out.logits[:, :completion_width]

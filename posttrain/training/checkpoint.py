@@ -53,6 +53,7 @@ import torch
 from safetensors.torch import load_file, save_model
 from torch import Tensor, nn
 
+from posttrain.data.images import processor_of
 from posttrain.models.lora import is_lora
 from posttrain.parallel import fsdp
 
@@ -250,6 +251,9 @@ def _save_model(directory: Path, model: nn.Module, tokenizer: Any | None,
     model.save_pretrained(directory, save_original_format=False, **({"state_dict": dict(state)} if state else {}))
     if tokenizer is not None:
         tokenizer.save_pretrained(directory)
+        processor = processor_of(tokenizer)
+        if processor is not None:  # a vision-language model's: its image processor and chat template with it
+            processor.save_pretrained(directory)
 
 
 def _write_atomically(final: Path, write: Callable[[Path], None]) -> None:

@@ -76,7 +76,7 @@ from posttrain.data.tasks.task import Task
 from posttrain.models.architecture import family, is_supported_class, row_state_reason
 from posttrain.models.batching import token_budget_micro_batches
 from posttrain.models.modeling import split_head, unwrapped
-from posttrain.models.vision import batch_image_inputs, is_vision_model
+from posttrain.models.vision import PER_TOKEN, batch_image_inputs, generated_token_type, is_vision_model
 from posttrain.models.packing import (
     has_packed_attention,
     packed_forward,
@@ -294,9 +294,10 @@ def image_forward(model: nn.Module, batch: TokenRows) -> Any:
     """A vision-language model's own forward over right-padded rows of one example each, with their images
     (its own position ids: a Qwen-VL's rope reads the image grid)."""
     real_RW = batch.example >= 0
-    prompt_lengths = [int(row.sum()) for row in real_RW]  # a per-token input runs along the row from column 0
-    images = batch_image_inputs(batch.images, prompt_lengths, batch.input_ids.shape[1], batch.input_ids.shape[1],
-                                right_padded=True)
+    prompt_lengths = [next((v.shape[1] for k, v in row.items() if k in PER_TOKEN), 0) for row in batch.images]
+    width = batch.input_ids.shape[1]
+    images = batch_image_inputs(batch.images, prompt_lengths, width, width, right_padded=True,
+                                completion_type=generated_token_type(model))
     dtype = next(p.dtype for p in unwrapped(model).parameters() if p.is_floating_point())
     images = {k: v.to(batch.input_ids.device, dtype) if v.is_floating_point() else v.to(batch.input_ids.device)
               for k, v in images.items()}
