@@ -22,7 +22,7 @@ import torch
 from transformers import AutoModelForImageTextToText, AutoTokenizer
 
 import posttrain
-from posttrain.config import ConfigError, ModelConfig
+from posttrain.config import ModelConfig
 from posttrain.models.logprobs import batched_logprobs
 from posttrain.models.lora import apply_lora
 from posttrain.models.modeling import collate, forward
