@@ -52,6 +52,7 @@ ONLINE_TABLE = {
              None, 0.0, 1, 8),
     "lite_ppo": ("group_batch_std", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "none", None, 0.0, 1, 1),
     "gdpo": ("gdpo", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "loss", "k3", 0.04, 1, 1),
+    "maxrl": ("maxrl", "token", "ppo", 0.2, 0.2, "sequence_mean", "policy", "loss", "k3", 0.04, 1, 1),
     "clip_cov": ("group", "token", "clip_cov", None, 1.0, "token_mean", "policy", "none", None, 0.0, 1, 8),
     "kl_cov": ("group", "token", "kl_cov", None, None, "token_mean", "policy", "none", None, 0.0, 1, 8),
     "entropy_control": ("group", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "none", None, 0.0, 1, 1),
@@ -81,6 +82,7 @@ PREFERENCE_TABLE = {
     "odpo": ("odpo", 0.1, None, 1.0, None, None, None, None),
     "simpo": ("simpo", 2.0, None, None, 1.0, None, None, None),
     "orpo": ("orpo", None, None, None, None, 0.1, None, None),
+    "ipo": ("ipo", 0.1, None, None, None, None, None, None),
     "kto": ("kto", 0.1, None, None, None, None, 1.0, 1.0),
 }
 SUPERVISED_TABLE = {  # objective, completion_only_loss, center_rewards_coefficient
@@ -95,7 +97,7 @@ ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347",
          "orpo": "2403.07691", "kto": "2402.01306", "sapo": "2511.20347", "dppo": "2602.04879",
          "gmpo": "2507.20673", "lite_ppo": "2508.08221", "clip_cov": "2505.22617", "kl_cov": "2505.22617",
          "entropy_control": "2505.22312", "on_policy_distill": "2306.13649",
-         "gdpo": "2601.05242", "gkd": "2306.13649"}
+         "gdpo": "2601.05242", "gkd": "2306.13649", "maxrl": "2602.02710", "ipo": "2310.12036"}
 
 
 # --- the registry ------------------------------------------------------------------------
@@ -195,7 +197,7 @@ def test_derived_flags_of_online_presets(name):
 def test_derived_flags_of_preference_presets():
     flags = {n: (p.needs_reference, p.paired, p.needs_scores) for n, p in ALGORITHMS.items() if n in PREFERENCE_TABLE}
     assert flags == {"dpo": (True, True, False), "odpo": (True, True, True), "simpo": (False, True, False),
-                     "orpo": (False, True, False), "kto": (True, False, False)}
+                     "orpo": (False, True, False), "ipo": (True, True, False), "kto": (True, False, False)}
 
 
 def test_zero_beta_drops_the_reference_and_one_epoch_needs_no_recorded_old_logprobs():
@@ -274,7 +276,7 @@ def test_unknown_field_names_it_and_lists_the_fields_of_that_kind():
     ("simpo", dict(gamma=None), "loss='simpo' needs gamma"),
     ("odpo", dict(alpha=-1.0), "alpha=-1.0 must be >= 0"),
     ("kto", dict(desirable_weight=0.0), "desirable_weight=0.0 must be > 0"),
-    ("kto", dict(loss="ipo"), "loss='ipo' is not one of"),
+    ("kto", dict(loss="hinge"), "loss='hinge' is not one of"),
 ])
 def test_invalid_values_raise_with_what_to_change(name, overrides, message):
     with pytest.raises(ValueError, match=message) as info:

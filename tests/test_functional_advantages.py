@@ -52,7 +52,7 @@ def test_group_of_one_is_a_clear_error(estimator):
 
 
 def test_advantages_rejects_bad_arguments():
-    with pytest.raises(ValueError, match="'group', 'group_mean', 'group_batch_std', 'rloo', 'greedy_baseline'"):
+    with pytest.raises(ValueError, match="'group', 'group_mean', 'group_batch_std', 'rloo', 'maxrl', 'greedy_baseline'"):
         F.advantages("grpo", torch.zeros(2, 2))
     with pytest.raises(ValueError, match="baseline="):
         F.advantages("greedy_baseline", torch.zeros(2, 2))
@@ -301,3 +301,26 @@ def test_gdpo_is_verls():
         index=np.repeat(np.arange(b), g), epsilon=1e-6, config=config, non_tensor_batch=non_tensor, batch=batch)
     ours = F.gdpo_advantages(terms, torch.tensor(weights, dtype=torch.float64))
     torch.testing.assert_close(ours.flatten().float(), theirs[:, 0].float(), rtol=1e-4, atol=1e-5)
+
+
+def test_maxrl_divides_by_the_pass_rate():
+    """Binary rewards, K of G correct: A = G r / K - 1. Group 0: 1 of 4 -> [3, -1, -1, -1]; group 1: 3 of 4 ->
+    [1/3, 1/3, 1/3, -1]; all-wrong and all-right groups -> 0."""
+    rewards = torch.tensor([[1.0, 0, 0, 0], [1, 1, 0, 1], [0, 0, 0, 0], [1, 1, 1, 1]])
+    torch.testing.assert_close(F.advantages("maxrl", rewards, eps=0.0),
+                               torch.tensor([[3.0, -1, -1, -1], [1 / 3, 1 / 3, -1, 1 / 3], [0, 0, 0, 0], [0, 0, 0, 0]]))
+    # the sum over a group's correct samples is G - K... and its advantages sum to 0, as GRPO's do
+    torch.testing.assert_close(F.advantages("maxrl", rewards).sum(1), torch.zeros(4), atol=1e-5, rtol=0)
+    # graded rewards: mean 0.5 -> (r - 0.5) / 0.5
+    torch.testing.assert_close(F.advantages("maxrl", torch.tensor([[0.25, 0.75]]), eps=0.0), torch.tensor([[-0.5, 0.5]]))
+    with pytest.raises(ValueError, match=r"rewards >= 0 .* reward -1 at \[0, 1\]"):
+        F.advantages("maxrl", torch.tensor([[1.0, -1.0]]))
+
+
+def test_maxrl_weighs_a_hard_prompt_by_its_inverse_pass_rate_where_grpo_weighs_by_its_std():
+    """The summed weight on the correct samples: MaxRL G - K (per correct sample G/K - 1); GRPO's is K (1 - p) / std."""
+    hard, easy = torch.tensor([[1.0] + [0.0] * 7]), torch.tensor([[1.0] * 7 + [0.0]])
+    maxrl = [F.advantages("maxrl", r, eps=0.0)[0, 0].item() for r in (hard, easy)]
+    grpo = [F.advantages("group", r, eps=0.0)[0, 0].item() for r in (hard, easy)]
+    assert maxrl[0] / maxrl[1] == pytest.approx(7 / (1 / 7))  # (8/1 - 1) / (8/7 - 1) = 49
+    assert grpo[0] / grpo[1] == pytest.approx(7.0)  # (7/8) / (1/8): GRPO favours the hard prompt 7x, MaxRL 49x

@@ -206,3 +206,28 @@ def test_bradley_terry_loss_checks_its_inputs():
         F.bradley_terry_loss(torch.zeros(2), torch.zeros(2), margin=torch.zeros(3))
     with pytest.raises(ValueError, match="center_coefficient"):
         F.bradley_terry_loss(torch.zeros(2), torch.zeros(2), center_coefficient=-1.0)
+
+
+def test_ipo_hand_computed():
+    """h = (pi_w - ref_w) - (pi_l - ref_l); loss = mean (h - 1/(2 beta))^2. Pair 0: h = (-2+3) - (-5+4) = 2;
+    pair 1: h = (-1+1) - (-1+1) = 0. beta 0.25: target 2 -> losses 0 and 4, mean 2."""
+    loss, metrics = F.ipo_loss(torch.tensor([-2.0, -1.0]), torch.tensor([-5.0, -1.0]), torch.tensor([-3.0, -1.0]),
+                               torch.tensor([-4.0, -1.0]), beta=0.25)
+    torch.testing.assert_close(loss, torch.tensor(2.0))
+    torch.testing.assert_close(metrics["rewards/chosen"], torch.tensor(0.125))  # beta * (pi_w - ref_w), averaged
+    # per token (the authors' runs, TRL's): pair 0's ratios 1/2 and -1/4 -> h 0.75, (0.75 - 2)^2 = 1.5625;
+    # pair 1: h 0 -> 4; mean 2.78125
+    loss, _ = F.ipo_loss(torch.tensor([-2.0, -1.0]), torch.tensor([-5.0, -1.0]), torch.tensor([-3.0, -1.0]),
+                         torch.tensor([-4.0, -1.0]), beta=0.25, chosen_lengths=torch.tensor([2, 3]),
+                         rejected_lengths=torch.tensor([4, 1]))
+    torch.testing.assert_close(loss, torch.tensor(2.78125))
+    with pytest.raises(ValueError, match="give chosen_lengths and rejected_lengths together"):
+        F.ipo_loss(*[torch.zeros(2)] * 4, chosen_lengths=torch.ones(2))
+
+
+def test_ipo_gradient_pushes_the_margin_to_its_target():
+    """d loss / d pi_w = 2 (h - 1/(2 beta)) / B: negative below the target (raise the chosen), positive above."""
+    chosen = torch.tensor([0.0, 10.0], requires_grad=True)
+    loss, _ = F.ipo_loss(chosen, torch.zeros(2), torch.zeros(2), torch.zeros(2), beta=0.1)  # target 5
+    loss.backward()
+    torch.testing.assert_close(chosen.grad, torch.tensor([2 * (0 - 5) / 2, 2 * (10 - 5) / 2]))

@@ -29,13 +29,13 @@ def clean_registries():
 def test_the_built_in_pieces_are_registered_like_a_users():
     builtin = {name: e for name, e in registry.ADVANTAGES.items() if e.fn.__module__ == "posttrain.algorithms.pieces"}
     assert set(builtin) == {"gae", "greedy_baseline", "rloo", "group", "group_mean", "reinforce_pp",
-                            "reinforce_pp_baseline", "best_of_n", "group_batch_std", "reverse_kl", "gdpo"}
+                            "reinforce_pp_baseline", "best_of_n", "group_batch_std", "reverse_kl", "gdpo", "maxrl"}
     assert {"policy", "nll"} <= set(registry.POLICY_LOSSES)
     assert {"dpo", "odpo", "simpo", "orpo", "kto"} <= set(registry.PREFERENCE_LOSSES)
     assert registry.ADVANTAGES["gae"].level == "token" and registry.ADVANTAGES["gae"].needs_values
     assert registry.ADVANTAGES["greedy_baseline"].needs_baseline
     assert {n for n, e in builtin.items() if e.compares_group} == {
-        "group", "group_mean", "group_batch_std", "rloo", "reinforce_pp_baseline", "gdpo"}
+        "group", "group_mean", "group_batch_std", "rloo", "reinforce_pp_baseline", "gdpo", "maxrl"}
     assert not registry.PREFERENCE_LOSSES["kto"].paired and registry.PREFERENCE_LOSSES["dpo"].needs_reference
     assert not registry.PREFERENCE_LOSSES["simpo"].needs_reference
 

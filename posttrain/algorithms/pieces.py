@@ -54,6 +54,7 @@ _GROUP_ESTIMATORS = {
                   "process supervision centred only.",
     "rloo": "RLOO: r minus the mean reward of the prompt's other G - 1 completions (leave-one-out).",
     "group_batch_std": "Lite PPO: r minus the group's mean, divided by the std of every reward in the step's batch.",
+    "maxrl": "MaxRL: r minus the group's mean, divided by that mean (the pass rate): 1/p weighting; rewards >= 0.",
 }
 """The group estimators' one-line accounts, for the registry's listing (docs/reference/registries.md)."""
 
@@ -73,6 +74,7 @@ for _name in ("group", "group_mean"):  # GRPO, Dr.GRPO: [B, G] -> [B, G] within 
     register_advantage(_name, compares_group=True, takes_step_rewards=True)(_group_estimator(_name))
 register_advantage("rloo", compares_group=True)(_group_estimator("rloo"))  # RLOO: leave-one-out
 register_advantage("group_batch_std", compares_group=True)(_group_estimator("group_batch_std"))  # Lite PPO
+register_advantage("maxrl", compares_group=True)(_group_estimator("maxrl"))  # MaxRL: 1 / pass-rate weighting
 
 
 @register_advantage("greedy_baseline", needs_baseline=True)
@@ -188,6 +190,15 @@ def odpo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: T
     offset = F.odpo_offset(chosen_scores, rejected_scores, alpha=preset.alpha)
     return F.dpo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=preset.beta,
                       offset=offset)
+
+
+@register_preference_loss("ipo", inputs=(*_PAIR, *_REF_PAIR, *_LENGTHS), coefficients=("beta",))
+def ipo(preset: PreferenceAlgorithm, *, chosen_logps: Tensor, rejected_logps: Tensor, ref_chosen_logps: Tensor,
+        ref_rejected_logps: Tensor, chosen_lengths: Tensor, rejected_lengths: Tensor,
+        **_: Tensor) -> tuple[Tensor, Metrics]:
+    """IPO: (chosen minus rejected per-token policy-vs-reference log-ratio - 1 / (2 beta))^2."""
+    return F.ipo_loss(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps, beta=preset.beta,
+                      chosen_lengths=chosen_lengths, rejected_lengths=rejected_lengths)
 
 
 @register_preference_loss("simpo", inputs=(*_PAIR, *_LENGTHS), coefficients=("beta", "gamma"))

@@ -164,6 +164,13 @@ _AFTER_THE_SEED = [
         update_structure="one update per rollout, GRPO's: GDPO (arXiv:2601.05242) changes only how the rewards "
         "become advantages"),
     OnlineAlgorithm(
+        "maxrl", "Maximum Likelihood Reinforcement Learning (Tajwar et al., 2026) https://arxiv.org/abs/2602.02710",
+        "GRPO with the group's reward minus its mean divided by the mean (the pass rate), not the std: an unbiased "
+        "gradient of the log pass rate, weighing hard prompts by 1/p.",
+        advantage="maxrl", aggregation="sequence_mean", kl_placement="loss", kl_estimator="k3", beta=0.04,
+        update_structure="one update per rollout, GRPO's: MaxRL (arXiv:2602.02710) changes only the advantage's "
+        "normalisation, and the rest is GRPO's here so that the lineage compares the two on the estimator alone"),
+    OnlineAlgorithm(
         "clip_cov", "The Entropy Mechanism of Reinforcement Learning for Reasoning Language Models (Cui et al., 2025) "
         "https://arxiv.org/abs/2505.22617",
         "GRPO whose few tokens of highest advantage x log-prob covariance get no gradient, holding entropy up.",
@@ -229,6 +236,12 @@ _PREFERENCE = [
         "https://arxiv.org/abs/2403.07691",
         "SFT and preference in one loss: chosen NLL + lam * odds-ratio term; no reference model.",
         loss="orpo", lam=0.1),
+    PreferenceAlgorithm(
+        "ipo", "A General Theoretical Paradigm to Understand Learning from Human Preferences (Azar et al., 2023) "
+        "https://arxiv.org/abs/2310.12036",
+        "DPO's logistic loss replaced by a squared one: the log-ratio margin regressed to 1 / (2 tau), so it cannot "
+        "grow without bound on deterministic preferences.",
+        loss="ipo", beta=0.1),
     PreferenceAlgorithm(
         "kto", "KTO: Model Alignment as Prospect Theoretic Optimization (Ethayarajh et al., 2024) "
         "https://arxiv.org/abs/2402.01306",

@@ -41,6 +41,7 @@ from ._policy import nll_loss, policy_loss
 from ._preference import (
     chosen_nll,
     dpo_loss,
+    ipo_loss,
     kto_loss,
     odpo_offset,
     orpo_loss,
@@ -60,6 +61,7 @@ __all__ = [
     "discounted_returns",
     "distillation_advantages",
     "dpo_loss",
+    "ipo_loss",
     "entropy_bonus",
     "entropy_from_logits",
     "expert_load",

@@ -10,6 +10,12 @@ registry (`ADVANTAGE_ESTIMATORS`), so a preset names one by string:
 | `group_batch_std` | `(r_i - mean(r)) / (std(R) + eps)`, R every reward of the batch, unbiased | Lite PPO (Liu et al. 2025, arXiv:2508.08221) Sec. 4.1 |
 | `rloo` | `r_i - sum_{j!=i} r_j / (G - 1)` | RLOO (Kool et al. 2019; Ahmadian et al. 2024) |
 | `greedy_baseline` | `r_i - r_greedy` | ReMax (Li et al. 2023) |
+| `maxrl` | `(r_i - mean(r)) / (mean(r) + eps)`, rewards >= 0 | MaxRL (Tajwar et al. 2026, arXiv:2602.02710) |
+
+MaxRL's estimator with binary rewards and K of G correct is `G r_i / K - 1`: the gradient
+`(1/K) sum_{correct} grad log p - (1/G) sum_all grad log p`, an unbiased estimate of the gradient of
+the truncated log pass rate (the paper's maximum-likelihood objective), which weighs a prompt by the
+inverse of its pass rate where GRPO's std weighs it by `1/sqrt(p(1-p))`.
 
 `reinforce_pp_advantages` is REINFORCE++ (Hu 2025): KL-shaped token rewards,
 gamma = 1 returns, whitened over the batch; with `baseline=True`, the
@@ -72,6 +78,16 @@ def _group_batch_std(rewards_BG: Tensor, eps: float) -> Tensor:
     return _group_centered(rewards_BG) / (rewards_BG.std() + eps)  # Lite PPO: group mean, batch std
 
 
+def _maxrl(rewards_BG: Tensor, eps: float) -> Tensor:
+    negative_BG = rewards_BG < 0
+    if negative_BG.any():
+        where = negative_BG.nonzero()[0].tolist()
+        raise ValueError(f"estimator 'maxrl' takes rewards >= 0 (a pass rate divides them); reward "
+                         f"{rewards_BG[where[0], where[1]].item():g} at [{where[0]}, {where[1]}]: use rewards in [0, 1]")
+    mean_B1 = rewards_BG.mean(dim=1, keepdim=True)
+    return (rewards_BG - mean_B1) / (mean_B1 + eps)  # MaxRL: divided by the group's mean (pass rate)
+
+
 def _rloo(rewards_BG: Tensor, eps: float) -> Tensor:
     others_mean_BG = (rewards_BG.sum(dim=1, keepdim=True) - rewards_BG) / (rewards_BG.shape[1] - 1)
     return rewards_BG - others_mean_BG  # RLOO (Kool et al. 2019): leave-one-out baseline
@@ -82,6 +98,7 @@ GROUP_ESTIMATORS: dict[str, Callable[[Tensor, float], Tensor]] = {
     "group_mean": _group_mean,
     "group_batch_std": _group_batch_std,
     "rloo": _rloo,
+    "maxrl": _maxrl,
 }
 ADVANTAGE_ESTIMATORS = (*GROUP_ESTIMATORS, "greedy_baseline")
 
@@ -105,10 +122,10 @@ def advantages(
     """Sequence-level advantages from grouped rewards.
 
     Args:
-        estimator: "group" | "group_mean" | "group_batch_std" | "rloo" | "greedy_baseline".
+        estimator: "group" | "group_mean" | "group_batch_std" | "rloo" | "maxrl" | "greedy_baseline".
         rewards: [B, G] rewards of G completions for each of B prompts.
         baseline: [B] reward of each prompt's greedy decode; "greedy_baseline" only.
-        eps: added to the group std ("group"), >= 0.
+        eps: added to the group std ("group") or mean ("maxrl"), >= 0.
 
     Returns:
         [B, G] advantages. A group whose rewards are all equal gets exactly 0.

@@ -8,6 +8,9 @@ loss is the mean over pairs (examples for KTO).
   `h = beta ((pi_w - ref_w) - (pi_l - ref_l))`.
 - ODPO (Amini et al. 2024): `-logsig(h - offset)`,
   `offset = alpha log(score_w - score_l)`.
+- IPO (Azar et al. 2023, eq. (17)): `(h - 1/(2 tau))^2`, `h = (pi_w - ref_w) - (pi_l - ref_l)`
+  (``tau`` is ``beta``), each log-ratio divided by its completion's length when the lengths are given
+  (the authors' runs; see `ipo_loss`).
 - SimPO (Meng et al. 2024, eq. (6)): `-logsig(beta pi_w/|y_w| - beta pi_l/|y_l| - gamma)`.
 - ORPO (Hong et al. 2024, eqs. (6)-(7)): `-a_w + lam (-logsig(logodds_w - logodds_l))`,
   `a = pi/|y|`, `logodds = a - log(1 - exp(a))`.
@@ -110,6 +113,53 @@ def dpo_loss(
         h_B = h_B - offset.to(dtype).detach()  # ODPO: the chosen must win by the offset
     losses_B = -(1 - label_smoothing) * logsigmoid(h_B) - label_smoothing * logsigmoid(-h_B)  # cDPO
     return losses_B.mean(), _pair_metrics(chosen_rewards_B, rejected_rewards_B, pi_w, pi_l)
+
+
+def ipo_loss(
+    chosen_logps: Tensor,
+    rejected_logps: Tensor,
+    ref_chosen_logps: Tensor,
+    ref_rejected_logps: Tensor,
+    *,
+    beta: float = 0.1,
+    chosen_lengths: Tensor | None = None,
+    rejected_lengths: Tensor | None = None,
+) -> tuple[Tensor, dict[str, Tensor]]:
+    """IPO loss (Azar et al. 2023, eq. (17)): the squared distance of the log-ratio margin from ``1 / (2 beta)``.
+
+    Args:
+        chosen_logps, rejected_logps: [B] summed completion log-probs under the policy.
+        ref_chosen_logps, ref_rejected_logps: [B] under the reference (no grad).
+        beta: the paper's tau, > 0: the margin's target is 1 / (2 beta).
+        chosen_lengths, rejected_lengths: [B] completion token counts: each log-ratio is divided by its
+            completion's length (both or neither given).
+
+    Returns:
+        (loss 0-dim, metrics) as ``dpo_loss``'s, the rewards ``beta * (pi - ref)``.
+
+    Eq. (17) writes h on sequence log-likelihoods, so a sum over tokens makes the squared loss grow with the
+    completions' length; the authors' reported runs divide each log-ratio by its length (TRL's
+    ``loss_type="ipo"`` does, and says the authors confirmed it). The preset passes the lengths; without them
+    this is eq. (17) on sums.
+    """
+    _check_pairs(chosen_logps=chosen_logps, rejected_logps=rejected_logps, ref_chosen_logps=ref_chosen_logps,
+                 ref_rejected_logps=ref_rejected_logps, chosen_lengths=chosen_lengths,
+                 rejected_lengths=rejected_lengths)
+    check_positive("beta", beta)
+    if (chosen_lengths is None) != (rejected_lengths is None):
+        raise ValueError("ipo_loss: give chosen_lengths and rejected_lengths together, or neither")
+    dtype = compute_dtype(chosen_logps, rejected_logps, ref_chosen_logps, ref_rejected_logps)
+    pi_w, pi_l = chosen_logps.to(dtype), rejected_logps.to(dtype)
+    chosen_ratio_B = pi_w - ref_chosen_logps.to(dtype).detach()
+    rejected_ratio_B = pi_l - ref_rejected_logps.to(dtype).detach()
+    if chosen_lengths is not None:
+        _check_lengths("chosen_lengths", chosen_lengths)
+        _check_lengths("rejected_lengths", rejected_lengths)
+        chosen_ratio_B = chosen_ratio_B / chosen_lengths.to(dtype)
+        rejected_ratio_B = rejected_ratio_B / rejected_lengths.to(dtype)
+    h_B = chosen_ratio_B - rejected_ratio_B
+    losses_B = (h_B - 1 / (2 * beta)).square()  # IPO eq. (17)
+    return losses_B.mean(), _pair_metrics(beta * chosen_ratio_B, beta * rejected_ratio_B, pi_w, pi_l)
 
 
 def odpo_offset(chosen_scores: Tensor, rejected_scores: Tensor, *, alpha: float = 1.0) -> Tensor:
