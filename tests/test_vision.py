@@ -193,3 +193,21 @@ def test_rollouts_a_vision_model_cannot_take_yet_are_refused_by_name(llava, imag
                  "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "3", "--output", str(tmp_path / "run")])
     assert code == 2
     assert "a vision-language model samples with the policy itself" in capsys.readouterr().err
+
+
+def test_a_run_keeps_held_out_images_with_its_answers_and_the_report_draws_them(llava, image_dir, tmp_path):
+    from posttrain.report.html import build_report
+
+    run = tmp_path / "run"
+    code = main(["train", "--model", str(llava), "--dataset", str(image_dir / "prompts.jsonl"), "--eval-dataset",
+                 str(image_dir / "prompts.jsonl"), "--reward", f"{image_dir}/reward.py:exact", "--max-steps", "2",
+                 "--prompts-per-step", "2", "--group-size", "2", "--max-new-tokens", "3", "--eval-every", "0",
+                 "--save-every", "0", "--report-to", "none", "--no-progress", "--output", str(run)])
+    assert code in (0, None)
+    records = [json.loads(line) for line in (run / "heldout_samples.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [0] * 6 + [2] * 6  # six rows, before and after
+    assert [r["answer"] for r in records[:6]] == ["1", "2", "3", "1", "2", "3"]
+    first = Image.open(run / records[0]["images"][0])
+    assert first.size == (32, 32) and first.getpixel((4, 12)) == (0, 0, 0)  # the row's own picture: one square
+    page = build_report([run], tmp_path / "report").read_text()
+    assert "Held-out images, before and after" in page and page.count('class=sample alt="held-out row') == 6

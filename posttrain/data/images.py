@@ -40,6 +40,14 @@ def has_images(row: dict[str, Any]) -> bool:
     return any(row.get(column) is not None for column in IMAGE_COLUMNS)
 
 
+def image_names(row: dict[str, Any]) -> list[str]:
+    """A row's images as a record names them: each file's path, or what a PIL image or an image dict is."""
+    value = next(row[c] for c in IMAGE_COLUMNS if row.get(c) is not None)
+    items = value if isinstance(value, (list, tuple)) else [value]
+    return [str(item) if isinstance(item, (str, Path)) else
+            str(item.get("path") or "image bytes") if isinstance(item, dict) else type(item).__name__ for item in items]
+
+
 def image_placeholders(prompt: Any) -> int:
     """The ``{"type": "image"}`` parts of a prompt's messages (0 for a plain string)."""
     if not isinstance(prompt, list):

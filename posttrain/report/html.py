@@ -83,6 +83,7 @@ CSS = """
 body { font: 15px/1.5 system-ui, -apple-system, Segoe UI, Helvetica, Arial, sans-serif; max-width: 1180px;
        margin: 2em auto; padding: 0 1em; color: #222; }
 h1 { font-size: 1.6em; } h2 { margin-top: 2em; border-bottom: 1px solid #ddd; }
+img.sample { width: 96px; image-rendering: pixelated; border: 1px solid #ccc; }
 table { border-collapse: collapse; margin: 1em 0; font-size: 0.92em; }
 th, td { border: 1px solid #ddd; padding: 0.3em 0.6em; text-align: right; }
 th:first-child, td:first-child { text-align: left; } th { background: #f4f4f4; }
@@ -223,6 +224,44 @@ def final_with_interval(run: Run, key: str = "eval/accuracy") -> str:
     return f"{values[step]:.3f}{interval}"
 
 
+def samples_html(groups: Mapping[str, Sequence[Run]]) -> str:
+    """For an image task: each algorithm's first run's held-out images with the answer and the model's greedy
+    answers at the first and the last evaluation (``heldout_samples.jsonl``); '' when no run has them."""
+    sections = []
+    for name, runs in groups.items():
+        run = next((r for r in runs if (r.run_dir / "heldout_samples.jsonl").is_file()), None)
+        if run is None:
+            continue
+        records = [json.loads(line) for line in (run.run_dir / "heldout_samples.jsonl").read_text().splitlines()]
+        first, last = min(r["step"] for r in records), max(r["step"] for r in records)
+        by_row: dict[int, dict[int, dict[str, Any]]] = {}
+        for record in records:
+            by_row.setdefault(record["row"], {})[record["step"]] = record
+        rows = []
+        for row, steps in sorted(by_row.items()):
+            any_record = next(iter(steps.values()))
+            pictures = "".join(
+                f'<img class=sample alt="held-out row {row + 1}" src="data:image/png;base64,'
+                f'{base64.b64encode((run.run_dir / image).read_bytes()).decode("ascii")}">'
+                for image in any_record["images"] if (run.run_dir / image).is_file())
+            cells = [_answer_cell(steps.get(step)) for step in (first, last)]
+            rows.append(f"<tr><td>{pictures}</td><td>{_e(any_record.get('answer'))}</td>{''.join(cells)}</tr>")
+        sections.append(f"<h3>{_e(name)} (seed {run.seed})</h3><table><tr><th>image</th><th>answer</th>"
+                        f"<th>step {first}</th><th>step {last}</th></tr>{''.join(rows)}</table>")
+    if not sections:
+        return ""
+    return ("<h2>Held-out images, before and after</h2><p class=note>The first held-out rows of an image task with "
+            "each algorithm's greedy answer at its first and last evaluation (✓ right, ✗ wrong).</p>"
+            + "".join(sections))
+
+
+def _answer_cell(record: dict[str, Any] | None) -> str:
+    if record is None:
+        return "<td></td>"
+    mark = {True: " ✓", False: " ✗"}.get(record.get("correct"), "")
+    return f"<td><code>{_e(record['completion'])}</code>{mark}</td>"
+
+
 def build_report(run_dirs: Sequence[str | os.PathLike], output: str | os.PathLike, *, target: float | None = None,
                  order: Sequence[str] | None = None) -> Path:
     """Write ``output/figures/*.png``, ``output/report.html`` and ``output/summary.md`` for ``run_dirs``;
@@ -271,6 +310,7 @@ RSS is the largest seed's peak resident memory. Bold: the best value among algor
 <p class=note>Mean across seeds, shaded from the seeds' minimum to their maximum; training metrics smoothed
 (bias-corrected EMA), held-out evaluations raw.</p>
 {''.join(figures) or '<p>No run logged any of the plotted metrics.</p>'}
+{samples_html(groups)}
 {presets_html(groups)}
 <h2>Runs</h2>
 {runs_html(groups, output)}

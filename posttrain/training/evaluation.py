@@ -27,7 +27,7 @@ from typing import Any
 import torch
 
 from posttrain.config import Config, ConfigError, DataConfig, ModelConfig, RolloutConfig
-from posttrain.data.images import encode_row_prompt
+from posttrain.data.images import encode_row_prompt, has_images, image_names
 from posttrain.data.prompt_variants import PromptVariant, ask, resolve_variants
 from posttrain.data.rewards import final_answer
 from posttrain.models.loading import load_model_and_tokenizer
@@ -191,7 +191,8 @@ def _evaluate_task(name: str, config: Config, work: Workload, policy: Any, token
         answers = [[extract(t) for t in texts[i * k:(i + 1) * k]] for i in range(len(rows))]
     greedy = [{"task": name, "variant": variant and variant.name, "question": row.get("question"),
                "prompt": row["prompt"], "answer": row.get("answer"), "completion": text,
-               "final_answer": extract(text), "correct": ok, "reward": reward, "length": length}
+               "final_answer": extract(text), "correct": ok, "reward": reward, "length": length,
+               **({"images": image_names(row)} if has_images(row) else {})}
               for row, text, ok, reward, length in zip(rows, greedy_texts, correct, rewards, lengths)]
     metrics = summarise(correct, rewards, lengths, per_sample, answers)
     if calls is not None:

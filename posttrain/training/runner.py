@@ -27,6 +27,7 @@ held-out prompt, checkpointed, its final model saved; ``--resume`` continues it.
 
 from __future__ import annotations
 
+import json
 import shutil
 import sys
 import time
@@ -177,6 +178,32 @@ def evaluate_on_main(evaluate: Callable[[T, int | None], dict[str, float]], sess
         return distributed.on_main(evaluate, session, limit)
 
 
+HELDOUT_SAMPLES_FILE = "heldout_samples.jsonl"
+HELDOUT_IMAGES_DIR = "heldout_images"
+
+
+def write_heldout_samples(session: Any, run_dir: Path, step: int) -> None:
+    """Append the last evaluation's few held-out image rows, with their greedy answers, to
+    ``heldout_samples.jsonl`` (images once, under ``heldout_images/``): what ``posttrain report`` draws, before and
+    after. Nothing for a task without images."""
+    samples = getattr(session, "heldout_samples", None)
+    if not samples:
+        return
+    images = run_dir / HELDOUT_IMAGES_DIR
+    images.mkdir(exist_ok=True)
+    with open(run_dir / HELDOUT_SAMPLES_FILE, "a", encoding="utf-8") as out:
+        for sample in samples:
+            names = []
+            for k, image in enumerate(sample["images"]):
+                name = f"{HELDOUT_IMAGES_DIR}/row{sample['row']}_{k}.png"
+                if not (run_dir / name).exists():
+                    image.save(run_dir / name)
+                names.append(name)
+            record = {"step": step, **{key: value for key, value in sample.items() if key != "images"}, "images": names}
+            out.write(json.dumps(record, default=str) + "\n")
+    session.heldout_samples = []
+
+
 def _evaluate_and_tell(evaluate: Callable[[T, int | None], dict[str, float]], callbacks: Sequence[Callback],
                        session: T, limit: int | None = None) -> dict[str, float]:
     """:func:`evaluate_on_main`, its metrics (when there is a held-out set) handed to every callback."""
@@ -260,6 +287,7 @@ def _run(session: T, config: Config, train_step: Callable[[T], dict[str, float]]
             if watch is not None:
                 _watch(watch, session, run_dir, 0, first)
             logger.log(0, first)
+            distributed.on_main(write_heldout_samples, session, run_dir, 0)
             _say(f"before training: {_summary(first)}")
         evaluated_at = None if resuming else 0
         if resuming and start >= run.max_steps:  # stopped while saving the final model: its evaluation is logged
@@ -310,6 +338,7 @@ def _train(session: T, config: Config, train_step: Callable[[T], dict[str, float
             subset = config.data.eval_subset or None if step < run.max_steps else None  # the last: all prompts
             last_eval, evaluated_at = evaluate(session, limit=subset), (step if subset is None else None)
             metrics.update(last_eval)
+            distributed.on_main(write_heldout_samples, session, run_dir, step)
             diverged = watch is not None and _watch(watch, session, run_dir, step, metrics)
         logger.log(step, metrics)
         if run.log_samples_every and step % run.log_samples_every == 0:
@@ -330,6 +359,7 @@ def _train(session: T, config: Config, train_step: Callable[[T], dict[str, float
     if evaluated_at != session.step:  # stopped by max_minutes or a callback (its last evaluation, if any,
         # scored the subset), or resumed at max_steps: the result is every held-out prompt, logged like any other
         last_eval = evaluate(session)
+        distributed.on_main(write_heldout_samples, session, run_dir, session.step)
         if last_eval:
             logger.log(session.step, last_eval)
     if saved_at != session.step:  # ... and it can be resumed from where it stopped

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from posttrain.algorithms.presets import OnlineAlgorithm
 from posttrain.config import Config, ConfigError
-from posttrain.data.images import encode_row_prompt
+from posttrain.data.images import encode_row_prompt, has_images, row_images
 from posttrain.data.prompts import PromptSampler
 from posttrain.data.rewards import load_reward_function
 from posttrain.models.experts import replay_unsupported_reason
@@ -124,6 +124,7 @@ class OnlineSession:
     teacher: Any | None = None  # on-policy distillation's frozen teacher (setup.load_teacher)
     eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
     rollouts: SyncRollouts | AsyncRollouts = field(default_factory=SyncRollouts)  # where each round comes from
+    heldout_samples: list[dict[str, Any]] = field(default_factory=list)  # image tasks: the last evaluation's few
     # the guards against runs that learn nothing (posttrain.training.guards)
     signal_watch: SignalWatch = field(init=False)
     reward_watch: RewardWatch = field(init=False)
@@ -329,6 +330,10 @@ class OnlineSession:
             rows.append(row)
         return rows
 
+HELDOUT_SAMPLES = 6
+"""Held-out image rows whose greedy answers a run keeps at each full evaluation (heldout_samples.jsonl)."""
+
+
 def first_given(*values: Any) -> Any:
     """The first value that is not None (a run's setting, else its task's, else the default)."""
     return next(v for v in values if v is not None)
@@ -372,6 +377,11 @@ def _evaluate_workload(s: OnlineSession, work: Workload, limit: int | None, pref
                                          for r in rows],
                                         greedy=True, rows=rows)
     scores, correct = score_texts(work, s.config.data, rows, texts, 1, completions.rewards)
+    if prefix == "eval/" and has_images(rows[0]):  # a few to look at, the images with the answers (the report's)
+        s.heldout_samples = [{"row": i, "prompt": rows[i]["prompt"], "answer": rows[i].get("answer"),
+                              "completion": texts[i], "correct": None if correct is None else bool(correct[i]),
+                              "images": row_images(rows[i], f"held-out row {i + 1}")}
+                             for i in range(min(HELDOUT_SAMPLES, len(rows)))]
     out = {f"{prefix}reward": scores.total.mean().item(),
            f"{prefix}completion_length": completions.lengths.float().mean().item()}
     if correct is not None:
