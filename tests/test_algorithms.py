@@ -82,7 +82,7 @@ PREFERENCE_TABLE = {
     "odpo": ("odpo", 0.1, None, 1.0, None, None, None, None),
     "simpo": ("simpo", 2.0, None, None, 1.0, None, None, None),
     "orpo": ("orpo", None, None, None, None, 0.1, None, None),
-    "ipo": ("ipo", 0.1, None, None, None, None, None, None),
+    "ipo": ("ipo", 0.5, None, None, None, None, None, None),
     "kto": ("kto", 0.1, None, None, None, None, 1.0, 1.0),
 }
 SUPERVISED_TABLE = {  # objective, completion_only_loss, center_rewards_coefficient
