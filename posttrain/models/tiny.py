@@ -15,6 +15,9 @@ whole RLHF pipeline (``posttrain train --algorithm sft`` first) starts from.
 ``tiny-addition-hybrid`` (an LFM2 body: two gated short-convolution layers
 around one attention layer) are the same task, size and warm start with
 the bodies whose training passes differ most from Llama's.
+``tiny-vision`` is a LLaVA (a CLIP vision tower, a Llama text model) warm-started
+the same way on the ``shapes`` task (counting shapes in a 32x32 image); its
+recipe, build and entry here are :mod:`posttrain.models.tiny_vision`'s.
 
 The build is deterministic given the recipe's seed on one machine (same
 torch version and thread count): weights, batch order and the stopping
@@ -175,6 +178,10 @@ class TinyRecipe:
     """False: the randomly initialised model as it is, a base for the whole RLHF pipeline (SFT first);
     the warm-start fields are then unused."""
 
+    def build(self) -> tuple[PreTrainedModel, Any, dict[str, Any]]:
+        """The model, what saves its tokenizer, and the record for ``posttrain_recipe.json``."""
+        return build_from_recipe(self)
+
 
 BUILTIN_MODELS: dict[str, TinyRecipe] = {
     "tiny-addition": TinyRecipe(task="addition", chars="0123456789+=,|"),
@@ -187,7 +194,8 @@ BUILTIN_MODELS: dict[str, TinyRecipe] = {
     "tiny-addition-moe": TinyRecipe(task="addition", chars="0123456789+=,|", family="qwen3_moe"),
     "tiny-addition-hybrid": TinyRecipe(task="addition", chars="0123456789+=,|", family="lfm2"),
 }
-"""Built-in model name -> recipe; ``--model tiny-addition`` resolves here."""
+"""Built-in model name -> recipe; ``--model tiny-addition`` resolves here. :mod:`posttrain.models.tiny_vision`
+adds ``tiny-vision`` (imported by :mod:`posttrain.models.loading`)."""
 
 
 def _log(message: str) -> None:
@@ -311,13 +319,13 @@ def cache_root(cache_dir: str | Path | None = None) -> Path:
     return Path(os.environ.get("POSTTRAIN_CACHE") or Path.home() / ".cache" / "posttrain")
 
 
-def _recorded_recipe(path: Path) -> dict[str, Any] | None:
-    """The recipe an entry was built from; a field it predates has its default (a field is added with the
-    default that keeps what was built before), so adding one leaves the existing entries valid."""
+def _recorded_recipe(path: Path, kind: type[TinyRecipe] = TinyRecipe) -> dict[str, Any] | None:
+    """The recipe (of type ``kind``) an entry was built from; a field it predates has its default (a field is
+    added with the default that keeps what was built before), so adding one leaves the existing entries valid."""
     record = path / "posttrain_recipe.json"
     if not record.is_file():
         return None
-    defaults = {f.name: f.default for f in fields(TinyRecipe) if f.default is not MISSING}
+    defaults = {f.name: f.default for f in fields(kind) if f.default is not MISSING}
     return {**defaults, **json.loads(record.read_text())["recipe"]}
 
 
@@ -325,7 +333,8 @@ def ensure_tiny_model(name: str = "tiny-addition", cache_dir: str | Path | None 
     """Directory of the built-in model ``name``, built on first use into ``<cache>/models/<name>-v<version>``.
 
     The directory loads with ``AutoModelForCausalLM.from_pretrained`` and
-    ``AutoTokenizer.from_pretrained`` and holds ``posttrain_recipe.json``.
+    ``AutoTokenizer.from_pretrained`` (a vision recipe's with ``AutoModelForImageTextToText`` and
+    ``AutoProcessor``) and holds ``posttrain_recipe.json``.
     An entry whose recorded recipe differs from the current one (the recipe
     changed without a version bump) is rebuilt rather than silently used.
     """
@@ -333,24 +342,24 @@ def ensure_tiny_model(name: str = "tiny-addition", cache_dir: str | Path | None 
         raise ValueError(f"unknown built-in model {name!r}; valid: {', '.join(sorted(BUILTIN_MODELS))}")
     recipe = BUILTIN_MODELS[name]
     target = cache_root(cache_dir) / "models" / f"{name}-v{recipe.version}"
-    if target.is_dir() and _recorded_recipe(target) == asdict(recipe):
+    if target.is_dir() and _recorded_recipe(target, type(recipe)) == asdict(recipe):
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
     stale = "; replacing an entry built from a different recipe" if target.exists() else " (first use only)"
     _log(f"building built-in model {name!r} into {target}{stale}")
     scratch = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
-        model, tokenizer, record = build_from_recipe(recipe)
+        model, tokenizer, record = recipe.build()
         model.save_pretrained(scratch)
-        tokenizer.save_pretrained(scratch)
+        tokenizer.save_pretrained(scratch)  # a vision model's processor: its tokenizer, image processor, template
         (scratch / "posttrain_recipe.json").write_text(json.dumps(record, indent=2) + "\n")
         scratch.chmod(0o755)  # mkdtemp creates it private; the cache entry is ordinary
-        if target.exists() and _recorded_recipe(target) != asdict(recipe):
+        if target.exists() and _recorded_recipe(target, type(recipe)) != asdict(recipe):
             target.rename(scratch.with_name(scratch.name + "-stale"))
         try:
             scratch.rename(target)
         except OSError:  # another process finished first; its copy is as good as ours
-            if _recorded_recipe(target) != asdict(recipe):
+            if _recorded_recipe(target, type(recipe)) != asdict(recipe):
                 raise
     finally:
         for leftover in (scratch, scratch.with_name(scratch.name + "-stale")):

@@ -18,6 +18,9 @@ full fine-tuning made it worse. So before anything loads, a run whose model has 
   (:func:`estimated_peak`) fits in half the machine's memory, checkpointing only where no budget of 1,024
   tokens or more fits without it.
 
+A built-in task may carry run settings tuned on its own built-in model (``Task.run_defaults``: ``shapes`` on
+``tiny-vision``); an online run of the task on that model takes those it does not set, first.
+
 The run prints what it chose and why in its first lines. A step that fits at no budget is refused with the
 estimate; settings the user gave are kept, with a warning when their estimate does not fit.
 """
@@ -32,7 +35,8 @@ import torch
 from torch import nn
 
 from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
-from posttrain.config import Config, ConfigError
+from posttrain.config import SECTIONS, Config, ConfigError
+from posttrain.data.tasks import TASKS, get_task
 from posttrain.models.loading import bf16_supported, is_image_text, resolve_model_path
 from posttrain.models.lora import default_target_modules, default_target_parameters
 from posttrain.models.modeling import resolve_device
@@ -194,9 +198,35 @@ def _needs_reference(config: Config) -> bool:
     return bool(getattr(preset, "needs_reference", False))
 
 
+def task_defaults(config: Config, model: nn.Module | None) -> tuple[Config, list[str]]:
+    """``config`` with the fields it does not set taken from its task's ``run_defaults`` (those fields then count
+    as set), and the line that says so: for an online run of a built-in task on the task's own model, which the
+    settings were tuned on; not for a dataset, another model or a model object a Python caller passed."""
+    data, name = config.data, config.model.model
+    if model is not None or data.dataset is not None or data.task not in TASKS or trainer_kind(config) != "online":
+        return config, []
+    task = get_task(data.task)
+    chosen = {key: value for key, value in task.run_defaults.items() if key not in config.given}
+    if name not in (None, task.default_model) or not chosen:
+        return config, []
+    owner = {f.name: section for section, klass in SECTIONS.items() for f in dataclasses.fields(klass)}
+    sections: dict[str, dict] = {}
+    for key, value in chosen.items():
+        sections.setdefault(owner[key], {})[key] = value
+    replaced = {section: dataclasses.replace(getattr(config, section), **values) for section, values in sections.items()}
+    config = dataclasses.replace(config, **replaced, given=config.given | frozenset(chosen))
+    line = (f"defaults for task {task.name} on {task.default_model}: "
+            + ", ".join(f"{key} {_shown(value)}" for key, value in chosen.items()) + "; set a field to override it")
+    return config, [line]
+
+
 def suit_defaults(config: Config, model: nn.Module | None) -> Config:
-    """:func:`suited` for the run's model (``model``: an object a Python caller passed; else the config's, read
-    on the meta device), its lines said; the config unchanged for the tiny built-in default."""
+    """:func:`task_defaults`, then :func:`suited` for the run's model (``model``: an object a Python caller passed;
+    else the config's, read on the meta device), their lines said; the config unchanged for the tiny built-in
+    default."""
+    config, lines = task_defaults(config, model)
+    for line in lines:
+        say(line)
     name = config.model.model
     if model is None and name is None:
         return config  # the task's own built-in model

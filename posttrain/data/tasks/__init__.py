@@ -63,8 +63,15 @@ def _code(seed: int) -> Task:
     return code.make_task(seed)
 
 
+def _shapes(seed: int) -> Task:
+    from posttrain.data.tasks import shapes
+
+    return shapes.make_task(seed)
+
+
 TASKS: dict[str, Callable[[int], Task]] = {"addition": _addition, "addition-process": _addition_process, "gsm": _gsm,
-                                           "gsm-calculator": _gsm_calculator, "calculator": _calculator, "code": _code}
+                                           "gsm-calculator": _gsm_calculator, "calculator": _calculator, "code": _code,
+                                           "shapes": _shapes}
 """Task name -> builder taking the split seed."""
 
 def _reasoning_gym(spec: str, seed: int) -> Task:

@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 from posttrain.data.rewards import RewardFn
@@ -47,6 +47,9 @@ class Task:
     """Seconds per call of its tools (0: in-process, for tools that cannot hang); None: the run's."""
     environment: Callable[[], Any] | None = None
     """The environment class its episodes are played in (:mod:`posttrain.data.environments`), or None."""
+    run_defaults: Mapping[str, Any] = field(default_factory=dict)
+    """Run settings (config field -> value) tuned on ``default_model``: an online run of the task on that model
+    takes those the user does not set (:func:`posttrain.training.defaults.task_defaults`)."""
 
 
 @dataclass(frozen=True)
