@@ -296,20 +296,26 @@ def build_from_recipe(recipe: TinyRecipe) -> tuple[PreTrainedModel, PreTrainedTo
     else:  # nothing to measure: a random network answers nothing
         result, heldout = {"steps": 0, "subset_accuracy": None, "loss": None, "seconds": 0.0}, None
         _log(f"a {n_params / 1e6:.2f}M-parameter model left at its random initialisation (no warm start)")
-    record = {
+    return model, tokenizer, build_record(recipe, n_params, result, heldout, len(task.test), start)
+
+
+def build_record(recipe: TinyRecipe, n_params: int, result: dict[str, Any], heldout: float | None, heldout_size: int,
+                 start: float) -> dict[str, Any]:
+    """What ``posttrain_recipe.json`` holds: the recipe, the warm start's result (``warm_start``'s) and the
+    build's time and threads (``start``: its ``time.perf_counter()``)."""
+    return {
         "recipe": asdict(recipe),
         "parameters": n_params,
         "steps": result["steps"],
         "final_loss": result["loss"],
         "start_accuracy_subset": result["subset_accuracy"],
         "start_accuracy_heldout": heldout,
-        "heldout_size": len(task.test),
+        "heldout_size": heldout_size,
         "warm_start_seconds": result["seconds"],
         "build_seconds": time.perf_counter() - start,
         "torch": torch.__version__,
         "threads": torch.get_num_threads(),
     }
-    return model, tokenizer, record
 
 
 def cache_root(cache_dir: str | Path | None = None) -> Path:

@@ -20,7 +20,7 @@ template, then the processor), so the warm start and the run see the same tokens
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -28,7 +28,7 @@ import torch
 from posttrain.data.images import encode_image_prompt, row_images
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import Task
-from posttrain.models.tiny import BUILTIN_MODELS, TinyRecipe, _log, char_tokenizer
+from posttrain.models.tiny import BUILTIN_MODELS, TinyRecipe, _log, build_record, char_tokenizer
 
 if TYPE_CHECKING:
     from transformers import LlavaForConditionalGeneration, LlavaProcessor, PreTrainedModel
@@ -205,17 +205,4 @@ def build_from_recipe(recipe: VisionRecipe) -> tuple[PreTrainedModel, LlavaProce
     _log(f"reached {result['subset_accuracy']:.0%} on {recipe.eval_prompts} held-out prompts after "
          f"{result['steps']} steps ({result['seconds']:.0f}s); {heldout:.1%} on all {len(task.test)} "
          f"({time.perf_counter() - start:.0f}s in all)")
-    record = {
-        "recipe": asdict(recipe),
-        "parameters": n_params,
-        "steps": result["steps"],
-        "final_loss": result["loss"],
-        "start_accuracy_subset": result["subset_accuracy"],
-        "start_accuracy_heldout": heldout,
-        "heldout_size": len(task.test),
-        "warm_start_seconds": result["seconds"],
-        "build_seconds": time.perf_counter() - start,
-        "torch": torch.__version__,
-        "threads": torch.get_num_threads(),
-    }
-    return model, processor, record
+    return model, processor, build_record(recipe, n_params, result, heldout, len(task.test), start)
