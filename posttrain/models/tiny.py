@@ -34,11 +34,13 @@ import shutil
 import sys
 import tempfile
 import time
+from collections.abc import Callable, Iterator
 from dataclasses import MISSING, asdict, dataclass, fields
 from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, processors
 from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedModel, PreTrainedTokenizerFast
 
@@ -256,22 +258,29 @@ def warm_start(model: PreTrainedModel, tokenizer: PreTrainedTokenizerFast, task:
                recipe: TinyRecipe) -> dict[str, float]:
     """Supervised training until subset greedy accuracy first reaches ``recipe.target_accuracy``."""
     subset = task.test[:recipe.eval_prompts]
+    batches = (dict(input_ids=ids, attention_mask=attention, labels=labels)
+               for ids, attention, labels in _supervised_batches(task, tokenizer, recipe))
+    return supervised_until(model, batches, lambda: greedy_accuracy(model, tokenizer, task, subset), recipe)
+
+
+def supervised_until(model: PreTrainedModel, batches: Iterator[dict[str, Tensor]], accuracy: Callable[[], float],
+                     recipe: TinyRecipe) -> dict[str, float]:
+    """AdamW on ``model(**batch).loss`` (linear warm-up, then constant) until ``accuracy()``, asked every
+    ``recipe.eval_every`` steps, first reaches ``recipe.target_accuracy``: the warm start of every built-in model."""
     optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / recipe.warmup_steps))
-    batches = _supervised_batches(task, tokenizer, recipe)
     model.train()
     start = time.perf_counter()
     for step in range(1, recipe.max_steps + 1):
-        ids, attention, labels = next(batches)
-        loss = model(input_ids=ids, attention_mask=attention, labels=labels).loss
+        loss = model(**next(batches)).loss
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         optimizer.step()
         schedule.step()
         if step % recipe.eval_every == 0:
-            accuracy = greedy_accuracy(model, tokenizer, task, subset)
-            if accuracy >= recipe.target_accuracy:
-                return {"steps": step, "subset_accuracy": accuracy, "loss": loss.item(),
+            reached = accuracy()
+            if reached >= recipe.target_accuracy:
+                return {"steps": step, "subset_accuracy": reached, "loss": loss.item(),
                         "seconds": time.perf_counter() - start}
     raise RuntimeError(f"warm start did not reach accuracy {recipe.target_accuracy} in {recipe.max_steps} steps")
 

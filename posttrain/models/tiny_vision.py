@@ -28,7 +28,7 @@ import torch
 from posttrain.data.images import encode_image_prompt, row_images
 from posttrain.data.tasks import get_task
 from posttrain.data.tasks.task import Task
-from posttrain.models.tiny import BUILTIN_MODELS, TinyRecipe, _log, build_record, char_tokenizer
+from posttrain.models.tiny import BUILTIN_MODELS, TinyRecipe, _log, build_record, char_tokenizer, supervised_until
 
 if TYPE_CHECKING:
     from transformers import LlavaForConditionalGeneration, LlavaProcessor, PreTrainedModel
@@ -170,24 +170,10 @@ def warm_start(model: PreTrainedModel, processor: LlavaProcessor, task: Task, re
     """Supervised training until subset greedy accuracy first reaches ``recipe.target_accuracy``."""
     subset = task.test[:recipe.eval_prompts]
     subset_encoded = encode_rows(processor, subset)
-    batches = _supervised_batches(task, processor, recipe, encode_rows(processor, task.train))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=recipe.lr, weight_decay=0.0)
-    schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda step: min(1.0, (step + 1) / recipe.warmup_steps))
-    model.train()
-    start = time.perf_counter()
-    for step in range(1, recipe.max_steps + 1):
-        ids, pixels, labels = next(batches)
-        loss = model(input_ids=ids, pixel_values=pixels, labels=labels).loss
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        optimizer.step()
-        schedule.step()
-        if step % recipe.eval_every == 0:
-            accuracy = greedy_accuracy(model, processor, task, subset, subset_encoded)
-            if accuracy >= recipe.target_accuracy:
-                return {"steps": step, "subset_accuracy": accuracy, "loss": loss.item(),
-                        "seconds": time.perf_counter() - start}
-    raise RuntimeError(f"warm start did not reach accuracy {recipe.target_accuracy} in {recipe.max_steps} steps")
+    batches = (dict(input_ids=ids, pixel_values=pixels, labels=labels) for ids, pixels, labels
+               in _supervised_batches(task, processor, recipe, encode_rows(processor, task.train)))
+    return supervised_until(model, batches, lambda: greedy_accuracy(model, processor, task, subset, subset_encoded),
+                            recipe)
 
 
 def build_from_recipe(recipe: VisionRecipe) -> tuple[PreTrainedModel, LlavaProcessor, dict[str, Any]]:
