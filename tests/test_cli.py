@@ -180,4 +180,4 @@ def test_preset_flags_show_each_presets_default_and_every_meaning(capsys):
     assert "[default: 0.2;" in text and "gspo, gspo_token: 0.0004; dapo: 0.28;" in text
     beta = text.split("--beta FLOAT|none online")[1].split("--num-epochs INT online")[0]
     assert beta.startswith(" presets: KL coefficient") and "preference presets: Reward scale" in beta
-    assert "grpo, gdpo, deepseek_v32: 0.04" in beta and "simpo: 2.0" in beta
+    assert "grpo, gdpo, maxrl, deepseek_v32: 0.04" in beta and "simpo: 2.0" in beta and "ipo: 0.5" in beta

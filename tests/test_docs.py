@@ -66,6 +66,7 @@ NOT_RUN: set[tuple[str, str]] = {
     ("README.md", "one row of a data file, not code"),
     ("docs/guides/code-execution.md", "one row of a data file, not code"),
     ("docs/guides/tools-and-environments.md", "one row of a data file, not code"),
+    ("docs/guides/vision-language-models.md", "a row of data, not a command"),
     ("docs/guides/real-models.md", "needs .venv-vllm (make vllm) and starts vLLM"),
     ("docs/guides/real-models.md", "needs .venv-vllm (make vllm) and starts vLLM servers"),
     ("docs/guides/tools-and-environments.md", "the second command trains on the first's final_model/; "

@@ -17,6 +17,7 @@ from torch.nn.functional import log_softmax
 
 import posttrain.functional as F
 import posttrain.training.preference as preference
+import posttrain.training.preference_passes as preference_passes
 import posttrain.training.setup as setup
 from posttrain.training.api import run
 from posttrain.algorithms.presets import ALGORITHMS, PreferenceAlgorithm
@@ -99,6 +100,9 @@ def expected_loss(name, alg, pi, ref, lengths, data, idx, kl_pi=None, kl_ref=Non
         return F.simpo_loss(pi[0], pi[1], lengths[0], lengths[1], beta=alg.beta, gamma=alg.gamma)[0]
     if name == "orpo":
         return F.orpo_loss(pi[0], pi[1], lengths[0], lengths[1], lam=alg.lam)[0]
+    if name == "ipo":
+        return F.ipo_loss(pi[0], pi[1], ref[0], ref[1], beta=alg.beta, chosen_lengths=lengths[0],
+                          rejected_lengths=lengths[1])[0]
     return F.kto_loss(pi[0], ref[0], data.desirable[idx], kl_pi, kl_ref, beta=alg.beta)[0]
 
 
@@ -232,8 +236,8 @@ def test_one_forward_pass_per_micro_batch_holds_chosen_then_rejected(tiny_model_
         passes.append((model is s.policy, batch.input_ids.shape[0]))
         return forward(model, batch, **kw)
 
-    forward = preference.forward
-    monkeypatch.setattr(preference, "forward", counting_forward)
+    forward = preference_passes.forward
+    monkeypatch.setattr(preference_passes, "forward", counting_forward)
     train_step(s)
     assert [rows for is_policy, rows in passes if is_policy] == [8, 4]  # chosen and rejected together
     assert [rows for is_policy, rows in passes if not is_policy] == [8, 4]  # the reference, likewise
