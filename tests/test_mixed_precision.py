@@ -104,7 +104,7 @@ def test_a_replaced_forward_is_not_silently_dropped():
 
 
 def test_bad_settings_name_the_field(tiny_model_dir, monkeypatch):
-    with pytest.raises(ConfigError, match="mixed_precision: got 'fp16'; use no or bf16"):
+    with pytest.raises(ConfigError, match="mixed_precision: got 'fp16'; use no, bf16 or auto"):
         Config.from_flat({"mixed_precision": "fp16"})
     with pytest.raises(ConfigError, match="mixed_precision: bf16 computes float32 weights in bfloat16; with dtype "
                                           "bfloat16"):
@@ -113,6 +113,25 @@ def test_bad_settings_name_the_field(tiny_model_dir, monkeypatch):
     with pytest.raises(ConfigError, match=r"mixed_precision: bf16 computes in bfloat16, which is not supported "
                                           r"natively on this CPU .*; use --mixed-precision no"):
         loading.load_model_and_tokenizer(str(tiny_model_dir), device="cpu", mixed_precision="bf16")
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_auto_is_bf16_only_where_the_hardware_computes_it(tiny_model_dir, native, monkeypatch, capsys):
+    """``mixed_precision auto``: bf16 on a CPU with AVX512-BF16 or AMX, float32 elsewhere (emulated bfloat16
+    products are slower there), decided before anything loads and said in one line; with bfloat16 weights it
+    is no, as they already are."""
+    from posttrain.training import defaults
+
+    monkeypatch.setattr(loading, "bf16_supported", lambda device: native)
+    config = defaults.decided_precision(Config.from_flat({"mixed_precision": "auto", "device": "cpu"}))
+    assert config.model.mixed_precision == ("bf16" if native else "no")
+    said = capsys.readouterr().err
+    assert f"mixed_precision auto -> {'bf16' if native else 'no'}: " in said
+    assert ("computes bfloat16 natively" if native else "neither AVX512-BF16 nor AMX") in said
+    bf16_weights = Config.from_flat({"mixed_precision": "auto", "dtype": "bfloat16", "device": "cpu"})
+    assert defaults.decided_precision(bf16_weights).model.mixed_precision == "no"
+    model, _ = loading.load_model_and_tokenizer(str(tiny_model_dir), device="cpu", mixed_precision="auto")
+    assert autocast_dtype(model) == (torch.bfloat16 if native else None)
 
 
 def test_an_accelerate_launch_brings_its_mixed_precision(tiny_model_dir, monkeypatch):

@@ -84,10 +84,11 @@ class ModelConfig:
     )
     dtype: str = _help("Parameter and compute dtype: float32 or bfloat16.", "float32")
     mixed_precision: str = _help(
-        "no, or bf16: float32 weights, gradients and optimizer state, with the decoder layers computed in "
-        "bfloat16 (torch.autocast) in training and generation; the LM head, log-probs and losses stay "
-        "float32. Needs a GPU or a CPU with AVX512-BF16 or AMX. A model of 20M parameters or more gets bf16 "
-        "where the hardware has it, unless set.", "no",
+        "no, bf16 or auto. bf16: float32 weights, gradients and optimizer state, with the decoder layers computed "
+        "in bfloat16 (torch.autocast) in training and generation; the LM head, log-probs and losses stay "
+        "float32. Needs a GPU or a CPU with AVX512-BF16 or AMX. auto: bf16 where the hardware computes it "
+        "natively, else no (elsewhere bfloat16 products are emulated, slower than float32). A model of 20M "
+        "parameters or more gets auto unless set.", "no",
     )
     device: str = _help("cpu, cuda, or auto (cuda when available).", "auto")
     lora_r: int = _help("LoRA rank (0 = train all weights). With LoRA the reference is the base model.", 0)
@@ -130,8 +131,9 @@ class ModelConfig:
     def __post_init__(self) -> None:
         require = Checks()
         require(self.dtype in ("float32", "bfloat16"), "dtype", f"got {self.dtype!r}; use float32 or bfloat16")
-        require(self.mixed_precision in ("no", "bf16"), "mixed_precision", f"got {self.mixed_precision!r}; use no or bf16")
-        require(self.mixed_precision == "no" or self.dtype == "float32", "mixed_precision",
+        require(self.mixed_precision in ("no", "bf16", "auto"), "mixed_precision",
+                f"got {self.mixed_precision!r}; use no, bf16 or auto")
+        require(self.mixed_precision != "bf16" or self.dtype == "float32", "mixed_precision",
                  f"bf16 computes float32 weights in bfloat16; with dtype {self.dtype} they already are "
                  "(use dtype float32 with mixed_precision bf16, or mixed_precision no)")
         require(self.device in ("cpu", "cuda", "auto"), "device", f"got {self.device!r}; use cpu, cuda or auto")

@@ -149,6 +149,15 @@ def bf16_supported(device: torch.device) -> bool:
     return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
+def resolve_mixed_precision(mixed_precision: str, dtype: str, device: torch.device) -> str:
+    """``mixed_precision`` with ``auto`` decided for ``device``: bf16 where it computes bfloat16 natively and the
+    weights are float32, else no. On a CPU without AVX512-BF16 or AMX, PyTorch emulates bfloat16 products,
+    slower than float32 (docs/results.md, "Mixed precision"), so auto never picks them there."""
+    if mixed_precision != "auto":
+        return mixed_precision
+    return "bf16" if dtype == "float32" and bf16_supported(device) else "no"
+
+
 def check_dtype(dtype: str, device: torch.device, mixed_precision: str = "no") -> None:
     """Reject bfloat16 (as the weights' dtype or mixed precision's) on hardware without native support,
     saying what to change."""
@@ -235,7 +244,7 @@ def load_model_and_tokenizer(name: str, *, dtype: str = "float32", device: str =
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     target = resolve_device(device)
-    mixed_precision = launched_mixed_precision(mixed_precision)
+    mixed_precision = launched_mixed_precision(resolve_mixed_precision(mixed_precision, dtype, target))
     if mixed_precision == "bf16" and dtype != "float32":
         raise ConfigError(f"mixed_precision: bf16 (from the accelerate config) computes float32 weights in "
                           f"bfloat16; with dtype {dtype} they already are: set mixed_precision no there")

@@ -30,6 +30,7 @@ from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.loading import (
     check_dtype,
     launched_mixed_precision,
+    resolve_mixed_precision,
     resolve_model_path,
 )
 from posttrain.models.lora import (
@@ -54,7 +55,7 @@ def load_reward_model(name: str, *, dtype: str = "float32", device: str = "auto"
     from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
     target = resolve_device(device)
-    mixed_precision = launched_mixed_precision(mixed_precision)
+    mixed_precision = launched_mixed_precision(resolve_mixed_precision(mixed_precision, dtype, target))
     if mixed_precision == "bf16" and dtype != "float32":
         raise ConfigError(f"mixed_precision: bf16 computes float32 weights in bfloat16; with dtype {dtype} they "
                           "already are: use one of the two")

@@ -37,7 +37,7 @@ from torch import nn
 from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.config import SECTIONS, Config, ConfigError
 from posttrain.data.tasks import TASKS, get_task
-from posttrain.models.loading import bf16_supported, is_image_text, resolve_model_path
+from posttrain.models.loading import bf16_supported, is_image_text, resolve_mixed_precision, resolve_model_path
 from posttrain.models.lora import default_target_modules, default_target_parameters
 from posttrain.models.modeling import resolve_device
 from posttrain.parallel.distributed import say
@@ -198,6 +198,21 @@ def _needs_reference(config: Config) -> bool:
     return bool(getattr(preset, "needs_reference", False))
 
 
+def decided_precision(config: Config) -> Config:
+    """``config`` with ``mixed_precision auto`` decided for its device (:func:`resolve_mixed_precision`), said in
+    one line; unchanged otherwise."""
+    m = config.model
+    if m.mixed_precision != "auto":
+        return config
+    device = resolve_device(m.device)
+    decided = resolve_mixed_precision("auto", m.dtype, device)
+    why = ("the weights are already bfloat16" if m.dtype != "float32" else
+           f"{'this GPU' if device.type == 'cuda' else 'this CPU'} computes bfloat16 natively" if decided == "bf16"
+           else "this CPU has neither AVX512-BF16 nor AMX: its bfloat16 products are emulated, slower than float32")
+    say(f"mixed_precision auto -> {decided}: {why}")
+    return dataclasses.replace(config, model=dataclasses.replace(m, mixed_precision=decided))
+
+
 def task_defaults(config: Config, model: nn.Module | None) -> tuple[Config, list[str]]:
     """``config`` with the fields it does not set taken from its task's ``run_defaults`` (those fields then count
     as set), and the line that says so: for an online run of a built-in task on the task's own model, which the
@@ -225,6 +240,7 @@ def suit_defaults(config: Config, model: nn.Module | None) -> Config:
     else the config's, read on the meta device), their lines said; the config unchanged for the tiny built-in
     default."""
     config, lines = task_defaults(config, model)
+    config = decided_precision(config)
     for line in lines:
         say(line)
     name = config.model.model
