@@ -67,12 +67,26 @@ def test_dpo_batch_counts_pairs_and_micro_batches_count_sequences():
     assert config.preset().beta == 0.2 and config.preference.precompute_reference
 
 
+@pytest.mark.parametrize("loss_type", ["ipo", ["ipo"]])
+def test_ipo_loss_type_is_the_ipo_preset_and_beta_its_tau(loss_type):
+    """TRL's ``loss_type ipo`` with ``beta`` is posttrain's ipo preset with that beta: in both, beta is the IPO
+    paper's tau, the margin's target 1 / (2 tau) (tests/test_trl_preference_parity.py compares the losses)."""
+    resolved = resolve({"algorithm": "ipo", "loss_type": loss_type, "beta": 0.25})
+    assert not resolved.problems and resolved.config is not None
+    preset = resolved.config.preset()
+    assert (preset.name, preset.loss, preset.beta) == ("ipo", "ipo", 0.25)  # not the preset's own tau, 0.5
+    assert "loss_type ipo: the ipo preset's loss" in resolved.notes
+
+
 @pytest.mark.parametrize("flat, message", [
     ({"num_train_epochs": 3}, "num_train_epochs: TRL's name, no posttrain equivalent: passes over the training set"),
     ({"loss_type": "bnpo"}, "aggregation token_mean normalises over the optimizer step's tokens"),
     ({"scale_rewards": "median"}, "scale_rewards 'median': use group, batch, none"),
     ({"algorithm": "ppo", "scale_rewards": "group"}, "ppo uses advantage 'gae'"),
-    ({"algorithm": "dpo", "loss_type": "ipo"}, "--algorithm dpo (TRL's sigmoid), odpo, simpo, orpo or kto"),
+    ({"algorithm": "dpo", "loss_type": "ipo"}, "loss_type 'ipo': TRL's ipo loss is --algorithm ipo, not dpo"),
+    ({"algorithm": "ipo", "loss_type": ["sigmoid"]}, "loss_type ['sigmoid']: TRL's sigmoid loss is --algorithm dpo"),
+    ({"algorithm": "dpo", "loss_type": "hinge"}, "--algorithm dpo (TRL's sigmoid), ipo (TRL's ipo), odpo, simpo"),
+    ({"loss_type": "ipo"}, "loss_type 'ipo': DPOConfig's ipo loss is --algorithm ipo"),
     ({"per_device_train_batch_size": 3, "num_generations": 8}, "3 completions per generation is no whole number"),
     ({"num_generations": 4, "group_size": 8}, "num_generations: TRL's name for group_size, which is also given"),
     ({"disable_dropout": True}, "disable_dropout true: posttrain's online trainer runs the model's own dropout"),

@@ -85,14 +85,26 @@ class Context:
         return getattr(self.preset, name, default)
 
 
+DPO_LOSS_TYPES = {"sigmoid": "dpo", "ipo": "ipo"}
+"""DPOConfig ``loss_type`` -> the preference preset with that loss (its ``beta`` is TRL's: for ipo, the paper's
+tau, as in TRL). tests/test_trl_preference_parity.py checks that each gives TRL's DPOTrainer's loss."""
+
+
 def _loss_type(value: Any, context: Context) -> Translation:
     """GRPOConfig's ``loss_type`` is how token losses are aggregated; DPOConfig's is the preference loss."""
+    types = [value] if isinstance(value, str) else list(value)
+    preset = DPO_LOSS_TYPES.get(types[0]) if len(types) == 1 else None
     if context.kind == "preference":
-        types = [value] if isinstance(value, str) else list(value)
-        if types == ["sigmoid"] and context.preset.loss == "dpo":
-            return Translation({}, "loss_type sigmoid: the dpo preset's loss")
+        if preset is not None and context.preset.loss == preset:
+            return Translation({}, f"loss_type {types[0]}: the {preset} preset's loss")
+        if preset is not None:
+            raise NoEquivalent(f"loss_type {value!r}: TRL's {types[0]} loss is --algorithm {preset}, not "
+                               f"{context.preset.name}")
         raise NoEquivalent(f"loss_type {value!r}: posttrain's preference losses are presets: --algorithm dpo "
-                           "(TRL's sigmoid), odpo, simpo, orpo or kto; with rpo_alpha for an added NLL term")
+                           "(TRL's sigmoid), ipo (TRL's ipo), odpo, simpo, orpo or kto; with rpo_alpha for an added "
+                           "NLL term")
+    if preset is not None:
+        raise NoEquivalent(f"loss_type {value!r}: DPOConfig's {types[0]} loss is --algorithm {preset}")
     if context.kind == "supervised":
         if value == "nll":
             return Translation({}, "loss_type nll: the sft objective")
