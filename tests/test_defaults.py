@@ -99,6 +99,20 @@ def test_a_saved_config_sets_every_field(tmp_path):
     assert suited(again, SMOLLM2, CPU, 5 * GiB)[0] == again
 
 
+def test_memory_the_process_already_holds_counts_against_the_limit():
+    """A step's peak is what the process holds before the model loads plus the estimate: 3 GiB held on a
+    24 GiB machine leaves 9 GiB of the 12 GiB limit, where SmolLM2's 4,096-token step (9.4 GiB) no longer fits
+    and the next budget, 2,400 tokens, does; the line says how much was held."""
+    from posttrain.training.defaults import held_memory
+
+    config, lines = suited(Config.from_flat({"model": "x"}), SMOLLM2, CPU, 24 * GiB, held=3 * GiB)
+    assert estimated_peak(SMOLLM2, 4096, checkpointing=False, reference=False) > 9 * GiB
+    assert estimated_peak(SMOLLM2, 2400, checkpointing=False, reference=False) <= 9 * GiB
+    assert config.optim.max_tokens_per_micro_batch == 2400
+    assert "(3.0 GiB of it held before the model loads)" in lines[0]
+    assert 0 < held_memory(CPU) < 24 * GiB  # this test process's resident set
+
+
 def test_the_shape_is_read_from_the_models_config_without_weights(tmp_path, capsys):
     """A SmolLM2-sized Llama config directory (no weights in it) is read on the meta device: its parameters
     counted, its defaults chosen and said."""
