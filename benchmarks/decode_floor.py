@@ -1,17 +1,21 @@
 """The SmolLM2 recipe's sampler against what this machine's memory bandwidth allows a decode step.
 
-    .venv/bin/python benchmarks/decode_floor.py               # the recipe: 16 prompts x 4 samples, bf16, LoRA r16
+    .venv/bin/python benchmarks/decode_floor.py               # the recipe: 16 prompts x 4 samples, LoRA r16
     .venv/bin/python benchmarks/decode_floor.py --profile     # and where one decode step's time goes
+
+The layers compute in the recipe's precision, ``mixed_precision auto``: bfloat16 where the CPU has AVX512-BF16
+or AMX, float32 elsewhere (``--mixed-precision bf16`` or ``no`` forces one).
 
 The session is ``benchmarks/run.py``'s ``grpo-smollm2-recipe`` (the recipe's model and settings, the
 replay's first prompts), sampling through its own generator (posttrain's decode loop and fused step).
 Prints, in one process:
 
-- the machine: read bandwidth (a sum over 512 MB of float32) and a 1024^3 bfloat16 matmul's rate;
+- the machine: read bandwidth (a sum over 512 MB of float32) and a 1024^3 matmul's rate in float32 and in
+  bfloat16 (emulated, and slower, on a CPU without AVX512-BF16 or AMX);
 - what one decode step must read at least: the fused step's weights in the dtype it computes them in
-  (the layers in bfloat16 under the recipe's mixed precision, the LM head in float32) and the KV cache
-  at the step's context (float32, as the decode cache holds it), at the recipe's 64 rows;
-- the floor: those bytes at the measured bandwidth, and the step's GEMM FLOPs at the bf16 rate;
+  (the layers in bfloat16 under bf16 mixed precision, else float32; the LM head in float32) and the KV
+  cache at the step's context (float32, as the decode cache holds it), at the recipe's 64 rows;
+- the floor: those bytes at the measured bandwidth, and the step's GEMM FLOPs at the layers' dtype's rate;
 - the step measured: ``(t(T) - t(1)) / (T - 1)`` with no EOS (every row runs the budget; the prefill
   cancels), at the recipe's 128 tokens (mean context prompt + 64);
 - the recipe's real generate call (EOS on): completion tokens per second.
@@ -73,22 +77,32 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="torch.profiler's table of 16 decode steps")
+    parser.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "no"))
     args = parser.parse_args()
 
+    import dataclasses
+
     from posttrain.config import Config
+    from posttrain.models.loading import resolve_mixed_precision
     from posttrain.rollout.completions import SamplingParams
     from posttrain.rollout.generators import FastGenerator
     from posttrain.training.session import OnlineSession
 
-    b = run.BENCHES["grpo-smollm2-recipe"]
+    precision = resolve_mixed_precision(args.mixed_precision, "float32", torch.device("cpu"))
+    b = dataclasses.replace(run.BENCHES["grpo-smollm2-recipe"], bf16=precision == "bf16")
     rows_data, prompt_lists, _ = run.replay_rows(b, 1)
     print(f"threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}", flush=True)
     big = torch.randn(128 * 1024 * 1024)
     bandwidth = 0.5e9 / best_of(big.sum, args.repeats)
     del big
-    x, y = torch.randn(1024, 1024, dtype=torch.bfloat16), torch.randn(1024, 1024, dtype=torch.bfloat16)
-    bf16_rate = 10 * 2 * 1024**3 / best_of(lambda: [x @ y for _ in range(10)], args.repeats)
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; bf16 matmul 1024^3 {bf16_rate / 1e9:.0f} GFLOP/s", flush=True)
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        rates[dtype] = 10 * 2 * 1024**3 / best_of(lambda: [x @ y for _ in range(10)], args.repeats)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; matmul 1024^3: float32 {rates[torch.float32] / 1e9:.0f} "
+          f"GFLOP/s, bfloat16 {rates[torch.bfloat16] / 1e9:.0f} GFLOP/s; the layers compute in "
+          f"{'bfloat16' if precision == 'bf16' else 'float32'} (mixed_precision {precision})", flush=True)
+    rate = rates[torch.bfloat16 if precision == "bf16" else torch.float32]
 
     with tempfile.TemporaryDirectory() as data:
         s = OnlineSession.create(Config.from_flat(run.recipe_config(b, Path(data), 1, rows_data)))
@@ -100,9 +114,9 @@ def main() -> None:
         print(f"{rows} rows, prompts {mean_prompt:.0f} tokens on average, {b.new_tokens} new tokens", flush=True)
         print(f"one decode step reads at least: layers {need['layers'] / 1e6:.0f} MB, LM head {need['head'] / 1e6:.0f} "
               f"MB, KV cache {need['cache'] / 1e6:.0f} MB (mean context); {total / 1e6:.0f} MB in all", flush=True)
-        floor = max(total / bandwidth, need["flops"] / bf16_rate)
-        print(f"floor: bytes / bandwidth {1e3 * total / bandwidth:.1f} ms, GEMM FLOPs / bf16 rate "
-              f"{1e3 * need['flops'] / bf16_rate:.1f} ms -> {1e3 * floor:.1f} ms/step, "
+        floor = max(total / bandwidth, need["flops"] / rate)
+        print(f"floor: bytes / bandwidth {1e3 * total / bandwidth:.1f} ms, GEMM FLOPs / matmul rate "
+              f"{1e3 * need['flops'] / rate:.1f} ms -> {1e3 * floor:.1f} ms/step, "
               f"{rows / floor:.0f} tokens/s", flush=True)
 
         def fixed(tokens: int) -> FastGenerator:
