@@ -8,7 +8,9 @@ profile: where a step's time goes.
 
 The replay and the session are ``benchmarks/run.py``'s ``grpo-smollm2-recipe`` (the same prompts and
 completions, sampled once and cached); this runs one warm-up step, then ``--steps`` timed ones, in this
-process. ``--set FIELD=VALUE`` overrides a config field (a YAML value). For comparisons that matter use
+process, and prints each step's time, its tokens and the rate of its products (LoRA's: 4 FLOPs a frozen weight a
+token) to set against a matmul's (``benchmarks/decode_floor.py`` prints the machine's). ``--set FIELD=VALUE``
+overrides a config field (a YAML value; quote strings that YAML reads otherwise: ``'mixed_precision="no"'``). For comparisons that matter use
 ``run.py``, which runs each system in a fresh process, several times.
 """
 
@@ -50,11 +52,23 @@ def main() -> None:
                 train_step(s)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             return
+        layers = sum(p.numel() for n, p in s.policy.named_parameters() if ".layers." in n and "lora_" not in n)
+        head = s.policy.get_output_embeddings().weight.numel()
         for _ in range(min(args.steps, total - 1)):
             start = time.perf_counter()
-            train_step(s)
+            metrics = train_step(s)
             s.step += 1
-            print(f"step {s.step}: {time.perf_counter() - start:.2f} s", flush=True)
+            seconds = time.perf_counter() - start
+            g = s.last_groups
+            completion_tokens = int(g.completions.mask.sum())
+            prompt_tokens = sum(len(p) for p in g.prompt_ids[::g.group_size])  # a group's prompt, passed once
+            # the products of a LoRA (frozen-weight) pass: forward and the activations' backward, 2 + 2 FLOPs a
+            # weight a token for the layers, the LM head at the scored (completion) tokens only
+            flops = 4 * layers * (prompt_tokens + completion_tokens) + 4 * head * completion_tokens
+            print(f"step {s.step}: {seconds:.2f} s ({metrics['time/training']:.2f} s training); "
+                  f"{prompt_tokens} prompt + {completion_tokens} completion tokens; "
+                  f"{flops / 1e12:.2f} TFLOP of products, {flops / metrics['time/training'] / 1e9:.0f} GFLOP/s",
+                  flush=True)
 
 
 if __name__ == "__main__":
