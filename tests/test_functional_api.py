@@ -56,7 +56,8 @@ def test_all_exports_every_public_function():
     extras = {"aggregate", "reinforce_pp_advantages", "value_loss", "best_of_n", "nll_loss",
               "selective_log_softmax", "entropy_from_logits", "linear_log_softmax", "chosen_nll", "rollout_correction",
               "bradley_terry_loss", "process_advantages", "entropy_bonus", "adaptive_entropy_coef",
-              "distillation_advantages", "gdpo_advantages", "generalized_jsd", "load_balancing_loss", "expert_load"}
+              "distillation_advantages", "gdpo_advantages", "generalized_jsd", "ema_weights", "load_balancing_loss", "expert_load",
+              "group_length_penalty"}
     assert set(F.__all__) == set(PINNED) | extras
     assert all(callable(getattr(F, name)) for name in F.__all__)
 

@@ -161,6 +161,35 @@ def test_overlong_penalty_rejects_bad_budgets():
         F.overlong_penalty(torch.tensor([1]), max_tokens=20, buffer=0)
 
 
+def test_group_length_penalty_hand_computed():
+    # Kimi k1.5 sec. 2.3.3. Group 1: lengths 2, 4, 6, 10: min 2, max 10, spread 8, so
+    # lambda = 0.5 - (len - 2) / 8 = 0.5, 0.25, 0.0, -0.5. Correct samples get lambda, incorrect
+    # ones min(0, lambda): the wrong 4-token answer gets 0, not 0.25; the wrong 10-token one -0.5.
+    # Group 2: every length 5: lambda = 0 for all, right or wrong.
+    lengths = torch.tensor([[2, 4, 6, 10], [5, 5, 5, 5]])
+    correct = torch.tensor([[True, False, True, False], [True, False, True, True]])
+    expected = torch.tensor([[0.5, 0.0, 0.0, -0.5], [0.0, 0.0, 0.0, 0.0]])
+    torch.testing.assert_close(F.group_length_penalty(lengths, correct), expected)
+    # all correct: the plain lambda, whose group mean is 0.5 - mean((len - 2) / 8) = 0.5 - 0.4375 = 0.0625
+    every = F.group_length_penalty(lengths[:1], torch.ones(1, 4, dtype=torch.bool))
+    torch.testing.assert_close(every, torch.tensor([[0.5, 0.25, 0.0, -0.5]]))
+    assert every.mean().item() == pytest.approx(0.0625)
+
+
+def test_group_length_penalty_depends_only_on_each_groups_relative_lengths():
+    lengths = torch.tensor([[3.0, 7.0, 11.0], [1.0, 2.0, 2.0]])
+    correct = torch.tensor([[True, True, False], [False, True, True]])
+    penalty = F.group_length_penalty(lengths, correct)
+    shifted = F.group_length_penalty(lengths * 3 + 100, correct)  # min and max move with every length
+    torch.testing.assert_close(penalty, shifted)
+    swapped = F.group_length_penalty(lengths.flip(0), correct.flip(0))  # groups do not see each other
+    torch.testing.assert_close(swapped, penalty.flip(0))
+    with pytest.raises(ValueError, match=r"correct has shape \[2, 2\] but lengths has shape \[2, 3\]"):
+        F.group_length_penalty(lengths, correct[:, :2])
+    with pytest.raises(ValueError, match=r"lengths must have shape \[B, G\]"):
+        F.group_length_penalty(lengths.view(-1), correct.view(-1))
+
+
 def test_chosen_nll_by_hand():
     """RPO's term: -pi_w / |y_w| per example, averaged. (-(-6)/3 + -(-2)/4) / 2 = (2 + 0.5) / 2 = 1.25."""
     logps, lengths = torch.tensor([-6.0, -2.0]), torch.tensor([3, 4])

@@ -134,6 +134,37 @@ def test_dapo_overlong_penalty_enters_the_reward(tiny_model_dir, reward_file):
     assert torch.allclose(g.rewards.view(-1), g.terms["sevens"] + penalty, atol=1e-6)
 
 
+def test_group_length_penalty_enters_the_reward_of_any_preset():
+    # The built-in model is right on some one-digit sums and wrong on others: both of Kimi k1.5's cases occur.
+    config = Config.from_flat(dict(algorithm="grpo", model="tiny-addition", task="addition", prompts_per_step=8,
+                                   group_size=4, max_steps=1, eval_size=0, progress=False, report_to="none",
+                                   group_length_penalty=0.5))
+    s = OnlineSession.create(config)
+    metrics = train_step(s)
+    g = s.last_groups
+    lengths, correct = g.completions.lengths.float().view(-1, 4), g.correct.view(-1, 4)
+    assert correct.any() and not correct.all()
+    shortest, longest = lengths.min(1, keepdim=True).values, lengths.max(1, keepdim=True).values
+    # lambda = 0.5 - (len - shortest) / (longest - shortest), 0 in a group of equal lengths
+    lam = torch.where(longest > shortest, 0.5 - (lengths - shortest) / (longest - shortest).clamp(min=1), 0.0)
+    penalty = torch.where(correct, lam, lam.clamp(max=0.0))  # min(0, lambda) for a wrong answer
+    assert torch.allclose(g.rewards, g.terms["accuracy"].view(-1, 4) + 0.5 * penalty, atol=1e-6)
+    assert metrics["reward/group_length_penalty"] == pytest.approx(penalty.mean().item(), abs=1e-6)
+
+
+def test_group_length_penalty_needs_a_task_that_checks_answers(tiny_model_dir, reward_file, tmp_path):
+    from posttrain.config import ConfigError
+
+    data = tmp_path / "prompts.jsonl"
+    data.write_text('{"prompt": "1+1="}\n{"prompt": "2+2="}\n')
+    config = make_config(tiny_model_dir, reward_file, task=None, dataset=str(data), prompts_per_step=2,
+                         group_length_penalty=1.0)
+    with pytest.raises(ConfigError, match=r"group_length_penalty: .* --reward 'length_penalty\(max_chars=N\)'"):
+        OnlineSession.create(config)
+    with pytest.raises(ConfigError, match="group_length_penalty: got -1.0; use a weight > 0"):
+        make_config(tiny_model_dir, reward_file, group_length_penalty=-1.0)
+
+
 def test_overlong_filter_takes_truncated_completions_out_of_the_loss(tiny_model_dir, reward_file):
     # A budget of 4 tokens: a random model rarely ends that early, so most completions are truncated.
     config = make_config(tiny_model_dir, reward_file, "dapo", binary_reward=None, dynamic_sampling=False,

@@ -215,6 +215,18 @@ _AFTER_THE_SEED = [
         # from a student at 33% held-out accuracy (tiny-addition-base after 240 SFT steps), 250 steps at 1e-4 gained
         # +9 points and at 3e-4 +42; from one at 5%, 1e-3 raised the KL to the teacher (benchmarks/RESULTS.md)
         default_learning_rate=3e-4),
+    OnlineAlgorithm(
+        "sdft", "Self-Distillation Enables Continual Learning (Shenfeld et al., 2026) https://arxiv.org/abs/2601.19897",
+        "On-policy distillation whose teacher is the policy itself reading the row's privileged context (a worked "
+        "answer) after the prompt, its weights a moving average of the policy's; no --teacher.",
+        advantage="reverse_kl", kl_placement="none", beta=0.0, clip="none", eps_low=None, eps_high=None,
+        # the paper's loss is (1/T) sum_t of each position's divergence, averaged over the batch (TRL's too)
+        aggregation="sequence_mean",
+        # the paper's Algorithm 1 moves an EMA teacher after every update; 0.05 is TRL's teacher_update_rate, as
+        # the paper's own rate was not found in the text read here (docs/decisions.md)
+        self_teacher_ema=0.05,
+        update_structure="one update per rollout: SDFT (arXiv:2601.19897, Algorithm 1) samples, takes one gradient "
+        "step on the reverse KL to the demonstration-conditioned teacher, then moves the teacher"),
 ]
 _PREFERENCE = [
     PreferenceAlgorithm(

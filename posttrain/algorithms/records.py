@@ -163,6 +163,12 @@ class OnlineAlgorithm:
     task_reward_weight: float | None = _field("On-policy distillation (advantage reverse_kl): weight of the task "
                                               "reward's group-normalised advantage added to each token's "
                                               "teacher-minus-student log-prob; None = distillation alone.")
+    self_teacher_ema: float | None = _field("Self-distillation (SDFT, advantage reverse_kl): the teacher is the policy "
+                                            "itself reading each row's privileged context after its prompt (data's "
+                                            "privileged_column, teacher_prompt_template), no --teacher; its weights "
+                                            "move this far toward the policy's after each step: 0 = the starting "
+                                            "weights, 1 = the current ones. None = a --teacher model reading the "
+                                            "student's prompt.")
     entropy_coef: float = _field("Weight c of the entropy bonus -c * H in the loss (aggregated like the policy term); "
                                  "with entropy_target, its starting value. 0 = no bonus.", 0.0)
     entropy_target: float | None = _field("Adaptive entropy control (Skywork-OR1, arXiv:2505.22312): c rises by "
@@ -199,8 +205,18 @@ class OnlineAlgorithm:
 
     @property
     def needs_teacher(self) -> bool:
-        """A teacher model scores the samples (on-policy distillation: ``--teacher MODEL``)."""
+        """A teacher scores the samples (on-policy distillation: ``--teacher MODEL``, or the policy itself)."""
         return ADVANTAGES[self.advantage].needs_teacher
+
+    @property
+    def teaches_itself(self) -> bool:
+        """The teacher is the policy (a moving average of its weights) given the row's privileged context (SDFT)."""
+        return self.self_teacher_ema is not None
+
+    @property
+    def needs_teacher_model(self) -> bool:
+        """The run loads a separate teacher model (``--teacher MODEL``)."""
+        return self.needs_teacher and not self.teaches_itself
 
     @property
     def needs_value_model(self) -> bool:
@@ -283,6 +299,11 @@ class OnlineAlgorithm:
              f"task_reward_weight belongs to a distillation estimator (reverse_kl); set it to None for {a!r}"),
             (self.task_reward_weight is not None and self.task_reward_weight < 0,
              f"task_reward_weight={self.task_reward_weight} must be >= 0"),
+            (self.self_teacher_ema is not None and not ADVANTAGES[a].needs_teacher,
+             f"self_teacher_ema belongs to a distillation estimator (reverse_kl); set it to None for {a!r}"),
+            (self.self_teacher_ema is not None and not 0 <= self.self_teacher_ema <= 1,
+             f"self_teacher_ema={self.self_teacher_ema} must be in [0, 1] (0: the starting weights, 1: the current "
+             "ones) or None"),
             ((self.entropy_target is None) != (self.entropy_coef_step is None),
              "entropy_target and entropy_coef_step go together (adaptive entropy control), or both None"),
             (self.entropy_target is not None and not self.entropy_target > 0,

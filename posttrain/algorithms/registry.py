@@ -62,8 +62,9 @@ class AdvantageEstimator:
     """It takes each reward function's raw values (``reward_terms`` [B, G, K], NaN where one does not apply) and
     their weights (``reward_weights`` [K]), not only their weighted sum (GDPO)."""
     needs_teacher: bool = False
-    """It needs a teacher model's log-probs of the sampled tokens (``teacher_logprobs`` [N, T]) and the
-    sampler's own (``logprobs``): on-policy distillation. The run needs ``--teacher MODEL``."""
+    """It needs a teacher's log-probs of the sampled tokens (``teacher_logprobs`` [N, T]) and the sampler's own
+    (``logprobs``): on-policy distillation. The teacher is ``--teacher MODEL``, or, with the preset's
+    ``self_teacher_ema`` (sdft), the policy itself reading the row's privileged context."""
 
 
 @dataclass(frozen=True)

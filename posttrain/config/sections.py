@@ -206,6 +206,10 @@ class DataConfig:
         "The judge's pairwise template: pairwise (built-in) or a text file with {prompt}, {first} and {second}.",
         "pairwise")
     judge_weight: float = _help("Weight of the judge's score in the total reward.", 1.0)
+    group_length_penalty: float | None = _help(
+        "Weight of Kimi k1.5's length penalty (arXiv:2501.12599, sec. 2.3.3; F.group_length_penalty) added to "
+        "the reward: within a prompt's group, 0.5 - (length - shortest) / (longest - shortest) for a correct "
+        "completion, at most 0 for a wrong one. Online presets on a task that checks answers. Default: off.")
     reward_timeout: float = _help(
         "Seconds per reward-function call; > 0 runs each call in a forked worker killed at the limit.", 0.0,
     )
@@ -214,6 +218,13 @@ class DataConfig:
         "(drop that sample's group from the update, counted in reward/failures).", "error",
     )
     long_prompts: str = _help("Online prompts over max_prompt_length: error (naming the first) or drop (counted).", "error")
+    difficulty_filter_low: float | None = _help(
+        "Skip, before generating, a training prompt whose group pass rate when last sampled was at or below "
+        "this (0: never solved), for the rest of the run (prime-rl's hard threshold). Online presets on a task "
+        "that checks answers. Default: off.")
+    difficulty_filter_high: float | None = _help(
+        "Skip, before generating, a training prompt whose group pass rate when last sampled was at or above "
+        "this (1: always solved), for the rest of the run (prime-rl's easy threshold). Default: off.")
     eval_size: int = _help("Held-out prompts scored (greedy) at each evaluation (at most the task's held-out split).", 500)
     eval_tasks: tuple[str, ...] = _help(
         "More tasks (built-in or reasoning-gym:SPEC, repeatable) whose held-out splits are scored at every "
@@ -232,9 +243,26 @@ class DataConfig:
         "evaluation a small share of a slow model's run; the evaluations before and after training score all "
         "eval_size. 0: all.", 0,
     )
+    privileged_column: str | None = _help(
+        "Self-distillation (sdft): the column each row's teacher reads after its prompt, a demonstration or a "
+        "worked answer. Default: solution on a built-in task, privileged_context (TRL's name) on a --dataset.")
+    teacher_prompt_template: str = _help(
+        "Self-distillation (sdft): how the teacher's prompt joins the row's prompt and its privileged context; "
+        "holds {prompt} and {privileged_context} (TRL's default). A chat prompt's last user message is filled.",
+        "{prompt}\n\n{privileged_context}")
 
     def __post_init__(self) -> None:
         require = Checks()
+        for placeholder in ("{prompt}", "{privileged_context}"):
+            require(placeholder in self.teacher_prompt_template, "teacher_prompt_template",
+                    f"{self.teacher_prompt_template!r} has no {placeholder}; the teacher reads the prompt and the "
+                    "row's privileged context, e.g. '{prompt}\\n\\n{privileged_context}'")
+        try:
+            self.teacher_prompt_template.format(prompt="", privileged_context="")
+        except (KeyError, IndexError, ValueError) as error:
+            require(False, "teacher_prompt_template", f"{self.teacher_prompt_template!r} is not a template of "
+                    f"{{prompt}} and {{privileged_context}} alone ({type(error).__name__}: {error}); write a literal "
+                    "brace as {{ or }}")
         require(self.reward_timeout >= 0, "reward_timeout", f"got {self.reward_timeout}; use 0 (off) or seconds")
         require(self.reward_errors in ("error", "skip"), "reward_errors", f"got {self.reward_errors!r}; use error or skip")
         for url in self.reward_url:
@@ -245,6 +273,16 @@ class DataConfig:
         require(self.reward_url_timeout > 0, "reward_url_timeout", f"got {self.reward_url_timeout}; use seconds > 0")
         require(self.reward_url_retries >= 0, "reward_url_retries", f"got {self.reward_url_retries}; use 0 or more")
         require(self.long_prompts in ("error", "drop"), "long_prompts", f"got {self.long_prompts!r}; use error or drop")
+        require(self.group_length_penalty is None or self.group_length_penalty > 0, "group_length_penalty",
+                f"got {self.group_length_penalty}; use a weight > 0 (Kimi k1.5 adds it with weight 1), or none")
+        low, high = self.difficulty_filter_low, self.difficulty_filter_high
+        require(low is None or 0 <= low < 1, "difficulty_filter_low",
+                f"got {low}; use a pass rate in [0, 1) (0 skips prompts never solved), or none")
+        require(high is None or 0 < high <= 1, "difficulty_filter_high",
+                f"got {high}; use a pass rate in (0, 1] (1 skips prompts always solved), or none")
+        require(low is None or high is None or low < high, "difficulty_filter_high",
+                f"got {high} with difficulty_filter_low {low}: no pass rate would be trained on; use "
+                "difficulty_filter_low < difficulty_filter_high")
         require(self.eval_size >= 0, "eval_size", f"got {self.eval_size}; use 0 (no evaluation) or more")
         require(self.eval_subset >= 0, "eval_subset", f"got {self.eval_subset}; use 0 (all of eval_size) or more")
         require(self.eval_prompt_variants is None or bool(self.eval_tasks), "eval_prompt_variants",

@@ -273,26 +273,59 @@ def as_completion(prompt: Any, text: str) -> str | list[dict[str, str]]:
     return [{"role": "assistant", "content": text}] if is_chat(prompt) else text
 
 
-class PromptSampler:
-    """Shuffled epochs over the prompts, resumable, with SRPO's history resampling.
+TALLIES = ("skipped_easy", "skipped_hard", "drawn_with_rate", "drawn_rate_sum")
+"""What a :class:`PromptSampler` counts over a run: prompts passed over as too easy and as too hard, and the
+prompts it handed out that had a recorded pass rate, with the sum of those rates."""
 
-    With ``history_resampling``, a prompt whose every completion was correct during
-    an epoch is left out of the following epochs (SRPO, arXiv:2504.14286, sec. 3.2).
+
+class PromptSampler:
+    """Shuffled epochs over the prompts, resumable, that can leave prompts out before they are generated.
+
+    - ``history_resampling``: a prompt whose every completion was correct during an epoch is left out of
+      the following epochs (SRPO, arXiv:2504.14286, sec. 3.2).
+    - difficulty filtering (prime-rl's easy and hard thresholds): every sampled prompt's group pass rate
+      is recorded (:meth:`record_pass_rates`); when a prompt's turn comes in a later epoch and its last
+      rate is at or below ``difficulty_filter_low`` (too hard) or at or above ``difficulty_filter_high``
+      (too easy), it is passed over, counted in :attr:`tally`, and the next prompt of the order is
+      taken. A skipped prompt is never retried: it is not sampled again, so its rate stays what it was,
+      as in prime-rl, whose easy and hard pools are not drawn from by default. Retrying after some epochs
+      would be one more setting whose right value depends on the run; a run that wants its hard prompts
+      back starts a second run from its final model, whose sampler has no rates yet.
     """
 
-    def __init__(self, num_rows: int, seed: int, history_resampling: bool = False):
+    def __init__(self, num_rows: int, seed: int, history_resampling: bool = False,
+                 difficulty_filter_low: float | None = None, difficulty_filter_high: float | None = None):
         self.num_rows = num_rows
         self.seed = seed
         self.history_resampling = history_resampling
+        self.difficulty_filter_low = difficulty_filter_low
+        self.difficulty_filter_high = difficulty_filter_high
         self.epoch = 0
         self.position = 0
         self.excluded: set[int] = set()
         self.solved_this_epoch: set[int] = set()
+        self.pass_rates: dict[int, float] = {}
+        self.tally: dict[str, float] = dict.fromkeys(TALLIES, 0)
+
+    @property
+    def filters_difficulty(self) -> bool:
+        return self.difficulty_filter_low is not None or self.difficulty_filter_high is not None
 
     def _order(self) -> list[int]:
         generator = torch.Generator().manual_seed(self.seed * 1_000_003 + self.epoch)
         order = torch.randperm(self.num_rows, generator=generator).tolist()
         return [i for i in order if i not in self.excluded]
+
+    def too_easy_or_hard(self, index: int) -> str | None:
+        """``easy`` or ``hard`` when the difficulty filter passes the prompt over, else None."""
+        rate = self.pass_rates.get(index)
+        if rate is None:
+            return None
+        if self.difficulty_filter_low is not None and rate <= self.difficulty_filter_low:
+            return "hard"
+        if self.difficulty_filter_high is not None and rate >= self.difficulty_filter_high:
+            return "easy"
+        return None
 
     def next(self, count: int) -> list[int]:
         picked: list[int] = []
@@ -300,12 +333,27 @@ class PromptSampler:
             order = self._order()
             if not order:
                 raise RuntimeError("history resampling has excluded every prompt: the policy solves all of them")
+            if self.filters_difficulty and all(self.too_easy_or_hard(i) for i in order):
+                raise RuntimeError(
+                    f"difficulty filtering has left out every prompt: each one's last pass rate is at or below "
+                    f"difficulty_filter_low ({self.difficulty_filter_low}) or at or above difficulty_filter_high "
+                    f"({self.difficulty_filter_high}); widen the band between them, raise group_size (a pass rate "
+                    "of 0 or 1 is less likely from more samples), or add prompts")
             if self.position >= len(order):
                 self._end_epoch()
                 continue
-            take = order[self.position:self.position + count - len(picked)]
-            picked += take
-            self.position += len(take)
+            for index in order[self.position:]:
+                if len(picked) == count:
+                    break
+                self.position += 1
+                verdict = self.too_easy_or_hard(index)
+                if verdict is not None:
+                    self.tally[f"skipped_{verdict}"] += 1
+                    continue
+                picked.append(index)
+                if index in self.pass_rates:
+                    self.tally["drawn_with_rate"] += 1
+                    self.tally["drawn_rate_sum"] += self.pass_rates[index]
         return picked
 
     def _end_epoch(self) -> None:
@@ -315,9 +363,11 @@ class PromptSampler:
         self.epoch += 1
         self.position = 0
 
-    def record_solved(self, indices: list[int]) -> None:
-        """Prompts whose whole group was correct in this epoch."""
-        self.solved_this_epoch.update(indices)
+    def record_pass_rates(self, pass_rates: dict[int, float]) -> None:
+        """Sampled prompts' group pass rates (the share of their completions judged correct): the difficulty
+        filter's evidence; a rate of 1 is a prompt solved in this epoch, for history resampling."""
+        self.pass_rates.update(pass_rates)
+        self.solved_this_epoch.update(i for i, rate in pass_rates.items() if rate == 1.0)
 
     def state_dict(self) -> dict[str, Any]:
         return {
@@ -325,8 +375,13 @@ class PromptSampler:
             "position": self.position,
             "excluded": sorted(self.excluded),
             "solved_this_epoch": sorted(self.solved_this_epoch),
+            "pass_rates": sorted(self.pass_rates.items()),  # JSON has no integer keys: [index, rate] pairs
+            "tally": dict(self.tally),
         }
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.epoch, self.position = state["epoch"], state["position"]
         self.excluded, self.solved_this_epoch = set(state["excluded"]), set(state["solved_this_epoch"])
+        # absent from checkpoints written before pass rates were recorded
+        self.pass_rates = {int(i): float(rate) for i, rate in state.get("pass_rates", [])}
+        self.tally = {**dict.fromkeys(TALLIES, 0), **state.get("tally", {})}

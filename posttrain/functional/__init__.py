@@ -17,8 +17,8 @@ Modules: `_kl` (KL estimators), `_aggregate` (loss aggregation), `_advantages`
 (group estimators, REINFORCE++, GRPO's process supervision), `_returns` (token rewards, returns, GAE,
 whitening), `_policy` (policy losses, NLL), `_value` (PPO value loss),
 `_preference` (DPO, ODPO, SimPO, ORPO, KTO), `_reward_model` (the Bradley-Terry loss), `_shaping` (overlong penalty,
-best-of-N), `_entropy` (the entropy bonus and its adaptive coefficient), `_surrogates` (SAPO, DPPO,
-GMPO, Clip-Cov, KL-Cov), `_distillation` (GKD's generalised JSD), `_mismatch` (importance weights for a sampler that is not the trained policy), `_experts` (a mixture of
+Kimi k1.5's group length penalty, best-of-N), `_entropy` (the entropy bonus and its adaptive coefficient), `_surrogates` (SAPO, DPPO,
+GMPO, Clip-Cov, KL-Cov), `_distillation` (GKD's generalised JSD, SDFT's moving-average teacher), `_mismatch` (importance weights for a sampler that is not the trained policy), `_experts` (a mixture of
 experts' load-balancing loss and expert load), `_logprobs` (chunked log-softmax and entropy, and `linear_log_softmax`,
 which folds in the LM head so that no `[N, T, V]` logits tensor exists).
 """
@@ -31,7 +31,7 @@ from ._advantages import (
     reinforce_pp_advantages,
 )
 from ._aggregate import aggregate
-from ._distillation import generalized_jsd
+from ._distillation import ema_weights, generalized_jsd
 from ._entropy import adaptive_entropy_coef, entropy_bonus
 from ._experts import expert_load, load_balancing_loss
 from ._kl import kl_estimate
@@ -49,7 +49,7 @@ from ._preference import (
 )
 from ._returns import discounted_returns, gae, kl_shaped_rewards, whiten
 from ._reward_model import bradley_terry_loss
-from ._shaping import best_of_n, overlong_penalty
+from ._shaping import best_of_n, group_length_penalty, overlong_penalty
 from ._value import value_loss
 
 __all__ = [
@@ -61,6 +61,7 @@ __all__ = [
     "discounted_returns",
     "distillation_advantages",
     "dpo_loss",
+    "ema_weights",
     "ipo_loss",
     "entropy_bonus",
     "entropy_from_logits",
@@ -68,6 +69,7 @@ __all__ = [
     "gae",
     "gdpo_advantages",
     "generalized_jsd",
+    "group_length_penalty",
     "linear_log_softmax",
     "load_balancing_loss",
     "kl_estimate",

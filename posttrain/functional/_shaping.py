@@ -2,10 +2,13 @@
 
 - `overlong_penalty`: DAPO's soft overlong punishment (Yu et al. 2025, Sec. 3.4,
   eq. (13)), added to the task reward.
+- `group_length_penalty`: Kimi k1.5's length reward (Kimi Team 2025, arXiv:2501.12599,
+  Sec. 2.3.3), relative to the other completions of the same prompt.
 - `best_of_n`: keep the highest-reward completion of each group (rejection
   sampling fine-tuning, RAFT: Dong et al. 2023), ties to the first.
 
-Departures: none.
+Departures: `group_length_penalty` is the paper's per-sample length reward only; the
+paper's warm-up (training without it first) is the caller's choice of when to add it.
 """
 
 from __future__ import annotations
@@ -13,7 +16,7 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
-from ._checks import check_ndim, check_positive, compute_dtype
+from ._checks import check_ndim, check_positive, check_same_shape, compute_dtype
 
 
 def overlong_penalty(lengths: Tensor, *, max_tokens: int, buffer: int) -> Tensor:
@@ -38,6 +41,30 @@ def overlong_penalty(lengths: Tensor, *, max_tokens: int, buffer: int) -> Tensor
     ramp_N = (safe_length - lengths_N) / buffer  # DAPO eq. (13), the middle case
     penalty_N = torch.where(lengths_N <= safe_length, 0.0, ramp_N)
     return torch.where(lengths_N > max_tokens, -1.0, penalty_N)
+
+
+def group_length_penalty(lengths: Tensor, correct: Tensor) -> Tensor:
+    """Kimi k1.5's length reward: within each group, shorter than the group's midpoint earns, longer costs.
+
+    Args:
+        lengths: [B, G] completion lengths in tokens (int or float) of G completions for each of B prompts.
+        correct: [B, G] bool, whether each completion's answer is right.
+
+    Returns:
+        [B, G] float: with lambda = 0.5 - (len - min_len) / (max_len - min_len) over the group's
+        lengths (0 for every sample of a group whose lengths are all equal), lambda for a correct
+        completion and min(0, lambda) for an incorrect one, in [-0.5, 0.5].
+    """
+    check_ndim("lengths", lengths, 2, "[B, G]")
+    check_same_shape(lengths=lengths, correct=correct)
+    lengths_BG = lengths.to(compute_dtype(lengths))
+    shortest_B1 = lengths_BG.amin(dim=1, keepdim=True)
+    spread_B1 = lengths_BG.amax(dim=1, keepdim=True) - shortest_B1
+    # Kimi k1.5 sec. 2.3.3: lambda = 0.5 - (len(i) - min_len) / (max_len - min_len); 0 when max_len = min_len
+    safe_spread_B1 = torch.where(spread_B1 > 0, spread_B1, 1.0)  # equal lengths: no 0 / 0 in the unused branch
+    lam_BG = torch.where(spread_B1 > 0, 0.5 - (lengths_BG - shortest_B1) / safe_spread_B1, 0.0)
+    # len_reward(i) = lambda if r(x, y_i, y*) = 1, min(0, lambda) if r(x, y_i, y*) = 0
+    return torch.where(correct.bool(), lam_BG, lam_BG.clamp(max=0.0))
 
 
 def best_of_n(rewards: Tensor, *, min_reward: float | None = None,

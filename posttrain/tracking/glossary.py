@@ -70,6 +70,9 @@ GLOSSARY: tuple[MetricEntry, ...] = (
     MetricEntry("reward/<function>", "Mean of one reward function's values (unweighted; `None` values left out); "
                 "the task's built-in reward is `reward/accuracy`, a reward model `reward/reward_model`.",
                 EVERY_STEP, ONLINE),
+    MetricEntry("reward/group_length_penalty", "Mean of Kimi k1.5's length penalty over the step's samples "
+                "(before its weight): in [-0.5, 0.5], below 0 where the group's longer samples dominate.",
+                "every step, with `group_length_penalty`", ONLINE),
     MetricEntry("reward_failures/<function>", "Samples for which that reward function raised or returned no "
                 "number, under `reward_errors skip` (their groups leave the update).", EVERY_STEP, ONLINE),
     MetricEntry("accuracy", "Share of the step's samples the task's answer check accepts (online); the share of "
@@ -88,6 +91,18 @@ GLOSSARY: tuple[MetricEntry, ...] = (
                 "wrong): their advantages are zero and they carry no gradient.", EVERY_STEP, ONLINE),
     MetricEntry("no_signal_steps", "The current streak of steps with no group that carries a learning signal; "
                 "the run warns at 5 and stops at `max_no_signal_steps`.", EVERY_STEP, ONLINE),
+    MetricEntry("difficulty/skipped_easy", "Prompts the difficulty filter passed over while the step drew its "
+                "prompts because their last pass rate was at or above `difficulty_filter_high`.",
+                "every step, with `difficulty_filter_low` or `difficulty_filter_high`", ONLINE),
+    MetricEntry("difficulty/skipped_hard", "Prompts it passed over because their last pass rate was at or below "
+                "`difficulty_filter_low`.", "every step, with `difficulty_filter_low` or `difficulty_filter_high`",
+                ONLINE),
+    MetricEntry("difficulty/completions_saved", "Completions not generated for the skipped prompts so far in the "
+                "run: skipped prompts x `group_size`.",
+                "every step, with `difficulty_filter_low` or `difficulty_filter_high`", ONLINE),
+    MetricEntry("difficulty/prior_pass_rate", "Mean pass rate, when last sampled, of the step's prompts that had "
+                "been sampled before: the difficulty the filter judged them by.",
+                "with a difficulty filter, once a drawn prompt has a pass rate", ONLINE),
     MetricEntry("generation_rounds", "Generation rounds the step took: 1, more when dynamic sampling (DAPO) "
                 "refills the batch with groups that carry signal.", EVERY_STEP, ONLINE),
     MetricEntry("groups_trained", "Prompt groups the step trained on, over all processes.", EVERY_STEP, ONLINE),

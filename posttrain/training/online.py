@@ -2,10 +2,11 @@
 
 One step, top to bottom:
 
-1. sample ``B`` prompts (SRPO's history resampling leaves solved prompts out);
-   with ``W`` processes each takes its ``B / W`` of them;
+1. sample ``B`` prompts (SRPO's history resampling leaves solved prompts out, difficulty filtering
+   those whose last pass rate was too low or too high); with ``W`` processes each takes its ``B / W``;
 2. generate ``G`` completions per prompt and score them with the reward functions;
-3. shape the rewards: the preset's binary reward (DAPO's +-1) and overlong penalty;
+3. shape the rewards: the preset's binary reward (DAPO's +-1) and overlong penalty, and Kimi k1.5's
+   group length penalty where the run sets it; record each prompt's pass rate for the sampler;
 4. filter groups: dynamic sampling keeps only groups with reward variance and
    refills (surplus groups wait for the next step); best-of-N keeps each group's best;
 5. compute the log-probs the preset needs: the sampling policy's (for several
@@ -68,12 +69,13 @@ def score_rows(s: OnlineSession, rows: list[dict], completions: Completions, tex
 
 
 EPISODE_COUNT = "episode_count/"  # counts of multi-turn episodes, summed over rounds and processes
+SHAPING_SUM = "shaping_sum/"  # a reward-shaping term's sum (and the samples'), for its mean over the step
 
 
 def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], dict[str, int]]:
     """A generation round's ``G`` completions of each prompt (the step's batch, or a refill), scored, their
-    rewards shaped. Also returns the generation and scoring times, and counts: failed rewards by function
-    and, for multi-turn episodes, turns, tool calls, tool errors and inserted tokens."""
+    rewards shaped. Also returns the generation and scoring times, and counts: failed rewards by function,
+    for multi-turn episodes turns, tool calls, tool errors and inserted tokens, and a shaping term's sum."""
     alg, g = s.alg, s.config.rollout.group_size
     sampled = s.rollouts.first_round(s) if first else s.rollouts.extra_round(s)
     indices, completions = sampled.indices, sampled.completions
@@ -92,9 +94,13 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
         rewards = rewards + F.overlong_penalty(
             completions.lengths, max_tokens=budget, buffer=max(1, round(alg.overlong_buffer_ratio * budget))
         )
-    if correct is not None:  # every process records every process's solved prompts: one sampler state
-        solved = [i for i, ok in zip(indices, correct.view(-1, g).all(-1).tolist()) if ok]
-        s.sampler.record_solved(distributed.concat(solved))
+    length_penalty = None
+    if s.config.data.group_length_penalty is not None:  # Kimi k1.5 sec. 2.3.3 (validate: correct is known)
+        length_penalty = F.group_length_penalty(completions.lengths.view(-1, g), correct.view(-1, g)).view(-1)
+        rewards = rewards + s.config.data.group_length_penalty * length_penalty
+    if correct is not None:  # every process records every process's pass rates: one sampler state
+        rates = correct.view(-1, g).float().mean(-1).tolist()
+        s.sampler.record_pass_rates(dict(distributed.concat(list(zip(indices, rates)))))
     groups = Groups(
         list(indices), prompt_ids, completions, texts,
         rewards.view(-1, g), scores.terms, correct,
@@ -111,6 +117,9 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
         if hasattr(fn, "step_metrics"):
             failures.update(fn.step_metrics())
     failures.update({f"{EPISODE_COUNT}{key}": value for key, value in sampled.episode_counts.items()})
+    if length_penalty is not None:  # summed over rounds and processes, then divided: the mean of every sample
+        failures.update({f"{SHAPING_SUM}group_length_penalty": float(length_penalty.sum()),
+                         f"{SHAPING_SUM}samples": len(length_penalty)})
     failed = scores.failed if completions.dropped is None else scores.failed | completions.dropped
     if failed.any():  # reward_errors=skip, or an agent's episode not recorded: a group with one leaves the update
         groups = groups.select(~failed.view(-1, g).any(-1))
@@ -128,6 +137,7 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
     times: dict[str, float] = {"time/generation": 0.0, "time/rollout_wait": 0.0, "time/scoring": 0.0}
     failures: dict[str, float] = {}
     rounds, generated, zero_variance, fresh = 0, 0, 0, []
+    tally = dict(s.sampler.tally)  # the difficulty filter's counts before this step's draws
     while rounds < (alg.max_generation_rounds if alg.dynamic_sampling else 1) and distributed.any_true(have < share):
         groups, round_times, round_failures = rollout(s, first=rounds == 0)
         for totals, new in ((times, round_times), (failures, round_failures)):
@@ -161,10 +171,14 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
                                        "surplus_groups": 0 if s.surplus is None else len(s.surplus.indices)})
     counts = distributed.reduce_values(failures)
     episodes = {key.removeprefix(EPISODE_COUNT): counts.pop(key) for key in list(counts) if key.startswith(EPISODE_COUNT)}
+    shaping = {key.removeprefix(SHAPING_SUM): counts.pop(key) for key in list(counts) if key.startswith(SHAPING_SUM)}
+    samples = shaping.pop("samples", 0)
     stats = {
         **distributed.reduce_values(times, max),
         **counts,
         **(EpisodeStats.metrics_of(episodes) if episodes else {}),
+        **{f"reward/{name}": total / samples for name, total in shaping.items()},
+        **(difficulty_metrics(s, tally) if s.sampler.filters_difficulty else {}),
         "generation_rounds": rounds,
         "zero_variance_groups": total["zero_variance"] / max(total["generated"], 1),
 
@@ -175,6 +189,20 @@ def collect_groups(s: OnlineSession) -> tuple[Groups, dict[str, float]]:
     generated_metrics = rollout_metrics(Groups.cat(distributed.concat(fresh)))
     stats["reward_signal"] = float(distributed.any_true(any(step_has_signal(p.rewards) for p in fresh)))
     return batch, {**stats, **generated_metrics}
+
+
+def difficulty_metrics(s: OnlineSession, before: dict[str, float]) -> dict[str, float]:
+    """The difficulty filter at this step: the prompts it passed over as too easy and too hard while the step
+    drew its prompts (with asynchronous rollouts, the draws for the steps ahead), the completions that saved
+    over the run, and the mean pass rate, when last sampled, of the drawn prompts that had one. Every process
+    holds the same sampler, so nothing is reduced."""
+    now = s.sampler.tally
+    step = {key: now[key] - before[key] for key in now}
+    out = {"difficulty/skipped_easy": step["skipped_easy"], "difficulty/skipped_hard": step["skipped_hard"],
+           "difficulty/completions_saved": (now["skipped_easy"] + now["skipped_hard"]) * s.config.rollout.group_size}
+    if step["drawn_with_rate"]:
+        out["difficulty/prior_pass_rate"] = step["drawn_rate_sum"] / step["drawn_with_rate"]
+    return out
 
 
 def staleness_bound(s: OnlineSession) -> int:
@@ -242,11 +270,14 @@ def passes(optim: OptimConfig) -> dict[str, Any]:
                 share_prompts=optim.share_prompts, trim_padding=optim.trim_padding)
 
 
-def reference_logprobs(s: OnlineSession, groups: Groups, model: object = None) -> Tensor:
-    """[N, T] the reference model's (or the given frozen ``model``'s: a teacher's) log-probs of the groups' tokens."""
+def reference_logprobs(s: OnlineSession, groups: Groups, model: object = None,
+                       prompt_ids: list[Tensor] | None = None) -> Tensor:
+    """[N, T] the reference model's (or the given frozen ``model``'s: a teacher's) log-probs of the groups' tokens,
+    after their prompts (or the given ``prompt_ids`` [N]: a self-distilling teacher's)."""
     comp, model = groups.completions, s.ref if model is None else model
+    prompts = groups.prompt_ids if prompt_ids is None else prompt_ids
     with offload.resident(model):
-        logprobs, _ = batched_logprobs(model, groups.prompt_ids, comp.completion_ids, comp.mask, pad_id=s.pad_id,
+        logprobs, _ = batched_logprobs(model, prompts, comp.completion_ids, comp.mask, pad_id=s.pad_id,
                                        temperature=s.config.rollout.temperature, present=comp.present,
                                        images=comp.images, **passes(s.config.optim))
     return logprobs
@@ -267,6 +298,27 @@ def best_of_n(s: OnlineSession, groups: Groups) -> Groups:
     groups whose samples all tie, dropped."""
     index, keep = F.best_of_n(groups.rewards, min_reward=s.alg.min_reward, skip_ties=s.alg.skip_ties)
     return groups.pick(index).select(keep)
+
+
+def teacher_logprobs(s: OnlineSession, groups: Groups) -> Tensor:
+    """[N, T] the teacher's log-probs of the groups' tokens: a --teacher model after the student's prompt, or
+    (sdft) the policy's moving-average copy after each row's prompt with its privileged context."""
+    if s.teacher_prompts is None:
+        return reference_logprobs(s, groups, s.teacher)
+    prompts = [s.teacher_prompts[i] for i in groups.indices for _ in range(groups.group_size)]
+    return reference_logprobs(s, groups, s.teacher, prompts)
+
+
+def move_self_teacher(s: OnlineSession) -> None:
+    """SDFT's teacher follows the policy after every step, ``phi <- (1 - rate) phi + rate theta``
+    (F.ema_weights); a rate of 0 leaves it at the starting weights."""
+    rate = s.alg.self_teacher_ema
+    if not rate:
+        return
+    state = fsdp.full_state_dict(s.policy)  # every process gathers; each moves its own copy the same way
+    with torch.no_grad(), offload.resident(s.teacher, write=True):
+        for name, weight in s.teacher.named_parameters():  # each tied weight once
+            weight.copy_(F.ema_weights(weight, state[name].to(weight.device), rate=rate))
 
 
 def maybe_refresh_reference(s: OnlineSession) -> None:
@@ -479,7 +531,7 @@ def train_step(s: OnlineSession) -> dict[str, float]:
             comp = groups.completions
             groups.completions = dataclasses.replace(comp, mask=comp.mask * ~comp.truncated[:, None])
         ref = reference_logprobs(s, groups) if alg.needs_reference else None
-        teacher = reference_logprobs(s, groups, s.teacher) if alg.needs_teacher else None  # distillation
+        teacher = teacher_logprobs(s, groups) if alg.needs_teacher else None  # distillation
         baseline = greedy_rewards(s, groups.indices) if alg.needs_greedy_baseline else None
     t1 = time.perf_counter()
     advantages, returns, stats = step_advantages(s, groups, ref, baseline, teacher)
@@ -489,8 +541,9 @@ def train_step(s: OnlineSession) -> dict[str, float]:
         stats["distill/reverse_kl"] = sums["kl"] / max(sums["tokens"], 1.0)
     metrics.update(stats)
     # Nothing to learn: no reward variance, or none left in what the step trains on (best-of-N's
-    # selection, dropped groups). Counted before the update, which would only move the KL term.
-    signal = bool(metrics.pop("reward_signal")) and stats["advantage/nonzero"] > 0
+    # selection, dropped groups). Counted before the update, which would only move the KL term. A teacher's
+    # log-probs are distillation's signal, whatever the rewards.
+    signal = (bool(metrics.pop("reward_signal")) or alg.needs_teacher) and stats["advantage/nonzero"] > 0
     metrics["no_signal_steps"] = s.signal_watch.update(signal, metrics.get("accuracy"))
     metrics.update(update(s, groups, advantages, returns, ref))
     t2 = time.perf_counter()  # training = the reference/greedy passes + the update (forward, backward, steps)
@@ -499,5 +552,6 @@ def train_step(s: OnlineSession) -> dict[str, float]:
     if s.sync_check is not None:  # the last weight sync's probe gap (guards.SyncCheck)
         metrics["sync/logprob_gap"] = s.sync_check.last_gap
     maybe_refresh_reference(s)
+    move_self_teacher(s)
     s.last_groups = groups
     return metrics

@@ -67,7 +67,7 @@ from posttrain.models.compute import (
     use_mixed_precision,
     use_packed_attention,
 )
-from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.loading import load_model_and_tokenizer, resolve_mixed_precision
 from posttrain.models.modeling import resolve_device
 from posttrain.models.reward_head import (
     apply_reward_lora,
@@ -276,7 +276,7 @@ def load_scorer(config: Config, name: str, inputs: Inputs) -> tuple[nn.Module, A
         if tokenizer.pad_token_id is None:
             tokenizer.pad_token = tokenizer.eos_token
         check_reward_model(model, tokenizer)
-        if m.mixed_precision == "bf16":
+        if resolve_mixed_precision(m.mixed_precision, m.dtype, resolve_device(m.device)) == "bf16":
             use_mixed_precision(model)
     else:
         model, tokenizer = load_reward_model(name, dtype=m.dtype, device=m.device, mixed_precision=m.mixed_precision)

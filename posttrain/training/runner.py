@@ -158,7 +158,8 @@ def save(session: Trainer, run_dir: Path, watch: DivergenceWatch | None = None) 
     extra_state = session.extra_state()
     sharded = fsdp.is_sharded(session.policy)  # FSDP: every process gathers the full tensors for rank 0
     modules = session.checkpoint_modules()
-    with offload.resident(modules.get("reference")):  # an offloaded reference: its weights, for the file
+    # an offloaded reference (or sdft's teacher): its weights, for the file
+    with offload.resident(modules.get("reference")), offload.resident(modules.get("teacher")):
         return distributed.on_main(
             save_checkpoint, run_dir, session.step, model=session.policy, tokenizer=session.tokenizer,
             optimizer=session.optimizer, scheduler=session.scheduler,
@@ -228,7 +229,8 @@ def restore(session: Trainer, run_dir: Path) -> tuple[int, dict[str, Any] | None
     if path is None:
         raise CheckpointError(f"resume: {run_dir} has no complete checkpoint to resume from")
     modules = session.checkpoint_modules()
-    with offload.resident(modules.get("reference"), write=True):  # an offloaded reference keeps what is loaded
+    # an offloaded reference (or sdft's teacher) keeps what is loaded
+    with offload.resident(modules.get("reference"), write=True), offload.resident(modules.get("teacher"), write=True):
         state = load_checkpoint(path, model=session.policy, optimizer=session.optimizer, scheduler=session.scheduler,
                                 extra_modules=modules, expected_fingerprint=session.fingerprint,
                                 verify=False)  # latest_checkpoint has just checked every file's hash

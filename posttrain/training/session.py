@@ -19,11 +19,18 @@ import torch
 from torch import Tensor
 
 from posttrain.algorithms.presets import OnlineAlgorithm
-from posttrain.config import Config, ConfigError
+from posttrain.config import Config, ConfigError, DataConfig
 from posttrain.data.images import encode_row_prompt, has_images, row_images
+from posttrain.data.privileged import (
+    check_privileged_rows,
+    context_text,
+    encode_teacher_prompts,
+    privileged_column,
+)
 from posttrain.data.prompts import PromptSampler
 from posttrain.data.rewards import load_reward_function
 from posttrain.models.experts import replay_unsupported_reason
+from posttrain.models.loading import resolve_mixed_precision
 from posttrain.models.logprobs import probe_logprobs
 from posttrain.models.modeling import ValueHead
 from posttrain.parallel import distributed
@@ -43,16 +50,19 @@ from posttrain.training.controllers import EntropyControl
 from posttrain.training.groups import Groups
 from posttrain.training.guards import (
     BF16_WEIGHTS_TOLERANCE,
+    SELF_TEACHER_PROBE_ROWS,
     RewardWatch,
     SignalWatch,
     SyncCheck,
     UpdateCheck,
+    self_teacher_probe,
 )
 from posttrain.training.optim import apply_gradients
 from posttrain.training.rollouts import AsyncRollouts, SyncRollouts
 from posttrain.training.setup import (
     Inputs,
     build_optimization,
+    copy_teacher,
     fingerprint,
     load_policy,
     load_teacher,
@@ -83,17 +93,60 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
         raise ConfigError("history_resampling: leaves out prompts whose every completion was correct, which needs "
                           "a task that checks answers (a built-in --task); pass --no-history-resampling to train "
                           "on your reward functions")
+    d = config.data
+    if work.correct is None and (d.difficulty_filter_low is not None or d.difficulty_filter_high is not None):
+        raise ConfigError("difficulty_filter_low, difficulty_filter_high: skip prompts by the share of their "
+                          "completions judged correct, which needs a task that checks answers (a built-in --task); "
+                          "drop them to train on your reward functions")
+    if work.correct is None and d.group_length_penalty is not None:
+        # Without an answer check every sample would count as correct, and a short wrong answer would earn
+        # the bonus that Kimi k1.5 keeps from it (min(0, lambda) for incorrect samples).
+        raise ConfigError("group_length_penalty: Kimi k1.5's length penalty rewards brevity only in correct "
+                          "answers, which needs a task that checks answers (a built-in --task); to shape length "
+                          "with your reward functions, add --reward 'length_penalty(max_chars=N)' instead")
     if r.prompts_per_step > len(work.train_rows):
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} is more than the {len(work.train_rows)} prompts")
     # where rollouts come from: the backend, its transport, episodes, a sampling copy, asynchronous rollouts
     rollout_factory.check(config, episodes=bool(config.episodes.tools or config.episodes.mcp_server
                                                 or config.episodes.environment or work.tools
                                                 or work.environment), agent=work.agent is not None)
+    check_self_teacher(config, alg, work)
     world = distributed.world_size()
     if r.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
                           f"processes (each samples prompts_per_step / {world} prompts and all their completions); "
                           f"use a multiple of {world}")
+
+
+def say_self_teacher_probe(policy: Any, tokenizer: Any, work: Workload, config: Config, prompt_ids: list[Tensor],
+                           teacher_prompts: list[Tensor]) -> None:
+    """Say whether sdft's teacher reads its privileged context (guards.SelfTeacherProbe), on the first rows."""
+    rows = work.train_rows[:SELF_TEACHER_PROBE_ROWS]
+    column = privileged_column(config.data)
+    contexts = [torch.tensor(tokenizer(context_text(row[column]), add_special_tokens=False).input_ids or
+                             [tokenizer.eos_token_id]) for row in rows]
+    probe = self_teacher_probe(policy, prompt_ids[:len(rows)], teacher_prompts[:len(rows)], contexts,
+                               pad_id=tokenizer.pad_token_id)
+    distributed.say(probe.line())
+
+
+def check_self_teacher(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
+    """Self-distillation (sdft) loads no --teacher and needs every training row's privileged context; the
+    privileged-context settings belong to it alone."""
+    data = config.data
+    if not alg.teaches_itself:
+        defaults = DataConfig()
+        for name in ("privileged_column", "teacher_prompt_template"):
+            # the value, not config.given: a resumed run's saved config gives every field
+            if getattr(data, name) != getattr(defaults, name):
+                raise ConfigError(f"{name}: only a self-distilling teacher (sdft) reads a privileged context; "
+                                  f"{alg.name} has none, so drop --{name.replace('_', '-')} or use --algorithm sdft")
+        return
+    if config.model.teacher:
+        raise ConfigError(f"teacher: {alg.name}'s teacher is the policy itself, reading each row's privileged "
+                          "context after its prompt; drop --teacher (or set self_teacher_ema none to distil from "
+                          "a --teacher model that reads the student's prompt)")
+    check_privileged_rows(work.train_rows, privileged_column(data), data.dataset or f"task {data.task}")
 
 
 @dataclass
@@ -121,7 +174,8 @@ class OnlineSession:
     tools: tuple[Callable, ...] = ()  # rendered into chat prompts by the tokenizer's template
     sampling_copy: Any | None = None  # sampler_noise/_dtype: the copy of the policy that samples the rollouts
     sync_check: SyncCheck | None = None  # a sampler with weights of its own samples the trained ones (guards)
-    teacher: Any | None = None  # on-policy distillation's frozen teacher (setup.load_teacher)
+    teacher: Any | None = None  # on-policy distillation's teacher: a frozen --teacher, or the policy's copy (sdft)
+    teacher_prompts: list[Tensor] | None = None  # sdft: each training row's prompt with its privileged context
     eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
     rollouts: SyncRollouts | AsyncRollouts = field(default_factory=SyncRollouts)  # where each round comes from
     heldout_samples: list[dict[str, Any]] = field(default_factory=list)  # image tasks: the last evaluation's few
@@ -152,13 +206,14 @@ class OnlineSession:
         if config.model.lora_r and config.optim.ref_refresh_every:
             raise ConfigError("ref_refresh_every: with LoRA the reference is the policy with its adapters off "
                               "and cannot be refreshed; set ref_refresh_every 0, or lora_r 0 to train all weights")
-        start_processes(config, needs_reference=alg.needs_reference, name=alg.name)
+        start_processes(config, needs_reference=alg.needs_reference or alg.teaches_itself, name=alg.name)
         name = model_name(config, work.default_model, inputs)
         policy, tokenizer, ref = load_policy(config, name, inputs, needs_reference=alg.needs_reference,
                                              train_mode=True)
         if config.off_policy.routing_replay and replay_unsupported_reason(policy):
             raise ConfigError(f"routing_replay: {replay_unsupported_reason(policy)}; drop --routing-replay")
-        teacher = load_teacher(config, name, tokenizer, alg.needs_teacher, alg.name)
+        teacher = (copy_teacher(policy, config.model.offload_reference) if alg.teaches_itself
+                   else load_teacher(config, name, tokenizer, alg.needs_teacher_model, alg.name))
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
         policy, optimizer, scheduler = build_optimization(
             config, policy, list(value_head.parameters()) if value_head else [],
@@ -196,13 +251,19 @@ class OnlineSession:
             for number, row in enumerate(work.train_rows, start=1)])
         separate = (sampling_copy is not None or config.off_policy.async_rollout
                     or generator.capabilities.own_weights)
-        sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator, config.model.mixed_precision,
+        sync_check = SyncCheck.of(prompt_ids[0], policy, sampling_copy, generator,
+                                  resolve_mixed_precision(config.model.mixed_precision, config.model.dtype, policy.device),
                                   separate and not config.off_policy.sampler_noise)  # noise: different on purpose
         if sync_check is not None and r.rollout_server:  # a server may hold bf16 weights (posttrain serve --dtype)
             sync_check.tolerance = max(sync_check.tolerance, BF16_WEIGHTS_TOLERANCE)
+        teacher_prompts = None
+        if alg.teaches_itself:
+            teacher_prompts = encode_teacher_prompts(tokenizer, work.train_rows, config.data, tools)
+            say_self_teacher_probe(policy, tokenizer, work, config, prompt_ids, teacher_prompts)
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator, prompt_ids,
-            PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling),
+            PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling,
+                          config.data.difficulty_filter_low, config.data.difficulty_filter_high),
             eos_ids,
             fingerprint=fingerprint(name, alg.name, policy),
             eval_workloads=eval_workloads,
@@ -210,6 +271,7 @@ class OnlineSession:
             tools=tools,
             sampling_copy=sampling_copy,
             teacher=teacher,
+            teacher_prompts=teacher_prompts,
             eval_generator=None if sampling_copy is None else generator_of(policy),
             rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads)
             if config.off_policy.async_rollout else SyncRollouts(),
@@ -281,6 +343,8 @@ class OnlineSession:
             modules["value_head"] = self.value_head
         if self.ref is not None and self.config.optim.ref_refresh_every:
             modules["reference"] = self.ref
+        if self.alg.self_teacher_ema:  # sdft's teacher has moved away from the starting weights
+            modules["teacher"] = self.teacher
         return modules
 
     def trainer_state(self) -> dict[str, Any]:

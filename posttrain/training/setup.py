@@ -37,10 +37,10 @@ from posttrain.models.compute import (
     use_mixed_precision,
     use_packed_attention,
 )
-from posttrain.models.loading import load_model_and_tokenizer
+from posttrain.models.loading import load_model_and_tokenizer, resolve_mixed_precision
 from posttrain.models.logprobs import check_causal, check_training_path, paths_taken
 from posttrain.models.lora import apply_lora, reference_model
-from posttrain.models.modeling import resolve_device, unwrapped
+from posttrain.models.modeling import frozen_copy, resolve_device, unwrapped
 from posttrain.models.vision import freeze_vision, is_vision_model
 from posttrain.parallel import distributed, fsdp, offload
 from posttrain.parallel.distributed import say
@@ -163,7 +163,7 @@ def load_policy(config: Config, name: str, inputs: Inputs, *, needs_reference: b
         policy, tokenizer = inputs.model.to(resolve_device(m.device)), inputs.tokenizer
         if tokenizer.pad_token_id is None:  # as loading does: padding needs an id, and EOS ends every completion
             tokenizer.pad_token = tokenizer.eos_token
-        if m.mixed_precision == "bf16":
+        if resolve_mixed_precision(m.mixed_precision, m.dtype, policy.device) == "bf16":
             use_mixed_precision(policy)
     else:
         policy, tokenizer = load_model_and_tokenizer(name, dtype=m.dtype, device=m.device,
@@ -239,6 +239,14 @@ def load_teacher(config: Config, name: str, student_tokenizer: Any, needs_teache
                           "token ids; use a teacher of the student's family, with the same tokenizer")
     model.requires_grad_(False).eval()
     return offload.offload(model) if config.model.offload_reference else model
+
+
+def copy_teacher(policy: nn.Module, offloaded: bool) -> nn.Module:
+    """Self-distillation's teacher (sdft): a frozen copy of the policy, adapters and all under LoRA, taken before
+    FSDP shards the policy; the step moves it toward the policy. ``offloaded``: kept out of memory between passes
+    (``offload_reference``)."""
+    teacher = frozen_copy(policy)
+    return offload.offload(teacher) if offloaded else teacher
 
 
 def build_optimization(config: Config, policy: nn.Module, extra: list[nn.Parameter],
