@@ -57,6 +57,8 @@ ONLINE_TABLE = {
     "kl_cov": ("group", "token", "kl_cov", None, None, "token_mean", "policy", "none", None, 0.0, 1, 8),
     "entropy_control": ("group", "token", "ppo", 0.2, 0.2, "token_mean", "policy", "none", None, 0.0, 1, 1),
     "on_policy_distill": ("reverse_kl", "token", "none", None, None, "token_mean", "policy", "none", None, 0.0, 1, 1),
+    "multi_teacher_distill": ("reverse_kl", "token", "none", None, None, "token_mean", "policy", "none", None, 0.0,
+                              1, 1),
     "sdft": ("reverse_kl", "token", "none", None, None, "sequence_mean", "policy", "none", None, 0.0, 1, 1),
 }
 ONLINE_DEFAULTS = dict(dual_clip=None, value_clip=None, gamma=None, lam=None, reward_clip=None, binary_reward=None,
@@ -65,7 +67,7 @@ ONLINE_DEFAULTS = dict(dual_clip=None, value_clip=None, gamma=None, lam=None, re
                        tau_pos=None, tau_neg=None, divergence_bound=None, cov_fraction=None, cov_bounds=None,
                        kl_cov_coef=None, entropy_coef=0.0, entropy_target=None, entropy_coef_step=None,
                        task_reward_weight=None, off_policy_mask=None, kl_importance_weighted=False,
-                       self_teacher_ema=None)
+                       self_teacher_ema=None, teacher_per_task=False)
 ONLINE_EXTRAS = {
     "ppo": dict(value_clip=0.2, gamma=1.0, lam=0.95),
     "reinforce_pp": dict(reward_clip=10.0),
@@ -75,6 +77,7 @@ ONLINE_EXTRAS = {
     "clip_cov": dict(cov_fraction=2e-4, cov_bounds=(1.0, 5.0)),
     "kl_cov": dict(cov_fraction=2e-3, kl_cov_coef=1.0),
     "entropy_control": dict(entropy_target=0.2, entropy_coef_step=0.005),
+    "multi_teacher_distill": dict(teacher_per_task=True),
     "sdft": dict(self_teacher_ema=0.05),  # TRL's teacher_update_rate: the paper's EMA, its rate not found
     "best_of_n": dict(skip_ties=True),  # not in ALGORITHMS.md: without it a group with no right answer trains on a wrong one
 }
@@ -100,6 +103,7 @@ ARXIV = {"sft": "2203.02155", "reward_model": "2203.02155", "ppo": "1707.06347",
          "orpo": "2403.07691", "kto": "2402.01306", "sapo": "2511.20347", "dppo": "2602.04879",
          "gmpo": "2507.20673", "lite_ppo": "2508.08221", "clip_cov": "2505.22617", "kl_cov": "2505.22617",
          "entropy_control": "2505.22312", "on_policy_distill": "2306.13649", "sdft": "2601.19897",
+         "multi_teacher_distill": "2601.02780",
          "gdpo": "2601.05242", "gkd": "2306.13649", "maxrl": "2602.02710", "ipo": "2310.12036"}
 
 

@@ -216,6 +216,17 @@ _AFTER_THE_SEED = [
         # +9 points and at 3e-4 +42; from one at 5%, 1e-3 raised the KL to the teacher (benchmarks/RESULTS.md)
         default_learning_rate=3e-4),
     OnlineAlgorithm(
+        "multi_teacher_distill", "MiMo-V2-Flash Technical Report (Xiaomi LLM-Core, 2026) "
+        "https://arxiv.org/abs/2601.02780",
+        "On-policy distillation from a teacher per task of a mixture (MOPD): each token's advantage is its own "
+        "task's teacher's minus the student's log-prob; needs --teachers TASK=MODEL.",
+        advantage="reverse_kl", kl_placement="none", beta=0.0, clip="none", eps_low=None, eps_high=None,
+        aggregation="token_mean", teacher_per_task=True,
+        update_structure="one update per rollout, on_policy_distill's: MOPD (arXiv:2601.02780) is on-policy "
+        "distillation with the teacher chosen by the sample's domain",
+        # on_policy_distill's rate: the same estimator and update, only the teacher differs by row
+        default_learning_rate=3e-4),
+    OnlineAlgorithm(
         "sdft", "Self-Distillation Enables Continual Learning (Shenfeld et al., 2026) https://arxiv.org/abs/2601.19897",
         "On-policy distillation whose teacher is the policy itself reading the row's privileged context (a worked "
         "answer) after the prompt, its weights a moving average of the policy's; no --teacher.",

@@ -169,6 +169,9 @@ class OnlineAlgorithm:
                                             "move this far toward the policy's after each step: 0 = the starting "
                                             "weights, 1 = the current ones. None = a --teacher model reading the "
                                             "student's prompt.")
+    teacher_per_task: bool = _field("Multi-teacher distillation (advantage reverse_kl): each row is scored by its "
+                                    "own task's teacher (--teachers TASK=MODEL; the task: data's task_column), "
+                                    "not one --teacher.", False)
     entropy_coef: float = _field("Weight c of the entropy bonus -c * H in the loss (aggregated like the policy term); "
                                  "with entropy_target, its starting value. 0 = no bonus.", 0.0)
     entropy_target: float | None = _field("Adaptive entropy control (Skywork-OR1, arXiv:2505.22312): c rises by "
@@ -216,7 +219,7 @@ class OnlineAlgorithm:
     @property
     def needs_teacher_model(self) -> bool:
         """The run loads a separate teacher model (``--teacher MODEL``)."""
-        return self.needs_teacher and not self.teaches_itself
+        return self.needs_teacher and not self.teaches_itself and not self.teacher_per_task
 
     @property
     def needs_value_model(self) -> bool:
@@ -304,6 +307,11 @@ class OnlineAlgorithm:
             (self.self_teacher_ema is not None and not 0 <= self.self_teacher_ema <= 1,
              f"self_teacher_ema={self.self_teacher_ema} must be in [0, 1] (0: the starting weights, 1: the current "
              "ones) or None"),
+            (self.teacher_per_task and not ADVANTAGES[a].needs_teacher,
+             f"teacher_per_task belongs to a distillation estimator (reverse_kl); set it to false for {a!r}"),
+            (self.teacher_per_task and self.self_teacher_ema is not None,
+             "teacher_per_task loads a teacher model per task and self_teacher_ema makes the policy its own "
+             "teacher: set one of them (self_teacher_ema none, or teacher_per_task false)"),
             ((self.entropy_target is None) != (self.entropy_coef_step is None),
              "entropy_target and entropy_coef_step go together (adaptive entropy control), or both None"),
             (self.entropy_target is not None and not self.entropy_target > 0,

@@ -80,7 +80,9 @@ class Config:
         ``addition``) and ``hf:`` datasets are left as they are."""
         return dataclasses.replace(
             self,
-            model=dataclasses.replace(self.model, model=absolute_path(self.model.model)),
+            model=dataclasses.replace(self.model, model=absolute_path(self.model.model),
+                                      teachers=tuple(f"{task}={absolute_path(path)}"
+                                                     for task, path in self.model.teacher_by_task().items())),
             data=dataclasses.replace(
                 self.data, dataset=absolute_path(self.data.dataset), eval_dataset=absolute_path(self.data.eval_dataset),
                 reward=tuple(spec if is_reward_name(spec) else _absolute_spec(spec) for spec in self.data.reward),

@@ -123,6 +123,10 @@ class ModelConfig:
         "directory, a .gguf file or a built-in name with the student's tokenizer. It scores the student's samples "
         "token by token, frozen, where the reference does.", None,
     )
+    teachers: tuple[str, ...] = _help(
+        "Multi-teacher distillation (multi_teacher_distill): TASK=MODEL, one per task of the mixture; each row is "
+        "scored by its own task's teacher (data's task_column), which must share the student's tokenizer.", (),
+    )
     fsdp: bool = _help(
         "Shard the policy, its gradients and AdamW's state over processes with PyTorch FSDP2 "
         "(on by itself under an `accelerate launch` FSDP config). Multi-process runs only.", False,
@@ -145,7 +149,26 @@ class ModelConfig:
         require(not (self.offload_reference and self.lora_r), "offload_reference",
                  "with LoRA the reference is the policy with its adapters off, not a copy: there is nothing to "
                  "offload; drop --offload-reference or set lora_r 0")
+        for problem in teacher_problems(self.teachers):
+            require(False, "teachers", problem)
         require.raise_any()
+
+    def teacher_by_task(self) -> dict[str, str]:
+        """``teachers`` as task -> model (each item split at its first ``=``)."""
+        return dict(item.split("=", 1) for item in self.teachers)
+
+
+def teacher_problems(items: tuple[str, ...]) -> list[str]:
+    """What is wrong with ``teachers`` items: each must be TASK=MODEL, both sides given, each task once."""
+    problems, seen = [], set()
+    for item in items:
+        task, separator, model = item.partition("=")
+        if not separator or not task.strip() or not model.strip():
+            problems.append(f"got {item!r}; give TASK=MODEL, e.g. --teachers chain_sum=./math-teacher")
+        elif task in seen:
+            problems.append(f"task {task!r} is given two teachers; give each task one")
+        seen.add(task)
+    return problems
 
 
 @dataclass(frozen=True)
@@ -246,6 +269,9 @@ class DataConfig:
     privileged_column: str | None = _help(
         "Self-distillation (sdft): the column each row's teacher reads after its prompt, a demonstration or a "
         "worked answer. Default: solution on a built-in task, privileged_context (TRL's name) on a --dataset.")
+    task_column: str | None = _help(
+        "Multi-teacher distillation (multi_teacher_distill): the column naming each row's task, the TASK of its "
+        "--teachers entry. Default: a reasoning-gym row's family, else the column task.")
     teacher_prompt_template: str = _help(
         "Self-distillation (sdft): how the teacher's prompt joins the row's prompt and its privileged context; "
         "holds {prompt} and {privileged_context} (TRL's default). A chat prompt's last user message is filled.",

@@ -143,6 +143,13 @@ GLOSSARY: tuple[MetricEntry, ...] = (
     MetricEntry("kl", "KL of the policy from the reference, per token (k3 estimator); for KTO, the batch's "
                 "KL reference point `z`.", "every step, for presets with a reference model (a KL term, "
                 "or KTO)", ("online", "preference")),
+    MetricEntry("distill/reverse_kl", "Reverse KL of the student from its teacher at the step's start, per token "
+                "(k1: log pi_student - log pi_teacher of the sampled tokens, token mean over the step's "
+                "completions); it falls as the student learns the teacher.",
+                "every step, for distillation presets (on_policy_distill, multi_teacher_distill, sdft)", ONLINE),
+    MetricEntry("distill/reverse_kl/<task>", "`distill/reverse_kl` over one task's completions only, to its own "
+                "teacher (`--teachers TASK=MODEL`).",
+                "every step, per task with completions in the step, for multi_teacher_distill", ONLINE),
     MetricEntry("clip_fraction", "Share of tokens whose clipped branch is active (for GSPO: tokens in clipped "
                 "sequences); 0 while each rollout gets one update.", "every step, for presets with a policy loss",
                 ONLINE),

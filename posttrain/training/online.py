@@ -32,13 +32,12 @@ from __future__ import annotations
 import dataclasses
 import math
 import time
-from typing import Any
 
 import torch
 from torch import Tensor
 
 import posttrain.functional as F
-from posttrain.config import CORRECTIONS, OffPolicyConfig, OptimConfig
+from posttrain.config import CORRECTIONS, OffPolicyConfig
 from posttrain.data.scoring import Scores
 from posttrain.functional._value import explained_variance
 from posttrain.models.batching import micro_batch_rows
@@ -51,6 +50,14 @@ from posttrain.rollout.episodes import EpisodeStats
 from posttrain.training.groups import Groups, cat_rows, step_tensors
 from posttrain.training.guards import has_signal, step_has_signal
 from posttrain.training.session import OnlineSession
+from posttrain.training.teachers import (
+    frozen_logprobs,
+    move_self_teacher,
+    passes,
+    reverse_kl_metrics,
+    teacher_logprobs,
+    teacher_tasks,
+)
 from posttrain.training.workload import score_texts
 
 # ---------------------------------------------------------------------------------------
@@ -264,23 +271,9 @@ def rollout_logprobs(s: OnlineSession, groups: Groups) -> tuple[Tensor, Tensor |
                             routing=comp.routing, images=comp.images, **passes(s.config.optim))
 
 
-def passes(optim: OptimConfig) -> dict[str, Any]:
-    """How the forward passes are cut and run (micro-batches, prompt sharing, padding): the settings."""
-    return dict(micro_batch_size=optim.micro_batch_size, max_tokens_per_micro_batch=optim.max_tokens_per_micro_batch,
-                share_prompts=optim.share_prompts, trim_padding=optim.trim_padding)
-
-
-def reference_logprobs(s: OnlineSession, groups: Groups, model: object = None,
-                       prompt_ids: list[Tensor] | None = None) -> Tensor:
-    """[N, T] the reference model's (or the given frozen ``model``'s: a teacher's) log-probs of the groups' tokens,
-    after their prompts (or the given ``prompt_ids`` [N]: a self-distilling teacher's)."""
-    comp, model = groups.completions, s.ref if model is None else model
-    prompts = groups.prompt_ids if prompt_ids is None else prompt_ids
-    with offload.resident(model):
-        logprobs, _ = batched_logprobs(model, prompts, comp.completion_ids, comp.mask, pad_id=s.pad_id,
-                                       temperature=s.config.rollout.temperature, present=comp.present,
-                                       images=comp.images, **passes(s.config.optim))
-    return logprobs
+def reference_logprobs(s: OnlineSession, groups: Groups) -> Tensor:
+    """[N, T] the reference model's log-probs of the groups' tokens."""
+    return frozen_logprobs(s, groups, s.ref)
 
 
 def greedy_rewards(s: OnlineSession, indices: list[int]) -> Tensor:
@@ -298,27 +291,6 @@ def best_of_n(s: OnlineSession, groups: Groups) -> Groups:
     groups whose samples all tie, dropped."""
     index, keep = F.best_of_n(groups.rewards, min_reward=s.alg.min_reward, skip_ties=s.alg.skip_ties)
     return groups.pick(index).select(keep)
-
-
-def teacher_logprobs(s: OnlineSession, groups: Groups) -> Tensor:
-    """[N, T] the teacher's log-probs of the groups' tokens: a --teacher model after the student's prompt, or
-    (sdft) the policy's moving-average copy after each row's prompt with its privileged context."""
-    if s.teacher_prompts is None:
-        return reference_logprobs(s, groups, s.teacher)
-    prompts = [s.teacher_prompts[i] for i in groups.indices for _ in range(groups.group_size)]
-    return reference_logprobs(s, groups, s.teacher, prompts)
-
-
-def move_self_teacher(s: OnlineSession) -> None:
-    """SDFT's teacher follows the policy after every step, ``phi <- (1 - rate) phi + rate theta``
-    (F.ema_weights); a rate of 0 leaves it at the starting weights."""
-    rate = s.alg.self_teacher_ema
-    if not rate:
-        return
-    state = fsdp.full_state_dict(s.policy)  # every process gathers; each moves its own copy the same way
-    with torch.no_grad(), offload.resident(s.teacher, write=True):
-        for name, weight in s.teacher.named_parameters():  # each tied weight once
-            weight.copy_(F.ema_weights(weight, state[name].to(weight.device), rate=rate))
 
 
 def maybe_refresh_reference(s: OnlineSession) -> None:
@@ -535,10 +507,8 @@ def train_step(s: OnlineSession) -> dict[str, float]:
         baseline = greedy_rewards(s, groups.indices) if alg.needs_greedy_baseline else None
     t1 = time.perf_counter()
     advantages, returns, stats = step_advantages(s, groups, ref, baseline, teacher)
-    if teacher is not None:  # the reverse KL to the teacher the step starts from (k1, token mean)
-        sums = distributed.reduce_values({"kl": float(((groups.old_logprobs - teacher) * groups.completions.mask).sum()),
-                                          "tokens": float(groups.completions.mask.sum())})
-        stats["distill/reverse_kl"] = sums["kl"] / max(sums["tokens"], 1.0)
+    if teacher is not None:
+        stats.update(reverse_kl_metrics(groups, teacher, teacher_tasks(s, groups)))
     metrics.update(stats)
     # Nothing to learn: no reward variance, or none left in what the step trains on (best-of-N's
     # selection, dropped groups). Counted before the update, which would only move the KL term. A teacher's

@@ -28,6 +28,7 @@ from posttrain.data.privileged import (
     privileged_column,
 )
 from posttrain.data.prompts import PromptSampler
+from posttrain.data.row_tasks import row_tasks
 from posttrain.data.rewards import load_reward_function
 from posttrain.models.experts import replay_unsupported_reason
 from posttrain.models.loading import resolve_mixed_precision
@@ -65,6 +66,7 @@ from posttrain.training.setup import (
     copy_teacher,
     fingerprint,
     load_policy,
+    load_task_teachers,
     load_teacher,
     model_name,
     start_processes,
@@ -111,6 +113,7 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
                                                 or config.episodes.environment or work.tools
                                                 or work.environment), agent=work.agent is not None)
     check_self_teacher(config, alg, work)
+    training_row_tasks(config, alg, work)  # a row without a teacher, or a teacher without rows, before loading
     world = distributed.world_size()
     if r.prompts_per_step % world:
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
@@ -142,11 +145,30 @@ def check_self_teacher(config: Config, alg: OnlineAlgorithm, work: Workload) -> 
                 raise ConfigError(f"{name}: only a self-distilling teacher (sdft) reads a privileged context; "
                                   f"{alg.name} has none, so drop --{name.replace('_', '-')} or use --algorithm sdft")
         return
-    if config.model.teacher:
+    if config.model.teacher or config.model.teachers:
         raise ConfigError(f"teacher: {alg.name}'s teacher is the policy itself, reading each row's privileged "
-                          "context after its prompt; drop --teacher (or set self_teacher_ema none to distil from "
-                          "a --teacher model that reads the student's prompt)")
+                          "context after its prompt; drop --teacher and --teachers (or set self_teacher_ema none "
+                          "to distil from a --teacher model that reads the student's prompt)")
     check_privileged_rows(work.train_rows, privileged_column(data), data.dataset or f"task {data.task}")
+
+
+def training_row_tasks(config: Config, alg: OnlineAlgorithm, work: Workload) -> list[str] | None:
+    """Each training row's task, whose teacher scores it (multi-teacher distillation), checked against the
+    ``--teachers`` (:func:`posttrain.data.row_tasks.row_tasks`); None for a preset with one teacher or none,
+    which takes no ``task_column``."""
+    if not alg.teacher_per_task:
+        if config.data.task_column is not None:
+            raise ConfigError(f"task_column: only multi-teacher distillation picks a row's teacher by its task; "
+                              f"{alg.name} has none, so drop --task-column or use --algorithm multi_teacher_distill")
+        return None
+    if config.model.teacher:
+        raise ConfigError(f"teacher: {alg.name} distils from a teacher per task; give --teachers TASK=MODEL for "
+                          "each task instead of --teacher")
+    if not config.model.teachers:
+        raise ConfigError(f"teachers: {alg.name} distils from a teacher per task: give --teachers TASK=MODEL for "
+                          "each task of the mixture")
+    return row_tasks(work.train_rows, config.data, config.model.teacher_by_task(),
+                     config.data.dataset or f"task {config.data.task}")
 
 
 @dataclass
@@ -175,6 +197,8 @@ class OnlineSession:
     sampling_copy: Any | None = None  # sampler_noise/_dtype: the copy of the policy that samples the rollouts
     sync_check: SyncCheck | None = None  # a sampler with weights of its own samples the trained ones (guards)
     teacher: Any | None = None  # on-policy distillation's teacher: a frozen --teacher, or the policy's copy (sdft)
+    task_teachers: dict[str, Any] | None = None  # multi-teacher distillation: a frozen teacher by task (--teachers)
+    row_tasks: list[str] | None = None  # multi-teacher distillation: each training row's task
     teacher_prompts: list[Tensor] | None = None  # sdft: each training row's prompt with its privileged context
     eval_generator: Any = None  # with a sampler copy: held-out evaluation's generator, on the policy itself
     rollouts: SyncRollouts | AsyncRollouts = field(default_factory=SyncRollouts)  # where each round comes from
@@ -212,8 +236,13 @@ class OnlineSession:
                                              train_mode=True)
         if config.off_policy.routing_replay and replay_unsupported_reason(policy):
             raise ConfigError(f"routing_replay: {replay_unsupported_reason(policy)}; drop --routing-replay")
-        teacher = (copy_teacher(policy, config.model.offload_reference) if alg.teaches_itself
-                   else load_teacher(config, name, tokenizer, alg.needs_teacher_model, alg.name))
+        teacher, task_teachers = None, None
+        if alg.teaches_itself:
+            teacher = copy_teacher(policy, config.model.offload_reference)
+        elif alg.teacher_per_task:
+            task_teachers = load_task_teachers(config, name, tokenizer)
+        else:
+            teacher = load_teacher(config, name, tokenizer, alg.needs_teacher_model, alg.name)
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
         policy, optimizer, scheduler = build_optimization(
             config, policy, list(value_head.parameters()) if value_head else [],
@@ -271,6 +300,8 @@ class OnlineSession:
             tools=tools,
             sampling_copy=sampling_copy,
             teacher=teacher,
+            task_teachers=task_teachers,
+            row_tasks=training_row_tasks(config, alg, work),  # the rows left within the prompt budget
             teacher_prompts=teacher_prompts,
             eval_generator=None if sampling_copy is None else generator_of(policy),
             rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads)

@@ -138,7 +138,8 @@ class ResumableSession:
 def start_processes(config: Config, *, needs_reference: bool, name: str) -> None:
     """The checks that need no model (FSDP's, offloading's), then the process group and the seeds."""
     fsdp.check(config)
-    offload.check(config.model.offload_reference, needs_reference or bool(config.model.teacher), name)
+    offload.check(config.model.offload_reference,
+                  needs_reference or bool(config.model.teacher or config.model.teachers), name)
     distributed.init(config.model.device)
     distributed.seed(config.run.seed)
 
@@ -223,12 +224,25 @@ def load_teacher(config: Config, name: str, student_tokenizer: Any, needs_teache
     """On-policy distillation's frozen teacher, on the student's device (offloaded with ``offload_reference``),
     or None. Its tokenizer must be the student's: the two score the same token ids."""
     teacher = config.model.teacher
+    if config.model.teachers:
+        raise ConfigError(f"teachers: {algorithm} takes no teacher per task; drop --teachers, or use --algorithm "
+                          "multi_teacher_distill" + (" (one teacher: --teacher MODEL)" if needs_teacher else ""))
     if needs_teacher != bool(teacher):
         raise ConfigError(f"teacher: {algorithm} distils from a teacher model: give --teacher MODEL" if needs_teacher
                           else f"teacher: {algorithm} uses no teacher; drop --teacher, or choose a distillation "
                           "preset (on_policy_distill, gkd)")
-    if not teacher:
-        return None
+    return _frozen_teacher(config, teacher, name, student_tokenizer) if teacher else None
+
+
+def load_task_teachers(config: Config, name: str, student_tokenizer: Any) -> dict[str, nn.Module]:
+    """Multi-teacher distillation's frozen teachers by task (``--teachers TASK=MODEL``, checked against the rows
+    before: :func:`posttrain.training.session.training_row_tasks`), each loaded once and checked and kept as
+    :func:`load_teacher` keeps its one."""
+    return {task: _frozen_teacher(config, path, name, student_tokenizer)
+            for task, path in config.model.teacher_by_task().items()}
+
+
+def _frozen_teacher(config: Config, teacher: str, name: str, student_tokenizer: Any) -> nn.Module:
     model, tokenizer = load_model_and_tokenizer(teacher, dtype=config.model.dtype, device=config.model.device,
                                                 mixed_precision=config.model.mixed_precision,
                                                 trust_remote_code=config.model.trust_remote_code)
