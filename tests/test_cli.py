@@ -181,3 +181,14 @@ def test_preset_flags_show_each_presets_default_and_every_meaning(capsys):
     beta = text.split("--beta FLOAT|none online")[1].split("--num-epochs INT online")[0]
     assert beta.startswith(" presets: KL coefficient") and "preference presets: Reward scale" in beta
     assert "grpo, gdpo, maxrl, deepseek_v32: 0.04" in beta and "simpo: 2.0" in beta and "ipo: 0.5" in beta
+
+
+def test_the_task_help_names_every_built_in_task():
+    """`--task`'s help lists the built-in tasks: a task registered without it would be one a user cannot find."""
+    import dataclasses
+
+    from posttrain.config import DataConfig
+    from posttrain.data.tasks import TASKS
+
+    help_text = next(f for f in dataclasses.fields(DataConfig) if f.name == "task").metadata["help"]
+    assert [name for name in TASKS if name not in help_text] == []

@@ -174,7 +174,8 @@ def teacher_problems(items: tuple[str, ...]) -> list[str]:
 @dataclass(frozen=True)
 class DataConfig:
     task: str | None = _help(
-        "Built-in task: addition, gsm or calculator; reasoning-gym:FAMILY[(NAME=VALUE,...)][=WEIGHT],... for "
+        "Built-in task: addition, addition-process, gsm, gsm-calculator, calculator, code or shapes (images, "
+        "tiny-vision's); reasoning-gym:FAMILY[(NAME=VALUE,...)][=WEIGHT],... for "
         "reasoning-gym's procedural families, mixed by weight (the reasoning-gym extra); or gem:ENV_ID for a GEM "
         "environment's multi-turn games (the gem extra). Online presets; ignored when --dataset is given.",
         "addition")
