@@ -13,6 +13,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 from dataclasses import dataclass, field
+from collections.abc import Sequence
 from typing import Any, Callable
 
 import torch
@@ -119,6 +120,28 @@ def validate(config: Config, alg: OnlineAlgorithm, work: Workload) -> None:
         raise ConfigError(f"prompts_per_step: {r.prompts_per_step} prompts do not split evenly over {world} "
                           f"processes (each samples prompts_per_step / {world} prompts and all their completions); "
                           f"use a multiple of {world}")
+
+
+def distillation_teachers(config: Config, alg: OnlineAlgorithm, name: str, policy: Any,
+                          tokenizer: Any) -> tuple[Any | None, dict[str, Any] | None]:
+    """(a distillation preset's teacher, or None; its teachers by task, or None): sdft's copy of the policy,
+    multi_teacher_distill's --teachers, or on_policy_distill's --teacher (None for every other preset)."""
+    if alg.teaches_itself:
+        return copy_teacher(policy, config.model.offload_reference), None
+    if alg.teacher_per_task:
+        return None, load_task_teachers(config, name, tokenizer)
+    return load_teacher(config, name, tokenizer, alg.needs_teacher_model, alg.name), None
+
+
+def self_teacher_prompts(config: Config, alg: OnlineAlgorithm, policy: Any, tokenizer: Any, work: Workload,
+                         prompt_ids: list[Tensor], tools: Sequence[Any]) -> list[Tensor] | None:
+    """sdft's teacher prompts, one per training row (each with its privileged context), after saying whether the
+    teacher reads them (:func:`say_self_teacher_probe`); None for every other preset."""
+    if not alg.teaches_itself:
+        return None
+    teacher_prompts = encode_teacher_prompts(tokenizer, work.train_rows, config.data, tools)
+    say_self_teacher_probe(policy, tokenizer, work, config, prompt_ids, teacher_prompts)
+    return teacher_prompts
 
 
 def say_self_teacher_probe(policy: Any, tokenizer: Any, work: Workload, config: Config, prompt_ids: list[Tensor],
@@ -236,13 +259,7 @@ class OnlineSession:
                                              train_mode=True)
         if config.off_policy.routing_replay and replay_unsupported_reason(policy):
             raise ConfigError(f"routing_replay: {replay_unsupported_reason(policy)}; drop --routing-replay")
-        teacher, task_teachers = None, None
-        if alg.teaches_itself:
-            teacher = copy_teacher(policy, config.model.offload_reference)
-        elif alg.teacher_per_task:
-            task_teachers = load_task_teachers(config, name, tokenizer)
-        else:
-            teacher = load_teacher(config, name, tokenizer, alg.needs_teacher_model, alg.name)
+        teacher, task_teachers = distillation_teachers(config, alg, name, policy, tokenizer)
         value_head = ValueHead(policy.config.hidden_size).to(policy.device) if alg.needs_value_model else None
         policy, optimizer, scheduler = build_optimization(
             config, policy, list(value_head.parameters()) if value_head else [],
@@ -285,10 +302,6 @@ class OnlineSession:
                                   separate and not config.off_policy.sampler_noise)  # noise: different on purpose
         if sync_check is not None and r.rollout_server:  # a server may hold bf16 weights (posttrain serve --dtype)
             sync_check.tolerance = max(sync_check.tolerance, BF16_WEIGHTS_TOLERANCE)
-        teacher_prompts = None
-        if alg.teaches_itself:
-            teacher_prompts = encode_teacher_prompts(tokenizer, work.train_rows, config.data, tools)
-            say_self_teacher_probe(policy, tokenizer, work, config, prompt_ids, teacher_prompts)
         return cls(
             config, alg, work, policy, tokenizer, ref, value_head, optimizer, scheduler, generator, prompt_ids,
             PromptSampler(len(work.train_rows), config.run.seed, alg.history_resampling,
@@ -302,7 +315,7 @@ class OnlineSession:
             teacher=teacher,
             task_teachers=task_teachers,
             row_tasks=training_row_tasks(config, alg, work),  # the rows left within the prompt budget
-            teacher_prompts=teacher_prompts,
+            teacher_prompts=self_teacher_prompts(config, alg, policy, tokenizer, work, prompt_ids, tools),
             eval_generator=None if sampling_copy is None else generator_of(policy),
             rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads)
             if config.off_policy.async_rollout else SyncRollouts(),
