@@ -357,7 +357,8 @@ def self_teacher_probe(model: nn.Module, student_prompts: list[Tensor], teacher_
     means = []
     with torch.no_grad():
         for prompts in (student_prompts, teacher_prompts):
-            logprobs, _ = batched_logprobs(model, prompts, completion_ids.to(model.device), mask.to(model.device),
-                                           pad_id=pad_id, micro_batch_size=len(prompts))
-            means.append(float((logprobs.cpu() * mask).sum() / mask.sum()))
+            # on the host, as every caller passes them: batched_logprobs moves each micro-batch to the model
+            logprobs, _ = batched_logprobs(model, prompts, completion_ids, mask, pad_id=pad_id,
+                                           micro_batch_size=len(prompts))
+            means.append(float((logprobs * mask).sum() / mask.sum()))
     return SelfTeacherProbe(*means)
