@@ -474,3 +474,40 @@ def test_a_varlen_kernel_of_another_signature_is_not_called(monkeypatch, caplog)
             "packed passes run one SDPA call per sequence instead")
     assert packing._varlen_signature_reason(current) is None
     assert "varlen_attn takes no" in caplog.text
+
+
+@pytest.mark.parametrize("packed", [False, True], ids=["padded", "packed"])
+def test_a_lora_reference_pass_takes_the_folded_head_and_equals_the_base_models_forward(packed, monkeypatch):
+    """A LoRA policy's reference (its base model, adapters off) runs the policy's own passes: the folded head,
+    never the [n, T, V] logits (which on SmolLM2 added 3 GiB to every step after the first), and its log-probs
+    equal a copy of the model without adapters over whole rows; the policy's training mode is restored."""
+    import copy
+
+    from peft import LoraConfig, get_peft_model
+
+    from posttrain.models import modeling
+    from posttrain.models.logprobs import batched_logprobs
+    from posttrain.models.lora import reference_model
+
+    base = build("llama").train()
+    plain = copy.deepcopy(base).eval()
+    policy = get_peft_model(base, LoraConfig(r=2, target_modules=["q_proj", "v_proj"], init_lora_weights=False))
+    ref = reference_model(policy)
+    prompts = [torch.tensor([5, 6, 7]), torch.tensor([8]), torch.tensor([5, 6, 7])]
+    completions = torch.tensor([[11, 12, 13, 0], [14, 15, 0, 0], [16, 17, 18, 19]])
+    mask = (completions != 0).float()
+    if not packed:
+        monkeypatch.setattr(modeling, "has_packed_attention", lambda model: False)
+    monkeypatch.setattr(modeling, "_from_logits", lambda *a, **k: pytest.fail("the reference pass built logits"))
+    theirs = []
+    for prompt, row, m in zip(prompts, completions, mask):
+        ids = torch.cat([prompt, row[m.bool()]])[None]
+        with torch.no_grad():
+            logp = plain(input_ids=ids).logits[0, :-1].log_softmax(-1)
+        theirs.append(logp.gather(1, ids[0, 1:, None])[len(prompt) - 1:, 0])
+    mine, _ = batched_logprobs(ref, prompts, completions, mask, pad_id=0, micro_batch_size=8)
+    for row, expected in enumerate(theirs):
+        torch.testing.assert_close(mine[row, :len(expected)], expected, rtol=1e-5, atol=1e-5)
+    adapted, _ = batched_logprobs(policy, prompts, completions, mask, pad_id=0, micro_batch_size=8)
+    assert (adapted - mine).abs().max() > 1e-3  # the adapters are on again, and they change the log-probs
+    assert policy.training

@@ -24,7 +24,6 @@ import copy
 import functools
 import importlib.util
 import sys
-from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -33,7 +32,7 @@ from torch import nn
 
 from posttrain.config import ConfigError, ModelConfig
 from posttrain.models.architecture import decoder_body
-from posttrain.models.modeling import frozen_copy
+from posttrain.models.modeling import AdaptersDisabled, frozen_copy
 from posttrain.models.compute import autocast_dtype
 from posttrain.models.vision import is_vision_model, language_only, vision_parts
 from posttrain.parallel.offload import offload
@@ -224,40 +223,6 @@ def is_lora(model: Any) -> bool:
     """Whether ``model`` is a ``peft`` model (peft not yet imported: it cannot be)."""
     peft = sys.modules.get("peft")
     return peft is not None and isinstance(model, peft.PeftModel)
-
-
-class AdaptersDisabled:
-    """The base model under a LoRA policy, as a reference model: ``ref(**inputs)`` runs the shared
-    network with the adapters off, in eval mode (no dropout) and without gradient.
-
-    Not an ``nn.Module`` on purpose: ``ref.eval()``, ``ref.requires_grad_(False)`` or an optimizer
-    over ``ref.parameters()`` must not reach the policy's weights through it.
-    """
-
-    def __init__(self, model: nn.Module):
-        self.model = model
-
-    def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with torch.no_grad(), self.model.disable_adapter():
-                return self.model(*args, **kwargs)
-        finally:
-            self.model.train(was_training)
-
-    def parameters(self) -> Iterator[nn.Parameter]:
-        """The shared network's parameters (read for the device only)."""
-        return self.model.parameters()
-
-    @property
-    def device(self) -> torch.device:
-        return self.model.device
-
-    @property
-    def config(self) -> Any:
-        """The shared network's config: what the training passes read of the model (its attention, its layers)."""
-        return self.model.config
 
 
 def reference_model(policy: nn.Module, offloaded: bool = False) -> Any:

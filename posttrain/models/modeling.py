@@ -18,7 +18,9 @@ their own forward, head included, with ``logits_to_keep`` at the predicting posi
 
 from __future__ import annotations
 
-from contextlib import nullcontext
+from collections.abc import Iterator
+from contextlib import contextmanager, nullcontext
+from typing import Any
 from dataclasses import dataclass
 
 import torch
@@ -356,6 +358,48 @@ class ForwardOutput:
     router: RouterStats | None = None  # a mixture of experts' routing, in a pass with gradient
 
 
+class AdaptersDisabled:
+    """The base model under a LoRA policy, as a reference model: the shared network with the adapters off, in
+    eval mode (no dropout) and without gradient. :func:`forward` runs the policy's own passes inside
+    :meth:`off` (packed rows, the folded head: a reference pass costs what a policy pass costs, and holds no
+    [n, T, V] logits); ``ref(**inputs)`` calls the network's forward the same way.
+
+    Not an ``nn.Module`` on purpose: ``ref.eval()``, ``ref.requires_grad_(False)`` or an optimizer
+    over ``ref.parameters()`` must not reach the policy's weights through it.
+    """
+
+    def __init__(self, model: nn.Module):
+        self.model = model
+
+    @contextmanager
+    def off(self) -> Iterator[nn.Module]:
+        """The policy's network, its adapters off, in eval mode and without gradient, for the block's span."""
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with torch.no_grad(), self.model.disable_adapter():
+                yield self.model
+        finally:
+            self.model.train(was_training)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        with self.off() as model:
+            return model(*args, **kwargs)
+
+    def parameters(self) -> Iterator[nn.Parameter]:
+        """The shared network's parameters (read for the device only)."""
+        return self.model.parameters()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.device
+
+    @property
+    def config(self) -> Any:
+        """The shared network's config: what the training passes read of the model (its attention, its layers)."""
+        return self.model.config
+
+
 def split_head(model: nn.Module) -> tuple[nn.Module, nn.Linear] | None:
     """``(body, lm_head)`` of a model whose logits are exactly ``lm_head(body(...).last_hidden_state)``
     (:func:`posttrain.models.architecture.head_unsupported_reason`); None for any other."""
@@ -378,6 +422,10 @@ def forward(
     ``entropy_grad``: the entropies carry a gradient on every path (an entropy bonus trains on them; the
     unfused path then holds the [n, T, V] log-softmax for the backward). A mixture of experts' routing comes
     with it in a pass with gradient (:mod:`posttrain.models.experts`)."""
+    if isinstance(model, AdaptersDisabled):  # a LoRA policy's base model: the policy's passes, adapters off
+        with model.off() as network:
+            return forward(network, batch, temperature=temperature, with_entropy=with_entropy, value_head=value_head,
+                           entropy_grad=entropy_grad)
     traced = torch.is_grad_enabled() and bool(routers(model))
     with RoutingReplay(model) if batch.routing is not None else nullcontext() as replay:
         if not traced:
