@@ -51,6 +51,10 @@ class Completions:
                     or its calls were not one token sequence): its group leaves the update. None: none.
     images:         [N] each row's image inputs for a vision-language model (its prompt's, as the processor gave
                     them: ``pixel_values``, ...), which every training pass takes with it. None: no images.
+    token_versions: [N, T] long, the policy version whose weights sampled each token (0 on padding; read it
+                    under ``mask``): partial rollouts (:mod:`.partial`) continue a row under newer weights, so
+                    its tokens may span versions, and ``versions`` is then each row's oldest. None: every token
+                    of a row is its ``versions``.
     """
 
     completion_ids: Tensor
@@ -64,6 +68,7 @@ class Completions:
     prompt_ids: list[Tensor] | None = None
     dropped: Tensor | None = None
     images: list[dict[str, Tensor]] | None = None
+    token_versions: Tensor | None = None
 
     @property
     def lengths(self) -> Tensor:
@@ -82,7 +87,8 @@ class Completions:
             self.completion_ids, self.mask, self.truncated, self.sampling_logprobs, self.inserted, self.rewards,
             self.versions, self.routing)), None if self.prompt_ids is None else [self.prompt_ids[int(i)] for i in index],
             None if self.dropped is None else self.dropped[index],
-            None if self.images is None else [self.images[int(i)] for i in index])
+            None if self.images is None else [self.images[int(i)] for i in index],
+            None if self.token_versions is None else self.token_versions[index])
 
     def prompts(self, given: list[Tensor], num_samples: int) -> list[Tensor]:
         """[N] each row's prompt: its own where the sampler chose one, else ``given[i]`` for rows ``i*G .. i*G+G-1``."""
@@ -95,8 +101,9 @@ class Completions:
         if any(p.inserted is not None for p in parts):
             inserted = cat_rows([p.inserted if p.inserted is not None else torch.zeros_like(p.mask, dtype=torch.bool)
                                  for p in parts])
-        logprobs = cat_rows([p.sampling_logprobs for p in parts]) if all(
-            p.sampling_logprobs is not None for p in parts) else None
+        logprobs, token_versions = (cat_rows([getattr(p, name) for p in parts])
+                                    if all(getattr(p, name) is not None for p in parts) else None
+                                    for name in ("sampling_logprobs", "token_versions"))
         rewards, versions = (torch.cat([getattr(p, name) for p in parts])
                              if all(getattr(p, name) is not None for p in parts) else None
                              for name in ("rewards", "versions"))
@@ -115,7 +122,7 @@ class Completions:
         images = sum((p.images or [{}] * len(p.mask) for p in parts), []) if any(p.images for p in parts) else None
         return Completions(cat_rows([p.completion_ids for p in parts]), cat_rows([p.mask for p in parts]),
                            cat_rows([p.truncated for p in parts]), logprobs, inserted, rewards, versions, routing,
-                           prompt_ids, dropped, images)
+                           prompt_ids, dropped, images, token_versions)
 
 
 def cat_rows(parts: list[Tensor | None]) -> Tensor | None:
@@ -143,6 +150,10 @@ class Capabilities:
     """Its compute runs in other processes: asynchronous rollouts drive it from a thread, not a process."""
     pauses: bool = False
     """It can pause requests in flight and resume them (servers)."""
+    resumes: bool = False
+    """Its ``generate`` takes ``interrupted`` (asked once per decode step; True stops there, returning every row's
+    tokens so far) and ``max_new_tokens`` (a smaller budget, to continue a row from its prompt plus its tokens):
+    what partial rollouts need (:mod:`posttrain.rollout.partial`)."""
 
 
 POLICY_SAMPLER = Capabilities()

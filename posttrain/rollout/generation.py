@@ -38,6 +38,8 @@ Greedy outputs equal ``generate``'s token for token (tested).
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import Tensor
 from transformers.cache_utils import Cache, DynamicCache, DynamicLayer
@@ -187,6 +189,7 @@ def decode(
     top_k: int = 0,
     top_p: float = 1.0,
     step_rows: list[Tensor] | None = None,
+    interrupted: Callable[[], bool] | None = None,
 ) -> tuple[Tensor, Tensor | None]:
     """``num_samples`` completions of each left-padded prompt: tokens [P*G, T], ``pad_id`` after a row's
     first EOS; T is the number of steps run (all rows finished, or ``max_new_tokens``). Also, when
@@ -197,6 +200,10 @@ def decode(
     cache: an empty :func:`preallocated_cache` with ``repeats=num_samples`` and capacity >= L + T.
     step_rows: when given, each step's running rows (output row indices) before its pass, in order: what a
     routing recorder needs to place each pass's routing (:mod:`posttrain.rollout.routing`).
+    interrupted: asked once per step, after its tokens are written, while rows are still running; True stops
+    the loop there and returns the ``t + 1`` tokens of every row so far. The rows still running then are
+    those without an EOS, all with ``t + 1`` tokens (rows advance in lockstep): partial rollouts continue
+    them under newer weights (:mod:`posttrain.rollout.partial`).
     """
     device, g = ids_PL.device, num_samples
     width = ids_PL.shape[1]
@@ -222,6 +229,8 @@ def decode(
             logprobs_NT[rows, t] = logprob_n
         running = ~torch.isin(token_n, eos_ids)
         if t + 1 == max_new_tokens or not running.any():
+            break
+        if interrupted is not None and interrupted():
             break
         if not running.all():  # drop finished rows from the batch and the cache
             keep = running.nonzero().squeeze(1)

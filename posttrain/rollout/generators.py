@@ -13,10 +13,11 @@ it outright, for comparison.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from contextlib import nullcontext
 import os
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
@@ -53,7 +54,8 @@ class HFGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
-                 rows: Any = None) -> Completions:
+                 rows: Any = None, max_new_tokens: int | None = None) -> Completions:
+        """``max_new_tokens``: this call's budget (default: the sampling parameters')."""
         device = self.model.device
         ids, attention = left_pad(prompt_ids, self.pad_id)
         width = ids.shape[1]
@@ -64,7 +66,7 @@ class HFGenerator:
         was_training = self.model.training
         self.model.eval()
         with routed:
-            out = self._generate(ids, attention, greedy, recorder)
+            out = self._generate(ids, attention, greedy, recorder, max_new_tokens=max_new_tokens)
         self.model.train(was_training)
         tokens = out[:, ids.shape[1]:]
         completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
@@ -76,14 +78,14 @@ class HFGenerator:
         return completions
 
     def _generate(self, ids: Tensor, attention: Tensor, greedy: bool, recorder: SamplingRecorder | None,
-                  suppress: list[int] | None = None, **images: Tensor) -> Tensor:
+                  suppress: list[int] | None = None, max_new_tokens: int | None = None, **images: Tensor) -> Tensor:
         return self.model.generate(
             input_ids=ids,
             attention_mask=attention,
             **images,
             **({"suppress_tokens": suppress} if suppress else {}),
             do_sample=not greedy,
-            max_new_tokens=self.params.max_new_tokens,
+            max_new_tokens=self.params.max_new_tokens if max_new_tokens is None else max_new_tokens,
             pad_token_id=self.pad_id,
             eos_token_id=self.eos_ids.tolist(),
             use_cache=True,
@@ -182,9 +184,12 @@ class SamplingRecorder:
 
 
 class FastGenerator:
-    """Sampling with :func:`posttrain.rollout.generation.decode`; :class:`HFGenerator` for models it cannot hold."""
+    """Sampling with :func:`posttrain.rollout.generation.decode`; :class:`HFGenerator` for models it cannot hold.
 
-    capabilities = POLICY_SAMPLER
+    It can be interrupted between decode steps and continue rows within a smaller budget (partial rollouts);
+    where it falls back to ``generate``, a generation runs to its end instead, with the weights it started with."""
+
+    capabilities = dataclasses.replace(POLICY_SAMPLER, resumes=True)
 
     def __init__(self, model: Any, tokenizer: Any, params: SamplingParams, eos_token_ids: list[int], *,
                  record_routing: bool = False):
@@ -197,8 +202,10 @@ class FastGenerator:
         self.fallback_reason: str | None = None  # "" once checked and supported
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
-                 rows: Any = None) -> Completions:
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False, rows: Any = None,
+                 interrupted: Callable[[], bool] | None = None, max_new_tokens: int | None = None) -> Completions:
+        """``interrupted``: see :func:`posttrain.rollout.generation.decode`; ``max_new_tokens``: this call's budget
+        (default: the sampling parameters')."""
         from posttrain.rollout.generation import (
             decode,
             preallocated_cache,
@@ -208,12 +215,15 @@ class FastGenerator:
         if self.fallback_reason is None:
             self.fallback_reason = unsupported_reason(self.model.config) or ""
             if self.fallback_reason:
-                logger.warning("posttrain's decode loop cannot run %s: %s; using transformers' generate",
-                               type(self.model).__name__, self.fallback_reason)
+                logger.warning("posttrain's decode loop cannot run %s: %s; using transformers' generate%s",
+                               type(self.model).__name__, self.fallback_reason,
+                               " (generations are not interrupted: partial rollouts sample each request whole, "
+                               "with the weights it started with)" if interrupted is not None else "")
+        budget = self.params.max_new_tokens if max_new_tokens is None else max_new_tokens
         if self.fallback_reason:
-            return self.fallback.generate(prompt_ids, num_samples=num_samples, greedy=greedy)
+            return self.fallback.generate(prompt_ids, num_samples=num_samples, greedy=greedy, max_new_tokens=budget)
         ids, attention = left_pad(prompt_ids, self.pad_id)
-        cache = preallocated_cache(self.model.config, num_samples, ids.shape[1] + self.params.max_new_tokens)
+        cache = preallocated_cache(self.model.config, num_samples, ids.shape[1] + budget)
         device = self.model.device
         was_training = self.model.training
         self.model.eval()
@@ -222,9 +232,9 @@ class FastGenerator:
         step_rows: list[Tensor] | None = [] if isinstance(routed, RoutingRecorder) else None
         with routed:
             tokens, logprobs = decode(self.model, cache, ids.to(device), attention.to(device), num_samples=num_samples,
-                                      max_new_tokens=p.max_new_tokens, eos_ids=self.eos_ids.to(device),
+                                      max_new_tokens=budget, eos_ids=self.eos_ids.to(device),
                                       pad_id=self.pad_id, greedy=greedy, temperature=p.temperature, top_k=p.top_k,
-                                      top_p=p.top_p, step_rows=step_rows)
+                                      top_p=p.top_p, step_rows=step_rows, interrupted=interrupted)
         self.model.train(was_training)
         completions = to_completions(tokens.cpu(), self.eos_ids, self.pad_id)
         if logprobs is not None:

@@ -18,10 +18,18 @@ same order, samples the same tokens.
 
 A generator whose compute runs elsewhere (rollout servers: ``capabilities.samples_elsewhere``) needs no process of
 its own: :class:`ThreadRolloutWorker` answers the same requests, in order, on a thread of the trainer.
+
+Partial rollouts (``partial=True``; :mod:`posttrain.rollout.partial`): while the worker samples a request, it
+reads the requests that arrive meanwhile without waiting and sets them aside, in order, to answer after it. When
+one carries weights, the request being sampled stops between two decode steps, those weights are loaded (and
+that request's probe log-probs computed with them, for its answer), and its unfinished rows continue under them.
+The worker always samples with the newest weights it has received: a request whose turn comes after newer
+weights were loaded is sampled by them, and its tokens say so (``Completions.token_versions``).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import pickle
@@ -32,6 +40,7 @@ import threading
 import time
 import traceback
 import weakref
+from collections import deque
 from dataclasses import dataclass, field
 from multiprocessing.reduction import ForkingPickler
 from typing import Any
@@ -43,6 +52,7 @@ from torch import Tensor
 from posttrain.data.rewards import USER_MODULE_PREFIX
 from posttrain.models.logprobs import probe_logprobs
 from posttrain.models.compute import register_attention_implementations
+from posttrain.rollout import partial as partial_rollouts
 from posttrain.rollout.completions import Completions
 
 POLL_SECONDS = 1.0  # how often a waiting side checks that the other is still alive
@@ -81,9 +91,11 @@ class RolloutWorkerError(RuntimeError):
 class RolloutWorker:
     """A process that samples with its own copy of ``model``, driven by :meth:`submit` and :meth:`receive`."""
 
-    def __init__(self, generator: Any, model: torch.nn.Module, *, threads: int, rng_state: Tensor):
+    def __init__(self, generator: Any, model: torch.nn.Module, *, threads: int, rng_state: Tensor,
+                 partial: bool = False):
         """``generator`` samples with ``model`` (a module it holds); ``threads``: the worker's torch threads;
-        ``rng_state``: its torch random generator's state to start from."""
+        ``rng_state``: its torch random generator's state to start from; ``partial``: interrupt a request when
+        newer weights arrive and continue it with them (the generator's ``capabilities.resumes`` must be True)."""
         try:
             payload = _dumps((generator, model))
         except Exception as error:  # a lambda, a nested function, a class defined inside a function
@@ -97,7 +109,7 @@ class RolloutWorker:
         self.requests, self.results = context.Queue(), context.Queue()
         self.process = context.Process(target=_serve, name="posttrain-rollout", daemon=False,
                                        args=(payload, modules, threads, rng_state, os.getpid(),
-                                             self.requests, self.results))
+                                             self.requests, self.results, partial))
         self.process.start()
         self.outstanding = 0  # requests sent and not answered yet
         # a worker nobody closed (a session dropped in a notebook) stops when this object goes
@@ -157,8 +169,7 @@ class ThreadRolloutWorker:
     servers draw the samples with theirs."""
 
     def __init__(self, generator: Any, model: torch.nn.Module, *, rng_state: Tensor):
-        self.generator, self.model, self._rng_state = generator, model, rng_state
-        self.parameters = dict(model.named_parameters())
+        self.sampler, self._rng_state = Sampler(generator, model), rng_state
         self.requests: queue.Queue[Request | None] = queue.Queue()
         self.results: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.outstanding = 0
@@ -188,7 +199,7 @@ class ThreadRolloutWorker:
     def _serve(self) -> None:
         while (request := self.requests.get()) is not None:
             try:
-                self.results.put(("result", _generate(self.generator, self.model, self.parameters, request)))
+                self.results.put(("result", _generate(self.sampler, request)))
             except BaseException as error:  # noqa: BLE001  # the trainer raises it at its receive
                 self.results.put(("error", error))
 
@@ -223,8 +234,63 @@ def _load_user_modules(modules: dict[str, str]) -> None:
         spec.loader.exec_module(module)
 
 
+class Sampler:
+    """The worker's generator, the model it samples with, the policy version of the weights it holds, and the
+    probe log-probs of weights loaded before their request's turn (partial rollouts)."""
+
+    def __init__(self, generator: Any, model: torch.nn.Module):
+        self.generator, self.model = generator, model
+        self.parameters = dict(model.named_parameters())
+        self.version: int | None = None  # the first request's until weights arrive (the copy it was given)
+        self.probes: dict[int, Tensor | None] = {}  # request id -> its probe's log-probs under its weights
+
+    @torch.no_grad()
+    def load(self, request: Request) -> Request:
+        """Load the request's weights, if it carries any, and compute its probe log-probs with them; the
+        request without its weights (so that they are never loaded again)."""
+        if self.version is None:
+            self.version = request.version
+        if request.weights is None:
+            return request
+        for name, weight in request.weights.items():
+            self.parameters[name].copy_(weight)
+        self.version = request.version
+        self.probes[request.request_id] = (probe_logprobs(self.model, request.probe_ids)
+                                           if request.probe_ids is not None else None)
+        return dataclasses.replace(request, weights=None)
+
+
+class Inbox:
+    """The requests in the order they came; with partial rollouts, those read while a request is sampled wait
+    here for their turn."""
+
+    def __init__(self, requests: Any):
+        self.requests = requests
+        self.waiting: deque[Any] = deque()  # requests (and "rng_state", None) read early, in order
+
+    def next(self) -> Any:
+        """The next request, or raises ``queue.Empty`` after :data:`POLL_SECONDS` without one."""
+        return self.waiting.popleft() if self.waiting else self.requests.get(timeout=POLL_SECONDS)
+
+    def newer_weights(self) -> bool:
+        """Read what has arrived, without waiting; whether a request waiting carries weights not loaded yet."""
+        while True:
+            try:
+                self.waiting.append(self.requests.get_nowait())
+            except queue.Empty:
+                break
+        return any(isinstance(message, Request) and message.weights is not None for message in self.waiting)
+
+    def load_waiting(self, sampler: Sampler) -> int:
+        """Load the weights of the waiting requests, in order (each request's probe with its own); the version
+        the sampler holds then."""
+        self.waiting = deque(sampler.load(message) if isinstance(message, Request) else message
+                             for message in self.waiting)
+        return sampler.version
+
+
 def _serve(payload: bytes, modules: dict[str, str], threads: int, rng_state: Tensor, parent: int,
-           requests: Any, results: Any) -> None:
+           requests: Any, results: Any, partial: bool) -> None:
     """The worker's loop: answer requests in order until ``None`` arrives or the trainer is gone.
 
     SIGTERM and SIGINT (a scheduler's preemption, Ctrl-C: both reach every process of the job) are the
@@ -236,15 +302,15 @@ def _serve(payload: bytes, modules: dict[str, str], threads: int, rng_state: Ten
     try:
         register_attention_implementations()  # a mixed-precision model names one of posttrain's
         _load_user_modules(modules)
-        generator, model = pickle.loads(payload)
+        sampler = Sampler(*pickle.loads(payload))
         torch.set_rng_state(rng_state)
-        parameters = dict(model.named_parameters())
     except BaseException as error:
         results.put(("error", (_picklable(error), traceback.format_exc())))
         return
+    inbox = Inbox(requests)
     while True:
         try:
-            request = requests.get(timeout=POLL_SECONDS)
+            request = inbox.next()
         except queue.Empty:
             if os.getppid() != parent:  # the trainer died without closing us
                 return
@@ -255,20 +321,26 @@ def _serve(payload: bytes, modules: dict[str, str], threads: int, rng_state: Ten
             results.put(("rng_state", torch.get_rng_state()))
             continue
         try:
-            results.put(("result", _generate(generator, model, parameters, request)))
+            results.put(("result", _generate(sampler, request, inbox if partial else None)))
         except BaseException as error:
             results.put(("error", (_picklable(error), traceback.format_exc())))
 
 
 @torch.no_grad()
-def _generate(generator: Any, model: torch.nn.Module, parameters: dict[str, torch.nn.Parameter],
-              request: Request) -> Result:
-    for name, weight in (request.weights or {}).items():
-        parameters[name].copy_(weight)
-    probe = probe_logprobs(model, request.probe_ids) if request.probe_ids is not None else None
+def _generate(sampler: Sampler, request: Request, inbox: Inbox | None = None) -> Result:
+    """Answer one request; with an ``inbox`` (partial rollouts), interrupted by the newer weights that reach
+    it meanwhile, with each token's version."""
+    request = sampler.load(request)
+    probe = sampler.probes.pop(request.request_id, None)
+    generator = sampler.generator
     start = time.perf_counter()
-    completions = generator.generate(request.prompt_ids, num_samples=request.num_samples, greedy=request.greedy,
-                                     rows=request.rows)
+    if inbox is None:
+        completions = generator.generate(request.prompt_ids, num_samples=request.num_samples, greedy=request.greedy,
+                                         rows=request.rows)
+    else:
+        completions = partial_rollouts.generate(
+            generator, request.prompt_ids, num_samples=request.num_samples, greedy=request.greedy,
+            version=sampler.version, interrupted=inbox.newer_weights, load_newer=lambda: inbox.load_waiting(sampler))
     stats = getattr(generator, "stats", None)  # an EpisodeGenerator's counts of this call's episodes
     return Result(request.request_id, completions, time.perf_counter() - start,
                   stats.counts() if stats is not None else {}, probe)
