@@ -534,6 +534,13 @@ class OffPolicyConfig:
         "With async_rollout and max_staleness >= 1: torch threads of the rollout process; the trainer keeps the "
         "rest of its own. Default: half (on 2 cores, one each). With max_staleness 0 the two take turns, and the "
         "rollout process has as many as the trainer.")
+    partial_rollouts: bool = _help(
+        "With async_rollout and max_staleness >= 1: a request still being sampled when newer weights reach the "
+        "rollout process is interrupted between two decode steps, and its unfinished rows continue under the new "
+        "weights (their keys and values recomputed by them, as AReaL does); every token records the policy "
+        "version that sampled it (the staleness/token_ metrics), and its sampler log-prob is that version's, so "
+        "the correction applies per token. Needs posttrain's own sampler (backend hf, no rollout servers) and "
+        "single-turn rollouts.", False)
 
     @property
     def sampling_copy(self) -> bool:
@@ -556,6 +563,15 @@ class OffPolicyConfig:
         require(self.max_staleness >= 0, "max_staleness", f"got {self.max_staleness}; use 0 or more")
         require(self.rollout_threads is None or self.rollout_threads >= 1, "rollout_threads",
                  f"got {self.rollout_threads}; use 1 or more")
+        require(not self.partial_rollouts or self.async_rollout, "partial_rollouts",
+                 "it interrupts the requests of the rollout process; add --async-rollout with --max-staleness 1 "
+                 "or more, or drop --partial-rollouts")
+        require(not (self.partial_rollouts and self.async_rollout and self.max_staleness == 0), "partial_rollouts",
+                 "with max_staleness 0 each request is answered before newer weights exist, so none is ever "
+                 "interrupted; set --max-staleness 1 or more, or drop --partial-rollouts")
+        require(not (self.partial_rollouts and self.routing_replay), "partial_rollouts",
+                 "a continued row's experts are not recorded across the weight update; drop --routing-replay or "
+                 "--partial-rollouts")
         require.raise_any()
 
 

@@ -57,6 +57,9 @@ class Backend:
     """It can sample ahead of the trainer (``async_rollout``)."""
     records_routing: bool = False
     """It records a mixture of experts' routing (``routing_replay``)."""
+    partial: bool = False
+    """Its rollout process can interrupt a request between decode steps and continue it under newer weights
+    (``partial_rollouts``)."""
     check: Callable[[Config], list[str]] = lambda config: []
     """Problems of its own with a config (its package missing, settings it needs)."""
 
@@ -108,6 +111,9 @@ def problems(config: Config, *, episodes: bool, on_gpu: bool, agent: bool = Fals
                 "and --environment (or the task's tools: use a task without them, or a --dataset)"]
     if agent and o.routing_replay:
         return ["routing_replay: an agent's episodes are not recorded with their routing; drop --routing-replay"]
+    if agent and o.partial_rollouts:
+        return ["partial_rollouts: an agent's episodes are sampled whole, not continued under newer weights; drop "
+                "--partial-rollouts"]
     if r.rollout_server and r.backend != "hf":
         return [f"rollout_server: the servers sample the rollouts; drop --backend {r.backend} (a colocated engine)"]
     if name not in BACKENDS:
@@ -124,6 +130,13 @@ def problems(config: Config, *, episodes: bool, on_gpu: bool, agent: bool = Fals
     if o.async_rollout and not backend.asynchronous:
         found.append(f"async_rollout: the rollout process samples with posttrain's decode loop; {where} cannot run "
                      "there (set backend hf; vLLM runs its own engine beside the trainer, synchronously)")
+    if o.partial_rollouts and not backend.partial:
+        found.append(f"partial_rollouts: a request is interrupted between the decode steps of posttrain's own "
+                     f"sampler, which {where} {'are' if name == 'servers' else 'is'} not; partial rollouts need "
+                     "it for now (backend hf without rollout servers), or drop --partial-rollouts")
+    elif o.partial_rollouts and episodes:
+        found.append("partial_rollouts: multi-turn episodes (tools, environments) are not continued under newer "
+                     "weights; drop --partial-rollouts or the tools and environment")
     if o.sampling_copy and config.model.fsdp:
         found.append("sampler_noise, sampler_dtype: the sampling copy is a whole model in every process; set fsdp off")
     if o.async_rollout and config.model.fsdp:
@@ -202,8 +215,8 @@ def vision_problems(sampling: Sampling, episodes: Episodes | None) -> list[str]:
         found.append(f"backend: a vision-language model samples with its images through transformers' generate; "
                      f"use --backend hf{' without rollout servers' if c.rollout.rollout_server else ''}")
     if c.off_policy.async_rollout or c.off_policy.sampling_copy:
-        found.append("async_rollout, sampler_dtype, sampler_noise: a vision-language model samples with the policy "
-                     "itself; drop them")
+        found.append("async_rollout, partial_rollouts, sampler_dtype, sampler_noise: a vision-language model samples "
+                     "with the policy itself; drop them")
     if episodes is not None and (episodes.agent is not None or episodes.tools is not None
                                  or episodes.environment is not None):
         found.append("agent, tools, environment: episodes of a vision-language model are not built (its images are "
@@ -263,7 +276,8 @@ def _collective(backend: str) -> Callable[[Config], Any]:
     return build_transport
 
 
-register_backend("hf", Backend(_hf, multi_turn=True, sampling_copy=True, asynchronous=True, records_routing=True))
+register_backend("hf", Backend(_hf, multi_turn=True, sampling_copy=True, asynchronous=True, records_routing=True,
+                               partial=True))
 register_backend("vllm", Backend(_vllm, check=_vllm_problems))
 register_backend("servers", Backend(_servers, sampling_copy=True, asynchronous=True))
 register_transport("filesystem", _filesystem)

@@ -45,6 +45,7 @@ EVERY_STEP = "every step"
 PAIRED_STEPS = "every step: paired preference presets (not KTO) and reward_model"
 EVALUATIONS = "at step 0, every `eval_every` steps and at the end"
 MOE_STEP = "every step, when the model is a mixture of experts"
+PARTIAL_STEP = "every step, with `partial_rollouts`"
 EVALUATIONS_WITH_CHECK = EVALUATIONS + ", when the task checks answers (a built-in task)"
 
 GLOSSARY: tuple[MetricEntry, ...] = (
@@ -113,6 +114,16 @@ GLOSSARY: tuple[MetricEntry, ...] = (
                 ONLINE),
     MetricEntry("staleness/max", "The largest such gap in the step (never above `max_staleness`).", EVERY_STEP,
                 ONLINE),
+    MetricEntry("staleness/token_mean", "Mean number of policy versions between the weights that sampled each "
+                "trained token and the policy the step updates: below `staleness/mean` (which counts each "
+                "completion's oldest token) when partial rollouts continued completions under newer weights.",
+                PARTIAL_STEP, ONLINE),
+    MetricEntry("staleness/resumed_rows", "Share of the trained completions whose tokens were sampled by more "
+                "than one policy version: interrupted by a weight update and continued under the new weights.",
+                PARTIAL_STEP, ONLINE),
+    MetricEntry("staleness/token_share/<age>", "Share of the trained tokens sampled `<age>` versions behind the "
+                "policy the step updates, for every age from 0 to `max_staleness`: the staleness distribution.",
+                PARTIAL_STEP, ONLINE),
     MetricEntry("eval/divergence_streak", "The reward-hacking guard: evaluations in a row with the check (held-out "
                 "accuracy, or `divergence_check`) below its best beyond its interval while the proxy (`eval/reward`) "
                 "stands above its value at that best.", "at evaluations, when the reward is a proxy", ONLINE),

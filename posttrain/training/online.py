@@ -236,7 +236,29 @@ def staleness(s: OnlineSession, batch: Groups) -> dict[str, float]:
     age = (s.step - versions).float()
     total = distributed.reduce_values({"sum": float(age.sum()), "rows": len(age)})
     oldest = distributed.reduce_values({"max": float(age.max()) if len(age) else 0.0}, max)
-    return {"staleness/mean": total["sum"] / max(total["rows"], 1), "staleness/max": oldest["max"]}
+    out = {"staleness/mean": total["sum"] / max(total["rows"], 1), "staleness/max": oldest["max"]}
+    comp = batch.completions
+    if comp.token_versions is not None:  # partial rollouts: the tokens' own versions
+        counts = distributed.reduce_values(token_staleness_counts(s.step - comp.token_versions, comp.mask,
+                                                                  staleness_bound(s)))
+        tokens = max(counts.pop("tokens"), 1.0)
+        out["staleness/token_mean"] = counts.pop("age_sum") / tokens
+        out["staleness/resumed_rows"] = counts.pop("resumed_rows") / max(total["rows"], 1)
+        out.update({f"staleness/token_share/{age}": count / tokens for age, count in counts.items()})
+    return out
+
+
+def token_staleness_counts(age_NT: Tensor, mask_NT: Tensor, bound: int) -> dict[str, float]:
+    """Sums over the policy's tokens (``mask_NT``) of their ages [N, T] (versions behind the step's policy):
+    ``tokens``, ``age_sum``, ``resumed_rows`` (rows whose tokens span more than one version) and, per age
+    ``a`` in 0 .. ``bound`` (every age a trained token can have), the tokens of that age under the key ``a``."""
+    held = mask_NT > 0
+    oldest_N = age_NT.masked_fill(~held, -1).amax(1)
+    newest_N = age_NT.masked_fill(~held, bound + 1).amin(1)
+    ages = age_NT[held]
+    return {"tokens": float(held.sum()), "age_sum": float(ages.sum()),
+            "resumed_rows": float((oldest_N != newest_N).sum()),
+            **{str(a): float((ages == a).sum()) for a in range(bound + 1)}}
 
 
 def rollout_metrics(groups: Groups) -> dict[str, float]:

@@ -12,12 +12,18 @@ therefore sampled by version ``max(0, t - K)``: exactly K versions stale once th
 never more. Refill rounds are submitted with the current weights (0 stale) and answered after the
 rounds already queued. With K = 0 every request is the synchronous run's, made at the same point, and
 the process samples from the same random stream: the same tokens, weights and metrics.
+
+Partial rollouts (``partial_rollouts``) let the rollout process switch to newer weights in the middle of a
+request (:mod:`posttrain.rollout.partial`): its tokens carry their versions, and each row's version is its
+oldest token's, so the bound above still holds for every token. Where the switch falls depends on how fast
+the two processes run, so such a run is not reproducible token for token.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import logging
 import time
 from collections import deque
 from dataclasses import dataclass, field
@@ -30,6 +36,8 @@ from posttrain.models.logprobs import probe_logprobs
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.worker import Request, RolloutWorker, ThreadRolloutWorker
+
+logger = logging.getLogger(__name__)
 
 
 class RolloutSession(Protocol):
@@ -68,7 +76,13 @@ def draw_prompts(s: RolloutSession) -> list[int]:
 
 
 def tagged(completions: Completions, version: int) -> Completions:
-    completions.versions = torch.full((len(completions.mask),), version, dtype=torch.long)
+    """``versions`` set: ``version`` (the request's) on every row, or, where the tokens carry their own versions
+    (partial rollouts), each row's oldest token's."""
+    if completions.token_versions is None:
+        completions.versions = torch.full((len(completions.mask),), version, dtype=torch.long)
+    else:
+        newest = int(completions.token_versions.max())
+        completions.versions = completions.token_versions.masked_fill(completions.mask == 0, newest).amin(1)
     return completions
 
 
@@ -108,9 +122,10 @@ class SyncRollouts:
 class AsyncRollouts:
     """The steps' first rounds sampled up to ``max_staleness`` steps ahead by a :class:`RolloutWorker`."""
 
-    def __init__(self, max_staleness: int, threads: int | None = None):
+    def __init__(self, max_staleness: int, threads: int | None = None, partial: bool = False):
         self.max_staleness = max_staleness
         self.threads = threads  # the rollout process's torch threads (None: see ``start``)
+        self.partial = partial  # partial rollouts: a request in flight switches to newer weights
         self.worker: RolloutWorker | ThreadRolloutWorker | None = None
         self.next_id = 0
         self.in_flight: deque[tuple[int, list[int], int]] = deque()  # (request id, prompts, version), in order
@@ -154,8 +169,12 @@ class AsyncRollouts:
         if self.max_staleness:
             self.trainer_threads = total  # given back at close
             torch.set_num_threads(max(1, total - threads))
+        partial = self.partial and s.generator.capabilities.resumes
+        if self.partial and not partial:
+            logger.warning("partial_rollouts: %s cannot be interrupted; each request is sampled whole, with the "
+                           "weights it started with", type(s.generator).__name__)
         generator, model = copy.deepcopy((s.generator, model))  # one copy: the generator holds the model
-        self.worker = RolloutWorker(generator, model, threads=threads, rng_state=rng)
+        self.worker = RolloutWorker(generator, model, threads=threads, rng_state=rng, partial=partial)
 
     def submit(self, s: RolloutSession, for_step: int) -> int:
         """Request the next prompts' completions with the current weights; ``for_step``: the step that will

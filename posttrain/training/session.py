@@ -317,7 +317,8 @@ class OnlineSession:
             row_tasks=training_row_tasks(config, alg, work),  # the rows left within the prompt budget
             teacher_prompts=self_teacher_prompts(config, alg, policy, tokenizer, work, prompt_ids, tools),
             eval_generator=None if sampling_copy is None else generator_of(policy),
-            rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads)
+            rollouts=AsyncRollouts(config.off_policy.max_staleness, config.off_policy.rollout_threads,
+                                   config.off_policy.partial_rollouts)
             if config.off_policy.async_rollout else SyncRollouts(),
             sync_check=sync_check,
         )
