@@ -98,21 +98,35 @@ def machine_memory(device: torch.device) -> int:
     return total
 
 
+LORA_PASS_FACTOR = 1.35
+"""A LoRA step's measured peak over the hand count of its activations: the adapters' products keep their own
+inputs (a packed pass of SmolLM2 rose 1.18x the count, benchmarks/step_memory.py), and a run's later steps
+find the freed memory of the phases before them in pieces (a 4-step run peaked 1.15x its largest pass)."""
+FULL_PASS_FACTOR = 1.05
+"""The same for full fine-tuning, whose passes rose 0.97x the count and whose run peaked within 2% of it."""
+CHECKPOINTED_LAYERS = 12
+"""Layers' worth of full activations a checkpointed pass holds at once, beside each layer's input: measured
+470-770 KB a token on SmolLM2 (benchmarks/step_memory.py), against one layer's 61 KB that recomputation alone
+would need: the backward's recomputed layer, the LM head's blocks and the pieces the heap cannot reuse."""
+
+
 def estimated_peak(shape: ModelShape, tokens: int, *, checkpointing: bool, reference: bool,
                    weight_bytes: int = 4) -> int:
-    """Bytes a training step's peak takes, roughly: the weights (and a reference copy), the trainable
-    parameters' gradients and AdamW's two moments in float32, and the activations of a pass of ``tokens``
-    tokens. A layer keeps about ``16 d + 4 m`` floats per token for its backward (projections, norms, the
-    MLP's gate, up and activation), ``d`` per token when checkpointed (its input) plus one layer's full set
-    while it is recomputed; the LM head's log-softmax runs a block of vocabulary at a time, about 1,024
-    tokens' logits and their gradient."""
+    """Bytes a training step's peak takes: the weights (and a reference copy), the trainable parameters'
+    gradients and AdamW's two moments in float32, and the activations of a pass of ``tokens`` tokens. A layer
+    keeps about ``16 d + 4 m`` floats per token for its backward (projections, norms, the MLP's gate, up and
+    activation), times what a run measured above that count (:data:`LORA_PASS_FACTOR`, :data:`FULL_PASS_FACTOR`);
+    when checkpointed, ``d`` per token per layer (its input) plus :data:`CHECKPOINTED_LAYERS` layers' full set;
+    the LM head's log-softmax runs a block of vocabulary at a time, about 1,024 tokens' logits and their
+    gradient. Calibrated on SmolLM2 with posttrain's allocator setting (benchmarks/step_memory.py re-measures)."""
     weights = shape.parameters * weight_bytes * (2 if reference else 1)
     optimizer = shape.trainable * 4 * 3
     per_layer = (16 * shape.hidden + 4 * shape.intermediate) * 4
     if checkpointing:
-        activations = tokens * (shape.layers * shape.hidden * 4 + per_layer)
+        activations = tokens * (shape.layers * shape.hidden * 4 + CHECKPOINTED_LAYERS * per_layer)
     else:
-        activations = tokens * shape.layers * per_layer
+        factor = LORA_PASS_FACTOR if shape.trainable < shape.parameters else FULL_PASS_FACTOR
+        activations = int(tokens * shape.layers * per_layer * factor)
     logits = 2 * min(tokens, 1024) * shape.vocab * 4
     return weights + optimizer + activations + logits
 
@@ -135,8 +149,7 @@ def _gib(n: int) -> str:
 def held_memory(device: torch.device) -> int:
     """Bytes this process holds already (its resident set) where the step's memory is the host's, a CPU's: the
     interpreter, PyTorch, transformers and the data, about 1 GiB before a model loads. A step's peak is that plus
-    :func:`estimated_peak`: on SmolLM2 under LoRA the estimate alone was 8.0 GiB against a measured 9.0 at the
-    first step, whose rise over the process's memory before it matched the estimate's activations."""
+    :func:`estimated_peak` (about 0.4 GiB of a SmolLM2 run's)."""
     if device.type != "cpu" or not os.path.exists("/proc/self/statm"):
         return 0
     with open("/proc/self/statm") as statm:
