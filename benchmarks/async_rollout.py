@@ -8,8 +8,12 @@ trained one at a time (a figure that matters gets the machine alone). An asynchr
 trainer and the rollout process one torch thread each (``OMP_NUM_THREADS=1``): on 2 cores that beats
 two threads each, which oversubscribes them. A finished run (``final_model/`` present) is not run again.
 The report prints, per setting: wall time, the trainer's and the sampler's seconds per step, samples per
-second, the mean staleness and mismatch KL, and held-out accuracy at every evaluation; ``--figure``
-draws held-out accuracy against steps and against training time.
+second, the mean staleness and mismatch KL, and held-out accuracy at every evaluation; with partial rollouts
+also the tokens' staleness: its mean, the share of completions continued under newer weights, and the share
+of trained tokens at each age (the distribution). ``--figure`` draws held-out accuracy against steps and
+against training time. A request is interrupted only when it is still being sampled as the next weights
+arrive: in the default run the sampler is faster than the trainer, so the ``-fp16`` settings make it slower
+(a float16 sampling copy) to compare partial rollouts where sampling is the bottleneck.
 """
 
 from __future__ import annotations
@@ -33,6 +37,20 @@ SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "k2-tis": (["--async-rollout", "--max-staleness", "2", "--correction", "token-truncate"], {"OMP_NUM_THREADS": "1"}),
     "k8": (["--async-rollout", "--max-staleness", "8"], {"OMP_NUM_THREADS": "1"}),
     "k8-tis": (["--async-rollout", "--max-staleness", "8", "--correction", "token-truncate"], {"OMP_NUM_THREADS": "1"}),
+    # partial rollouts: a request still sampled when the next weights arrive continues under them
+    "k1-partial-tis": (["--async-rollout", "--max-staleness", "1", "--partial-rollouts", "--correction",
+                        "token-truncate"], {"OMP_NUM_THREADS": "1"}),
+    "k2-partial-tis": (["--async-rollout", "--max-staleness", "2", "--partial-rollouts", "--correction",
+                        "token-truncate"], {"OMP_NUM_THREADS": "1"}),
+    # a sampler slower than the trainer: a float16 copy of the policy (no float16 arithmetic on these CPUs),
+    # corrected for its precision as for its staleness; the synchronous run samples from the same copy
+    "sync-fp16-tis": (["--sampler-dtype", "float16", "--correction", "token-truncate"], {}),
+    "k1-fp16-tis": (["--async-rollout", "--max-staleness", "1", "--sampler-dtype", "float16", "--correction",
+                     "token-truncate"], {"OMP_NUM_THREADS": "1"}),
+    "k1-partial-fp16-tis": (["--async-rollout", "--max-staleness", "1", "--partial-rollouts", "--sampler-dtype",
+                             "float16", "--correction", "token-truncate"], {"OMP_NUM_THREADS": "1"}),
+    "k2-partial-fp16-tis": (["--async-rollout", "--max-staleness", "2", "--partial-rollouts", "--sampler-dtype",
+                             "float16", "--correction", "token-truncate"], {"OMP_NUM_THREADS": "1"}),
 }
 
 
@@ -71,6 +89,7 @@ def summary(run_dir: Path) -> dict:
         values = [r[key] for r in steps if key in r]
         return sum(values) / len(values) if values else float("nan")
 
+    ages = sorted({int(key.rsplit("/", 1)[1]) for r in steps for key in r if key.startswith("staleness/token_share/")})
     elapsed, curve = 0.0, []
     for r in rows:
         elapsed += r.get("time/step", 0.0)
@@ -80,7 +99,9 @@ def summary(run_dir: Path) -> dict:
     return {"steps": len(steps), "wall": float(wall.read_text()) if wall.exists() else float("nan"),
             "step_s": mean("time/step"), "generation_s": mean("time/generation"), "wait_s": mean("time/rollout_wait"),
             "training_s": mean("time/training"), "samples_per_s": samples / mean("time/step"),
-            "staleness": mean("staleness/mean"), "kl_k3": mean("mismatch/kl_k3"), "curve": curve}
+            "staleness": mean("staleness/mean"), "kl_k3": mean("mismatch/kl_k3"), "curve": curve,
+            "token_staleness": mean("staleness/token_mean"), "resumed_rows": mean("staleness/resumed_rows"),
+            "token_shares": {age: mean(f"staleness/token_share/{age}") for age in ages}}
 
 
 def report(output: Path, names: list[str], figure: Path | None) -> None:
@@ -96,6 +117,14 @@ def report(output: Path, names: list[str], figure: Path | None) -> None:
         print(f"| {name} | {s['wall']:.0f} s | {s['step_s']:.3f} | {s['generation_s']:.3f} | {s['wait_s']:.3f} "
               f"| {s['training_s']:.3f} | {s['samples_per_s']:.0f} | {s['staleness']:.2f} | {s['kl_k3']:.1e} | {curve} "
               f"| {100 * s['mean']:.1f} |")
+    partial = {name: s for name, s in found.items() if s["token_shares"]}
+    if partial:
+        print("\n| setting | token staleness | completions continued under newer weights "
+              "| trained tokens by age (versions behind: share) |")
+        print("|---|---|---|---|")
+        for name, s in partial.items():
+            shares = ", ".join(f"{age}: {100 * share:.1f}%" for age, share in s["token_shares"].items())
+            print(f"| {name} | {s['token_staleness']:.3f} | {100 * s['resumed_rows']:.1f}% | {shares} |")
     if figure is not None and found:
         import matplotlib
 
@@ -108,7 +137,7 @@ def report(output: Path, names: list[str], figure: Path | None) -> None:
             steps, seconds, accuracy = zip(*s["curve"])
             base = name.split("-")[0]  # a setting's correction: the same colour, dashed
             style = dict(marker="o", markersize=3, label=name, color=colours.get(base),
-                         linestyle="--" if "-tis" in name else "-")
+                         linestyle=":" if "-partial" in name else "--" if "-tis" in name else "-")
             axes[0].plot(steps, [100 * a for a in accuracy], **style)
             axes[1].plot([t / 60 for t in seconds], [100 * a for a in accuracy], **style)
         axes[0].set_xlabel("step")
