@@ -98,10 +98,10 @@ def machine_memory(device: torch.device) -> int:
     return total
 
 
-LORA_PASS_FACTOR = 1.35
+LORA_PASS_FACTOR = 1.4
 """A LoRA step's measured peak over the hand count of its activations: the adapters' products keep their own
 inputs (a packed pass of SmolLM2 rose 1.18x the count, benchmarks/step_memory.py), and a run's later steps
-find the freed memory of the phases before them in pieces (a 4-step run peaked 1.15x its largest pass)."""
+find the freed memory of the phases before them in pieces (4-step runs peaked 1.15-1.2x their largest pass)."""
 FULL_PASS_FACTOR = 1.05
 """The same for full fine-tuning, whose passes rose 0.97x the count and whose run peaked within 2% of it."""
 CHECKPOINTED_LAYERS = 12
