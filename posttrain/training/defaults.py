@@ -102,8 +102,8 @@ LORA_PASS_FACTOR = 1.4
 """A LoRA step's measured peak over the hand count of its activations: the adapters' products keep their own
 inputs (a packed pass of SmolLM2 rose 1.18x the count, benchmarks/step_memory.py), and a run's later steps
 find the freed memory of the phases before them in pieces (4-step runs peaked 1.15-1.2x their largest pass)."""
-FULL_PASS_FACTOR = 1.05
-"""The same for full fine-tuning, whose passes rose 0.97x the count and whose run peaked within 2% of it."""
+FULL_PASS_FACTOR = 1.2
+"""The same for full fine-tuning, whose passes rose 0.97x the count, and whose 4-step run peaked 1.2x it."""
 CHECKPOINTED_LAYERS = 12
 """Layers' worth of full activations a checkpointed pass holds at once, beside each layer's input: measured
 470-770 KB a token on SmolLM2 (benchmarks/step_memory.py), against one layer's 61 KB that recomputation alone
