@@ -16,6 +16,8 @@ Prints, in one process:
   (the layers in bfloat16 under bf16 mixed precision, else float32; the LM head in float32) and the KV
   cache at the step's context (float32, as the decode cache holds it), at the recipe's 64 rows;
 - the floor: those bytes at the measured bandwidth, and the step's GEMM FLOPs at the layers' dtype's rate;
+- the step's own matrix products at its shapes (every layer's and the LM head's, on the kernels the fused step
+  prepares, weights streamed as in a step): what the step would take with nothing but its products;
 - the step measured: ``(t(T) - t(1)) / (T - 1)`` with no EOS (every row runs the budget; the prefill
   cancels), at the recipe's 128 tokens (mean context prompt + 64);
 - the recipe's real generate call (EOS on): completion tokens per second.
@@ -73,6 +75,30 @@ def step_bytes(model, rows: int, context: float) -> dict[str, float]:
             "flops": 2 * rows * (layers + head)}
 
 
+def step_products(model, rows: int, repeats: int) -> float:
+    """Seconds one fused decode step spends in its matrix products alone: every layer's four (fused QKV, output,
+    fused gate-up, down) and the LM head's, at ``rows`` rows, on the kernels
+    :class:`~posttrain.rollout.decode_step.FusedDecoder` prepares, in the step's order (so the weights stream
+    from memory as they do in a step). What the step would take with nothing else in it (norms, rotary,
+    attention over the cache, sampling, Python): the products' rate at the step's own shapes, which on a CPU is
+    below a large square matmul's."""
+    from posttrain.models.modeling import unwrapped
+    from posttrain.rollout.decode_step import FusedDecoder
+
+    decoder = FusedDecoder(model, rows=rows)
+    hidden = unwrapped(model).config.hidden_size
+    x_hidden = torch.randn(rows, hidden)
+    x_heads = torch.randn(rows, decoder.heads * decoder.head_dim)
+    x_inner = torch.randn(rows, decoder.intermediate)
+
+    def products() -> None:
+        for layer in decoder.layers:
+            layer.qkv(x_hidden), layer.out(x_heads), layer.gate_up(x_hidden), layer.down(x_inner)
+        decoder.lm_head(x_hidden)
+
+    return best_of(products, repeats)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -119,6 +145,10 @@ def main() -> None:
               f"{1e3 * need['flops'] / rate:.1f} ms -> {1e3 * floor:.1f} ms/step, "
               f"{rows / floor:.0f} tokens/s", flush=True)
 
+        products = step_products(s.policy, rows, args.repeats)
+        print(f"the step's own products at {rows} rows, on the kernels it prepares: {1e3 * products:.1f} ms "
+              f"({need['flops'] / products / 1e9:.0f} GFLOP/s)", flush=True)
+
         def fixed(tokens: int) -> FastGenerator:
             return FastGenerator(s.policy, s.tokenizer, SamplingParams(tokens, 0.7, 1.0, 0), [NEVER])
 
@@ -127,7 +157,8 @@ def main() -> None:
         t_short = best_of(lambda: short.generate(prompts, num_samples=b.group), args.repeats)
         step = (t_long - t_short) / (b.new_tokens - 1)
         print(f"measured: {1e3 * step:.1f} ms/step, {rows / step:.0f} tokens/s at {rows} rows: "
-              f"{step / floor:.1f}x the floor (prefill and first token {t_short:.2f} s)", flush=True)
+              f"{step / floor:.1f}x the floor, {step / products:.1f}x its own products (prefill and first token "
+              f"{t_short:.2f} s)", flush=True)
         calls = []
         for _ in range(args.repeats):
             start = time.perf_counter()
