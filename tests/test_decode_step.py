@@ -15,7 +15,7 @@ from transformers import GPT2Config, GPT2LMHeadModel, LlamaForCausalLM
 
 from posttrain.rollout import decode_step
 from posttrain.rollout.decode_step import FusedDecoder, unsupported_reason
-from posttrain.rollout.generation import preallocated_cache
+from posttrain.rollout.generation import fill_order, preallocated_cache
 from posttrain.models.compute import use_mixed_precision
 
 from architectures import KINDS, build
@@ -57,11 +57,17 @@ def test_fused_step_logits_equal_the_model_forward(kind, angles, kernel, dtype, 
     position = positions[:, -1:].repeat_interleave(g, 0) + 1
     tokens = torch.arange(len(mask)) + 3
     for t in range(steps):
-        if t == 3:  # drop rows 1 and 4, as decode does when they finish
+        if t == 3:  # drop rows 1 and 4 (Cache.batch_select_indices: the rest keep their order)
             keep = torch.tensor([0, 2, 3, 5])
             for cache in caches:
                 cache.batch_select_indices(keep)
             mask, position, tokens = mask[keep], position[keep], tokens[keep]
+        if t == 4:  # drop row 0 as decode does when it finishes: the last row takes its place
+            order, holes, movers = fill_order(torch.tensor([False, True, True, True]))
+            for cache in caches:
+                for layer in cache.layers:
+                    layer.move_rows(holes, movers, len(order))
+            mask, position, tokens = mask[order], position[order], tokens[order]
         mask = torch.cat([mask, torch.ones(len(mask), 1, dtype=mask.dtype)], 1)
         expected = model(input_ids=tokens[:, None], attention_mask=mask, position_ids=position, cache=caches[0],
                          use_cache=True).logits[:, -1]

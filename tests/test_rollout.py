@@ -17,7 +17,8 @@ import torch
 from transformers import GPT2Config, GPT2LMHeadModel, LlamaConfig, LlamaForCausalLM, MistralConfig, MistralForCausalLM
 from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
 
-from posttrain.rollout.generation import draw, next_tokens, sampling_distribution
+from posttrain.rollout import generation as generation_module
+from posttrain.rollout.generation import draw, fill_order, next_tokens, sampling_distribution
 from posttrain.models.logprobs import batched_logprobs
 from posttrain.rollout.completions import SamplingParams
 from posttrain.rollout.generators import FastGenerator, HFGenerator, make_generator
@@ -88,6 +89,16 @@ def test_dropping_finished_rows_changes_no_other_row():
         assert not torch.isin(full.completion_ids[row, : n - 1], torch.tensor(EOS)).any()
 
 
+def test_finished_rows_places_go_to_the_last_running_rows():
+    running = torch.tensor([True, False, True, False, True, True])
+    order, holes, movers = fill_order(running)
+    assert order.tolist() == [0, 4, 2, 5] and holes.tolist() == [1, 3] and movers.tolist() == [4, 5]
+    order, holes, movers = fill_order(torch.tensor([True, True, False, False]))  # only the tail finished: no copy
+    assert order.tolist() == [0, 1] and holes.numel() == movers.numel() == 0
+    order, holes, movers = fill_order(torch.tensor([False, True, True]))
+    assert order.tolist() == [2, 1] and holes.tolist() == [0] and movers.tolist() == [2]
+
+
 class Recording(torch.nn.Module):
     """The model, keeping each forward pass's last-position logits."""
 
@@ -105,22 +116,28 @@ class Recording(torch.nn.Module):
 
 
 @pytest.mark.parametrize("model_name", list(MODELS))
-def test_sampled_tokens_logprobs_equal_a_teacher_forced_forward(model_name):
-    """Step t's forward pass ran on the rows still unfinished at t (mask[:, t] == 1, in row order);
-    the prefill ran once per prompt. The log-prob of each sampled token under those logits must
-    equal the one a fresh forward pass over prompt + completion gives."""
+def test_sampled_tokens_logprobs_equal_a_teacher_forced_forward(model_name, monkeypatch):
+    """Step t's forward pass ran on the rows still unfinished at t (mask[:, t] == 1, in the order the
+    decode loop records: finished rows' places go to the last running rows); the prefill ran once per
+    prompt. The log-prob of each sampled token under those logits must equal the one a fresh forward
+    pass over prompt + completion gives."""
     model, g = MODELS[model_name](), 3
     recording = Recording(model).eval()  # generate restores the mode it found: keep dropout off
     _, fast = generators(recording)
+    step_rows = []
+    real_decode = generation_module.decode
+    monkeypatch.setattr(generation_module, "decode", lambda *a, **k: real_decode(*a, **{**k, "step_rows": step_rows}))
     torch.manual_seed(0)
     comp = fast.generate(prompts(), num_samples=g)
     n, t = comp.completion_ids.shape
     assert not comp.completion_ids.is_inference()  # decoded under inference_mode, handed out as a normal tensor
     assert comp.lengths.min() < t and not comp.truncated.all()  # rows were dropped along the way
     assert len(recording.logits) == t and recording.logits[0].shape[0] == len(prompts())
+    assert any(not torch.equal(rows, rows.sort().values) for rows in step_rows)  # the batch's order did change
     logprobs = torch.zeros(n, t)
     for step, logits in enumerate(recording.logits):
-        rows = torch.arange(n) if step == 0 else comp.mask[:, step].nonzero().squeeze(1)
+        rows = torch.arange(n) if step == 0 else step_rows[step - 1]
+        assert torch.equal(rows.sort().values, comp.mask[:, step].nonzero().squeeze(1))  # the unfinished rows
         logits = logits.repeat_interleave(g, 0) if step == 0 else logits
         assert len(logits) == len(rows)
         tokens = comp.completion_ids[rows, step]

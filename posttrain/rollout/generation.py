@@ -13,9 +13,12 @@ does around it. Where it departs from ``generate``:
    the whole cache at every step (``torch.cat``), and each copy is a fresh
    allocation.
 3. **Finished rows leave the batch.** A row that samples an EOS token is
-   dropped from the decode batch and the cache is compacted, so later steps
-   run on the unfinished rows only (``generate`` keeps decoding them and
-   throws the tokens away).
+   dropped from the decode batch, so later steps run on the unfinished rows
+   only (``generate`` keeps decoding them and throws the tokens away). The
+   last running rows move into the places the finished ones left
+   (:func:`fill_order`), so a step copies the cache of as many rows as
+   finished, not of every row that goes on; the batch's row order changes, and
+   ``rows`` keeps each one's output row.
 4. **Sampling on the last position's logits with a few tensor ops**
    (:func:`sampling_distribution`, :func:`draw`): temperature, then top-k,
    then top-p (nucleus), then one uniform number per row through the inverse
@@ -149,6 +152,13 @@ class PreallocatedLayer(DynamicLayer):
         self._set_length(start + new)
         return self.keys, self.values
 
+    def move_rows(self, destinations: Tensor, sources: Tensor, active: int) -> None:
+        """Copy rows ``sources`` into rows ``destinations`` (disjoint), then keep the first ``active`` rows."""
+        self.active = active
+        self.key_buffer[destinations, :, : self.length] = self.key_buffer[sources, :, : self.length]
+        self.value_buffer[destinations, :, : self.length] = self.value_buffer[sources, :, : self.length]
+        self._set_length(self.length)
+
     def batch_select_indices(self, indices: Tensor) -> None:
         """Keep rows ``indices`` (in that order), moved to the front of the buffers."""
         self.active = len(indices)
@@ -160,6 +170,23 @@ class PreallocatedLayer(DynamicLayer):
         self.length = length
         self.keys = self.key_buffer[: self.active, :, :length]
         self.values = self.value_buffer[: self.active, :, :length]
+
+
+def fill_order(running_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+    """How the batch closes up when the rows where ``running_N`` is False leave it: the ``M`` running rows
+    stay, the ones at or past ``M`` moving into the first ``M`` places the finished rows left.
+
+    running_N: [N] bool.
+    Returns ``order_M`` (the batch's new row ``i`` is the old row ``order_M[i]``), ``holes_K`` (the places
+    below ``M`` that finished rows leave) and ``movers_K`` (the running rows at or past ``M`` that fill them,
+    in order). For ``[T, F, T, F, T, T]``: M = 4, holes [1, 3], movers [4, 5], order [0, 4, 2, 5].
+    """
+    m = int(running_N.sum())
+    holes_K = (~running_N[:m]).nonzero().squeeze(1)
+    movers_K = running_N[m:].nonzero().squeeze(1) + m
+    order_M = torch.arange(m, device=running_N.device)
+    order_M[holes_K] = movers_K
+    return order_M, holes_K, movers_K
 
 
 def unsupported_reason(config) -> str | None:
@@ -232,11 +259,12 @@ def decode(
             break
         if interrupted is not None and interrupted():
             break
-        if not running.all():  # drop finished rows from the batch and the cache
-            keep = running.nonzero().squeeze(1)
-            rows, token_n, position_N1 = rows[keep], token_n[keep], position_N1[keep]
-            attention_NS[: len(keep)] = attention_NS[keep]
-            cache.batch_select_indices(keep)
+        if not running.all():  # finished rows leave the batch and the cache; the last rows take their places
+            order, holes, movers = fill_order(running)
+            rows, token_n, position_N1 = rows[order], token_n[order], position_N1[order]
+            attention_NS[holes] = attention_NS[movers]
+            for layer in cache.layers:
+                layer.move_rows(holes, movers, len(order))
         n = len(rows)
         attention_NS[:n, width + t] = 1
         if step_rows is not None:
