@@ -106,6 +106,10 @@ def main() -> None:
     parser.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "no"))
     args = parser.parse_args()
 
+    from posttrain.parallel.allocator import keep_freed_memory
+
+    keep_freed_memory()  # the heap setting every posttrain train runs with
+
     import dataclasses
 
     from posttrain.config import Config

@@ -36,6 +36,10 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="profile one step instead of timing")
     args = parser.parse_args()
 
+    from posttrain.parallel.allocator import keep_freed_memory
+
+    keep_freed_memory()  # the heap setting every posttrain train runs with
+
     from posttrain.training.online import train_step
 
     b = run.BENCHES["grpo-smollm2-recipe"]

@@ -347,6 +347,7 @@ def replay_session(b: Bench, data: Path, total: int, **overrides: Any) -> Any:
     import torch
 
     from posttrain.config import Config
+    from posttrain.data.prompts import PromptSampler
     from posttrain.rollout.completions import Completions, completion_mask
     from posttrain.training.session import OnlineSession
 
@@ -355,12 +356,9 @@ def replay_session(b: Bench, data: Path, total: int, **overrides: Any) -> Any:
     s.encoded_prompts = [torch.tensor(ids) for ids in prompts]
     eos = torch.tensor(s.eos_ids)
 
-    class InOrder:
-        position = 0
-
-        def next(self, count: int) -> list[int]:
-            self.position += count
-            return list(range(self.position - count, self.position))
+    class InOrder(PromptSampler):  # the session's sampler with the replay's order: every prompt once, in turn
+        def _order(self) -> list[int]:
+            return list(range(self.num_rows))
 
     class Replay:
         def generate(self, prompt_ids, *, num_samples, greedy=False, rows=None):
@@ -371,7 +369,7 @@ def replay_session(b: Bench, data: Path, total: int, **overrides: Any) -> Any:
             mask, truncated = completion_mask(tokens, eos)
             return Completions(tokens.masked_fill(mask == 0, s.pad_id), mask, truncated)
 
-    s.sampler, s.generator = InOrder(), Replay()
+    s.sampler, s.generator = InOrder(len(prompts), SEED), Replay()
     return s
 
 
