@@ -9,7 +9,8 @@ profile: where a step's time goes.
 The replay and the session are ``benchmarks/run.py``'s ``grpo-smollm2-recipe`` (the same prompts and
 completions, sampled once and cached); this runs one warm-up step, then ``--steps`` timed ones, in this
 process, and prints each step's time, its tokens and the rate of its products (LoRA's: 4 FLOPs a frozen weight a
-token) to set against a matmul's (``benchmarks/decode_floor.py`` prints the machine's). ``--set FIELD=VALUE``
+token) against a 1024^3 matmul's rate measured in the same process after the warm-up: the step's time over
+what its products would take at that rate is its distance from the matmul floor. ``--set FIELD=VALUE``
 overrides a config field (a YAML value; quote strings that YAML reads otherwise: ``'mixed_precision="no"'``). For comparisons that matter use
 ``run.py``, which runs each system in a fresh process, several times.
 """
@@ -17,16 +18,30 @@ overrides a config field (a YAML value; quote strings that YAML reads otherwise:
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 import tempfile
 import time
 from pathlib import Path
 
+import torch
 import yaml
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run  # noqa: E402  # benchmarks/run.py: the replay and the recipe's settings
+
+
+def matmul_rate(dtype: torch.dtype, repeats: int = 3) -> float:
+    """FLOP/s of a 1024^3 matmul in ``dtype``, the best of ``repeats`` runs of ten: the floor's rate."""
+    x, y = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+    best = float("inf")
+    for _ in range(repeats):
+        start = time.perf_counter()
+        for _ in range(10):
+            x @ y
+        best = min(best, time.perf_counter() - start)
+    return 10 * 2 * 1024**3 / best
 
 
 def main() -> None:
@@ -56,6 +71,9 @@ def main() -> None:
                 train_step(s)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             return
+        rate = matmul_rate(torch.bfloat16 if s.config.mixed_precision == "bf16" else torch.float32)
+        print(f"matmul 1024^3 in this process: {rate / 1e9:.0f} GFLOP/s; load average {os.getloadavg()[0]:.1f}",
+              flush=True)
         layers = sum(p.numel() for n, p in s.policy.named_parameters() if ".layers." in n and "lora_" not in n)
         head = s.policy.get_output_embeddings().weight.numel()
         for _ in range(min(args.steps, total - 1)):
@@ -71,8 +89,8 @@ def main() -> None:
             flops = 4 * layers * (prompt_tokens + completion_tokens) + 4 * head * completion_tokens
             print(f"step {s.step}: {seconds:.2f} s ({metrics['time/training']:.2f} s training); "
                   f"{prompt_tokens} prompt + {completion_tokens} completion tokens; "
-                  f"{flops / 1e12:.2f} TFLOP of products, {flops / metrics['time/training'] / 1e9:.0f} GFLOP/s",
-                  flush=True)
+                  f"{flops / 1e12:.2f} TFLOP of products, {flops / metrics['time/training'] / 1e9:.0f} GFLOP/s: "
+                  f"{metrics['time/training'] * rate / flops:.2f}x the matmul floor", flush=True)
 
 
 if __name__ == "__main__":
