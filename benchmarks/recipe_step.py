@@ -55,6 +55,7 @@ def main() -> None:
 
     keep_freed_memory()  # the heap setting every posttrain train runs with
 
+    from posttrain.models.compute import autocast_dtype
     from posttrain.training.online import train_step
 
     b = run.BENCHES["grpo-smollm2-recipe"]
@@ -71,7 +72,7 @@ def main() -> None:
                 train_step(s)
             print(prof.key_averages().table(sort_by="self_cpu_time_total", row_limit=30))
             return
-        rate = matmul_rate(torch.bfloat16 if s.config.mixed_precision == "bf16" else torch.float32)
+        rate = matmul_rate(autocast_dtype(s.policy) or torch.float32)  # the layers' products' dtype
         print(f"matmul 1024^3 in this process: {rate / 1e9:.0f} GFLOP/s; load average {os.getloadavg()[0]:.1f}",
               flush=True)
         layers = sum(p.numel() for n, p in s.policy.named_parameters() if ".layers." in n and "lora_" not in n)
