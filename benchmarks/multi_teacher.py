@@ -71,6 +71,7 @@ def train(path: Path, *flags: str) -> None:
 def evaluate(model: Path | str, data: Path, out: Path) -> dict[str, float]:
     """``{family: held-out greedy accuracy}`` (``all`` too), cached in ``out``."""
     if not out.exists():
+        out.parent.mkdir(parents=True, exist_ok=True)
         result = {}
         for part in ("all", *FAMILIES):
             file = out.with_name(f"{out.stem}_{part}.json")
