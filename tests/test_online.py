@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from posttrain.algorithms.presets import ALGORITHMS, OnlineAlgorithm
-from posttrain.config import Config
+from posttrain.config import Config, ConfigError
 from posttrain.models.modeling import collate, forward
 from posttrain.models.packing import has_packed_attention
 from posttrain.training import online
@@ -150,6 +150,24 @@ def test_group_length_penalty_enters_the_reward_of_any_preset():
     penalty = torch.where(correct, lam, lam.clamp(max=0.0))  # min(0, lambda) for a wrong answer
     assert torch.allclose(g.rewards, g.terms["accuracy"].view(-1, 4) + 0.5 * penalty, atol=1e-6)
     assert metrics["reward/group_length_penalty"] == pytest.approx(penalty.mean().item(), abs=1e-6)
+
+
+def test_group_length_penalty_waits_its_warm_up_steps():
+    # Kimi k1.5's warm-up: after=2 trains steps 1 and 2 on the task's reward alone, then adds the penalty.
+    config = Config.from_flat(dict(algorithm="grpo", model="tiny-addition", task="addition", prompts_per_step=8,
+                                   group_size=4, max_steps=3, eval_size=0, progress=False, report_to="none",
+                                   group_length_penalty=1.0, group_length_penalty_after=2))
+    s = OnlineSession.create(config)
+    shaped = []
+    for _ in range(3):
+        metrics = train_step(s)
+        s.step += 1
+        g = s.last_groups
+        shaped.append(not torch.equal(g.rewards.view(-1), g.terms["accuracy"].view(-1)))
+        assert ("reward/group_length_penalty" in metrics) == shaped[-1]
+    assert shaped == [False, False, True]
+    with pytest.raises(ConfigError, match="group_length_penalty_after: got -1; use a number of steps >= 0"):
+        Config.from_flat(dict(group_length_penalty=1.0, group_length_penalty_after=-1))
 
 
 def test_group_length_penalty_needs_a_task_that_checks_answers(tiny_model_dir, reward_file, tmp_path):

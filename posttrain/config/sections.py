@@ -234,6 +234,11 @@ class DataConfig:
         "Weight of Kimi k1.5's length penalty (arXiv:2501.12599, sec. 2.3.3; F.group_length_penalty) added to "
         "the reward: within a prompt's group, 0.5 - (length - shortest) / (longest - shortest) for a correct "
         "completion, at most 0 for a wrong one. Online presets on a task that checks answers. Default: off.")
+    group_length_penalty_after: int = _help(
+        "Steps trained without the length penalty before it applies (Kimi k1.5's warm-up: standard policy "
+        "optimization first, then the constant penalty). Without it a model that is right on few samples learns "
+        "to stop early: in a group with no right answer the penalty alone ranks the completions, the shortest "
+        "first. Default: 0.", 0)
     reward_timeout: float = _help(
         "Seconds per reward-function call; > 0 runs each call in a forked worker killed at the limit.", 0.0,
     )
@@ -302,6 +307,8 @@ class DataConfig:
         require(self.long_prompts in ("error", "drop"), "long_prompts", f"got {self.long_prompts!r}; use error or drop")
         require(self.group_length_penalty is None or self.group_length_penalty > 0, "group_length_penalty",
                 f"got {self.group_length_penalty}; use a weight > 0 (Kimi k1.5 adds it with weight 1), or none")
+        require(self.group_length_penalty_after >= 0, "group_length_penalty_after",
+                f"got {self.group_length_penalty_after}; use a number of steps >= 0")
         low, high = self.difficulty_filter_low, self.difficulty_filter_high
         require(low is None or 0 <= low < 1, "difficulty_filter_low",
                 f"got {low}; use a pass rate in [0, 1) (0 skips prompts never solved), or none")

@@ -102,7 +102,8 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
             completions.lengths, max_tokens=budget, buffer=max(1, round(alg.overlong_buffer_ratio * budget))
         )
     length_penalty = None
-    if s.config.data.group_length_penalty is not None:  # Kimi k1.5 sec. 2.3.3 (validate: correct is known)
+    d = s.config.data
+    if d.group_length_penalty is not None and s.step >= d.group_length_penalty_after:  # Kimi k1.5 sec. 2.3.3
         length_penalty = F.group_length_penalty(completions.lengths.view(-1, g), correct.view(-1, g)).view(-1)
         rewards = rewards + s.config.data.group_length_penalty * length_penalty
     if correct is not None:  # every process records every process's pass rates: one sampler state
