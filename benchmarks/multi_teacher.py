@@ -1,6 +1,6 @@
 """Multi-teacher on-policy distillation on an arithmetic mixture: a teacher per family against one teacher for all.
 
-    python benchmarks/multi_teacher.py --output runs/multi-teacher [--seeds 0,1,2]
+    python benchmarks/multi_teacher.py --output runs/multi-teacher [--seeds 0,1,2] [--baseline-seeds 0]
     python benchmarks/multi_teacher.py --output runs/multi-teacher --report-only
 
 The mixture is the built-in addition task's problems in two families: ``short`` (both operands at most two
@@ -14,7 +14,7 @@ a finished run, one with ``final_model/``, is not run again):
 3. **Student**: ``tiny-addition-base`` after 240 SFT steps, the on-policy distillation student of the results.
 4. **Distillation** from the student at the default budget, per seed, on the whole mixture:
    ``multi_teacher_distill`` with each family's teacher (``--teachers short=... --teachers long=...``), and
-   ``on_policy_distill`` from each teacher alone.
+   ``on_policy_distill`` from each teacher alone (at ``--baseline-seeds``, by default the same seeds).
 5. **Evaluation**: every model's held-out greedy accuracy on each family (``posttrain eval``).
 
 The report is one table: each model's accuracy on the short and the long held-out problems and on all of them
@@ -89,7 +89,7 @@ def accuracy_of(result: dict) -> float:
     return float(scores["accuracy"])
 
 
-def run_all(output: Path, seeds: list[int]) -> None:
+def run_all(output: Path, seeds: list[int], baseline_seeds: list[int]) -> None:
     data = output / "data"
     write_data(data)
     teachers = {part: output / f"teacher_{part}" for part in FAMILIES}
@@ -105,22 +105,22 @@ def run_all(output: Path, seeds: list[int]) -> None:
     for seed in seeds:
         train(output / "multi_teacher_distill" / f"seed{seed}", "--algorithm", "multi_teacher_distill", *mixture,
               "--seed", str(seed), *[f"--teachers={part}={teachers[part] / 'final_model'}" for part in FAMILIES])
-        for part in FAMILIES:
+        for part in FAMILIES if seed in baseline_seeds else ():
             train(output / f"on_policy_distill_{part}" / f"seed{seed}", "--algorithm", "on_policy_distill",
                   *mixture, "--seed", str(seed), "--teacher", str(teachers[part] / "final_model"))
 
 
 def report(output: Path) -> str:
     data = output / "data"
-    models = {"start (`tiny-addition`)": "tiny-addition"}
-    models |= {f"teacher, GRPO on the {part} problems alone": output / f"teacher_{part}" / "final_model"
-               for part in FAMILIES}
-    models["student (`tiny-addition-base` + 240 SFT steps)"] = output / "student" / "final_model"
+    models = {"start (`tiny-addition`)": ("start", "tiny-addition")}
+    for part in FAMILIES:
+        models[f"teacher, GRPO on the {part} problems alone"] = (f"teacher_{part}",
+                                                                 output / f"teacher_{part}" / "final_model")
+    models["student (`tiny-addition-base` + 240 SFT steps)"] = ("student", output / "student" / "final_model")
     lines = [f"CPU: {cpu_name()}", "", "| model | seeds | short problems | long problems | all (mean; per seed) |",
              "|---|---|---|---|---|"]
-    for name, model in models.items():
+    for name, (tag, model) in models.items():
         if model == "tiny-addition" or Path(model).exists():
-            tag = name.split(" ")[0] + ("" if model == "tiny-addition" else "_" + Path(model).parent.name)
             acc = evaluate(model, data, output / "eval" / f"{tag}.json")
             lines.append(f"| {name} | | {acc['short']:.3f} | {acc['long']:.3f} | {acc['all']:.3f} |")
     for preset in ("multi_teacher_distill", *(f"on_policy_distill_{part}" for part in FAMILIES)):
@@ -141,10 +141,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--output", type=Path, required=True)
     parser.add_argument("--seeds", default="0,1,2", help="comma-separated distillation seeds [default: 0,1,2]")
+    parser.add_argument("--baseline-seeds", help="comma-separated seeds of the one-teacher runs [default: --seeds]")
     parser.add_argument("--report-only", action="store_true", help="report the finished runs, run nothing")
     args = parser.parse_args()
     if not args.report_only:
-        run_all(args.output, [int(s) for s in args.seeds.split(",")])
+        seeds = [int(s) for s in args.seeds.split(",")]
+        run_all(args.output, seeds, [int(s) for s in args.baseline_seeds.split(",")] if args.baseline_seeds else seeds)
     print(report(args.output))
 
 
