@@ -236,9 +236,9 @@ class DataConfig:
         "completion, at most 0 for a wrong one. Online presets on a task that checks answers. Default: off.")
     group_length_penalty_after: int = _help(
         "Steps trained without the length penalty before it applies (Kimi k1.5's warm-up: standard policy "
-        "optimization first, then the constant penalty). Without it a model that is right on few samples learns "
-        "to stop early: in a group with no right answer the penalty alone ranks the completions, the shortest "
-        "first. Default: 0.", 0)
+        "optimization first, then the constant penalty). A model right on few of its samples learns to stop "
+        "early under the penalty (in a group with no right answer it alone ranks the completions, the shortest "
+        "first): warm up until most groups hold a right answer. Default: 0.", 0)
     reward_timeout: float = _help(
         "Seconds per reward-function call; > 0 runs each call in a forked worker killed at the limit.", 0.0,
     )

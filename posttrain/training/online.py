@@ -105,7 +105,7 @@ def rollout(s: OnlineSession, first: bool) -> tuple[Groups, dict[str, float], di
     d = s.config.data
     if d.group_length_penalty is not None and s.step >= d.group_length_penalty_after:  # Kimi k1.5 sec. 2.3.3
         length_penalty = F.group_length_penalty(completions.lengths.view(-1, g), correct.view(-1, g)).view(-1)
-        rewards = rewards + s.config.data.group_length_penalty * length_penalty
+        rewards = rewards + d.group_length_penalty * length_penalty
     if correct is not None:  # every process records every process's pass rates: one sampler state
         rates = correct.view(-1, g).float().mean(-1).tolist()
         s.sampler.record_pass_rates(dict(distributed.concat(list(zip(indices, rates)))))
