@@ -85,7 +85,7 @@ def evaluate(model: Path | str, data: Path, out: Path) -> dict[str, float]:
 
 def accuracy_of(result: dict) -> float:
     """The held-out accuracy in ``posttrain eval --output``'s JSON (one dataset)."""
-    (scores,) = result["tasks"].values() if "tasks" in result else (result,)
+    (scores,) = result["tasks"].values()
     return float(scores["accuracy"])
 
 
@@ -97,9 +97,8 @@ def run_all(output: Path, seeds: list[int], baseline_seeds: list[int]) -> None:
         train(path, "--algorithm", "grpo", "--model", "tiny-addition", "--dataset", str(data / f"train_{part}.jsonl"),
               "--eval-dataset", str(data / f"test_{part}.jsonl"), "--reward", REWARD, "--eval-every", "50")
     student = output / "student"
-    if not (student / "final_model").exists():  # a built-in task run: its own budget and reward
-        train(student, "--algorithm", "sft", "--model", "tiny-addition-base", "--task", "addition",
-              "--learning-rate", "1e-3", "--lr-schedule", "linear", "--max-steps", "240")
+    train(student, "--algorithm", "sft", "--model", "tiny-addition-base", "--task", "addition",
+          "--learning-rate", "1e-3", "--lr-schedule", "linear", "--max-steps", "240")
     mixture = ["--model", str(student / "final_model"), "--dataset", str(data / "train_all.jsonl"),
                "--eval-dataset", str(data / "test_all.jsonl"), "--reward", REWARD, "--eval-every", "50"]
     for seed in seeds:
