@@ -14,6 +14,10 @@ of trained tokens at each age (the distribution). ``--figure`` draws held-out ac
 against training time. A request is interrupted only when it is still being sampled as the next weights
 arrive: in the default run the sampler is faster than the trainer, so the ``-fp16`` settings make it slower
 (a float16 sampling copy) to compare partial rollouts where sampling is the bottleneck.
+
+The ``server-`` settings sample on a ``posttrain serve`` process (vLLM's CPU build, ``make vllm``) that the
+script starts for each run, with the run's seed, in float32, and stops after it: the server and the trainer get
+one torch thread each. With partial rollouts the server's requests are aborted when newer weights wait.
 """
 
 from __future__ import annotations
@@ -24,7 +28,12 @@ import os
 import subprocess
 import sys
 import time
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
+
+SERVER = "{server}"
+"""In a setting's flags: the URL of the rollout server the script starts for the run."""
+ONE_THREAD = {"OMP_NUM_THREADS": "1"}
 
 SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
     "sync": ([], {}),
@@ -51,7 +60,50 @@ SETTINGS: dict[str, tuple[list[str], dict[str, str]]] = {
                              "float16", "--correction", "token-truncate"], {"OMP_NUM_THREADS": "1"}),
     "k2-partial-fp16-tis": (["--async-rollout", "--max-staleness", "2", "--partial-rollouts", "--sampler-dtype",
                              "float16", "--correction", "token-truncate"], {"OMP_NUM_THREADS": "1"}),
+    # a rollout server (vLLM) on a core of its own, the trainer on the other
+    "server-sync": (["--rollout-server", SERVER], ONE_THREAD),
+    "server-k1-tis": (["--rollout-server", SERVER, "--async-rollout", "--max-staleness", "1", "--correction",
+                       "token-truncate"], ONE_THREAD),
+    "server-k1-partial-tis": (["--rollout-server", SERVER, "--async-rollout", "--max-staleness", "1",
+                               "--partial-rollouts", "--correction", "token-truncate"], ONE_THREAD),
 }
+
+
+@contextmanager
+def rollout_server(seed: int, log: Path):
+    """A ``posttrain serve`` process of the default model on a free port, one thread, until the block ends."""
+    import signal
+    import socket
+    import urllib.request
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    process = subprocess.Popen([sys.executable, "-m", "posttrain", "serve", "--model", "tiny-addition", "--port",
+                                str(port), "--dtype", "float32", "--seed", str(seed)],
+                               env={**os.environ, **ONE_THREAD}, stdout=open(log, "w"), stderr=subprocess.STDOUT,
+                               start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 600
+        while True:
+            try:
+                urllib.request.urlopen(url + "/health", timeout=5)
+                break
+            except OSError:
+                if process.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"the rollout server did not start; its log: {log}") from None
+                time.sleep(1)
+        yield url
+    finally:
+        try:
+            os.killpg(process.pid, signal.SIGTERM)
+            process.wait(timeout=60)
+        except ProcessLookupError:
+            pass
+        except subprocess.TimeoutExpired:  # vLLM's engine and worker are the group's too
+            os.killpg(process.pid, signal.SIGKILL)
+            process.wait()
 
 
 def run_name(name: str, seed: int) -> str:
@@ -69,9 +121,11 @@ def run(output: Path, name: str, seed: int, max_steps: int | None, extra: list[s
     if max_steps:
         command += ["--max-steps", str(max_steps)]
     output.mkdir(parents=True, exist_ok=True)
-    start = time.perf_counter()
-    with open(output / f"{run_dir.name}.log", "w") as log:
-        subprocess.run(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, check=True)
+    with (rollout_server(seed, output / f"{run_dir.name}.server.log") if SERVER in flags else nullcontext()) as url:
+        command = [url if flag == SERVER else flag for flag in command]
+        start = time.perf_counter()
+        with open(output / f"{run_dir.name}.log", "w") as log:
+            subprocess.run(command, env={**os.environ, **env}, stdout=log, stderr=subprocess.STDOUT, check=True)
     (run_dir / "wall_seconds").write_text(f"{time.perf_counter() - start:.1f}\n")
     print(f"{run_dir.name}: {time.perf_counter() - start:.0f} s", file=sys.stderr)
 
@@ -132,7 +186,7 @@ def report(output: Path, names: list[str], figure: Path | None) -> None:
         import matplotlib.pyplot as plt
 
         fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
-        colours = {"sync": "black", "k1": "tab:blue", "k2": "tab:green", "k8": "tab:red"}
+        colours = {"sync": "black", "k1": "tab:blue", "k2": "tab:green", "k8": "tab:red", "server": "tab:purple"}
         for name, s in found.items():
             steps, seconds, accuracy = zip(*s["curve"])
             base = name.split("-")[0]  # a setting's correction: the same colour, dashed

@@ -11,11 +11,12 @@ answers their request after the one in flight with the probe of those weights, a
 from __future__ import annotations
 
 import queue
+import time
 
 import pytest
 import torch
 from test_online import make_config
-from test_rollout import BUDGET, PAD, generators, prompts, tiny_llama
+from test_rollout import BUDGET, EOS, PAD, generators, prompts, tiny_llama
 
 from posttrain.config import Config, ConfigError
 from posttrain.models.logprobs import batched_logprobs, probe_logprobs
@@ -130,6 +131,24 @@ def test_stitching_appends_each_continued_rows_tokens_after_its_own():
     assert partial.unfinished_rows(out, budget=6).tolist() == []  # every row ended
 
 
+def test_a_budget_per_prompt_cuts_each_row_at_its_own():
+    """The decode loop given one budget per prompt runs to the longest and cuts each row at its own: each row is
+    what that prompt alone, with its budget, gives (truncated where no EOS came within it)."""
+    _, fast = generators(tiny_llama())
+    budgets = [2, BUDGET, 5, 1, 9, 3]
+    got = fast.generate(prompts(), num_samples=2, greedy=True, max_new_tokens=budgets)
+    for i, (prompt, budget) in enumerate(zip(prompts(), budgets)):
+        alone = fast.generate([prompt], num_samples=2, greedy=True, max_new_tokens=budget)
+        for j in range(2):
+            n = int(alone.lengths[j])
+            assert int(got.lengths[2 * i + j]) == n and bool(got.truncated[2 * i + j]) == bool(alone.truncated[j])
+            assert torch.equal(got.completion_ids[2 * i + j, :n], alone.completion_ids[j, :n])
+            assert (got.completion_ids[2 * i + j, n:] == PAD).all()
+    assert got.truncated.any() and not got.truncated.all()
+    with pytest.raises(ValueError, match="max_new_tokens: 2 budgets for 6 prompts"):
+        fast.generate(prompts(), num_samples=1, max_new_tokens=[1, 2])
+
+
 class Arriving:
     """A request queue on which ``messages`` arrive together at the ``after``-th look without waiting."""
 
@@ -216,10 +235,8 @@ def test_partial_rollouts_are_refused_where_they_cannot_work():
         return factory.problems(config, episodes=episodes, on_gpu=False, agent=agent, installed=False)
 
     assert problems() == []
-    assert any(p.startswith("partial_rollouts: a request is interrupted between the decode steps of posttrain's "
-                            "own sampler, which the rollout servers are not; partial rollouts need it for now")
-               for p in problems(rollout_server=["http://127.0.0.1:9"]))
-    assert any(p.startswith("partial_rollouts: a request is interrupted") and "the vllm backend is not" in p
+    assert problems(rollout_server=["http://127.0.0.1:9"]) == []  # servers abort their requests
+    assert any(p.startswith("partial_rollouts: a request is interrupted") and "the vllm backend cannot be" in p
                for p in problems(backend="vllm"))
     assert problems(episodes=True) == ["partial_rollouts: multi-turn episodes (tools, environments) are not "
                                        "continued under newer weights; drop --partial-rollouts or the tools and "
@@ -269,3 +286,167 @@ def test_token_staleness_counts_by_hand():
     mask = torch.tensor([[1.0, 1, 1, 0], [1, 1, 0, 0]])
     assert token_staleness_counts(age, mask, bound=2) == {"tokens": 5.0, "age_sum": 4.0, "resumed_rows": 1.0,
                                                           "0": 1.0, "1": 4.0, "2": 0.0}
+
+
+# -- on rollout servers: requests aborted when newer weights wait, their rows continued under them ------------
+
+
+def greedy_tokens(model: torch.nn.Module, ids: list[int], budget: int, stop: list[int],
+                  aborted=lambda: False) -> tuple[list[int], list[float], str]:
+    """Greedy tokens after ``ids`` by whole forwards (no cache), with their log-probs and finish reason: what
+    the stand-in server answers, and the tests' reference."""
+    tokens, logprobs = [], []
+    for _ in range(budget):
+        if aborted():
+            return tokens, logprobs, "abort"
+        with torch.no_grad():
+            logits = model(torch.tensor([ids + tokens])).logits[0, -1].float()
+        token = int(logits.argmax())
+        tokens.append(token)
+        logprobs.append(float(torch.log_softmax(logits, -1)[token]))
+        if token in stop:
+            return tokens, logprobs, "stop"
+    return tokens, logprobs, "length"
+
+
+class DecodingStandIn:
+    """A server that decodes greedily with the weights it loaded, token by token, its requests one sample after
+    another, and aborts the requests in flight at ``/abort_requests`` (each answering with the tokens it had,
+    ``finish_reason`` "abort"), as a vLLM server does. ``hold_after``: after that many tokens, its first
+    request waits for an abort, so the abort lands at a known token."""
+
+    def __init__(self, model: torch.nn.Module, hold_after: int):
+        import json
+        import threading
+        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+        from test_remote_generator import StandInWorker
+
+        self.model, self.worker, self.hold_after = model, StandInWorker(model), hold_after
+        self.decoded, self.epoch, self.calls = 0, 0, []
+        self.abort_seen, self.lock = threading.Event(), threading.Lock()
+        stand_in = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def reply(self, body):
+                data = json.dumps(body).encode()
+                self.send_response(200)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                self.wfile.write(data)
+
+            def do_GET(self):
+                self.reply({})
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers.get("Content-Length") or 0)) or b"{}")
+                path = self.path.split("?")[0]
+                stand_in.calls.append(path)
+                if path == "/abort_requests":
+                    stand_in.epoch += 1
+                    stand_in.abort_seen.set()
+                    self.reply({"status": "aborted"})
+                elif path == "/collective_rpc":
+                    self.reply({"results": [getattr(stand_in.worker, body["method"])(*body["args"])]})
+                elif path == "/v1/completions":
+                    self.reply({"choices": stand_in.complete(body)})
+                else:
+                    self.reply({})
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def complete(self, body: dict) -> list[dict]:
+        epoch, choices = self.epoch, []
+
+        def aborted() -> bool:
+            if self.decoded == self.hold_after:  # the first request waits here for the abort
+                self.abort_seen.wait(timeout=10)
+            self.decoded += 1
+            return self.epoch != epoch
+
+        for i, prompt in enumerate(body["prompt"]):
+            for j in range(body["n"]):
+                with self.lock:
+                    tokens, logprobs, finish = greedy_tokens(self.model, prompt, body["max_tokens"],
+                                                             body["stop_token_ids"], aborted)
+                choices.append({"index": i * body["n"] + j, "token_ids": tokens, "finish_reason": finish,
+                                "logprobs": {"token_logprobs": logprobs}})
+        return choices
+
+    def stop(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def remote(model: torch.nn.Module, server: DecodingStandIn, weights, pad_id: int = PAD):
+    from types import SimpleNamespace
+
+    from posttrain.rollout.completions import SamplingParams
+    from posttrain.rollout.remote import FilesystemWeights, RemoteGenerator
+
+    return RemoteGenerator(model, SimpleNamespace(pad_token_id=pad_id), SamplingParams(BUDGET), EOS, [server.url],
+                           FilesystemWeights(weights), timeout_s=30)
+
+
+def assert_continued_under_new_weights(completions, old, new, rows_prompts, old_tokens: list[int]):
+    """Row r: its first ``old_tokens[r]`` tokens are the old model's greedy ones (version 0), the rest the new
+    model's greedy continuation of prompt + those tokens (version 1), each row within the budget."""
+    for r, (prompt, n) in enumerate(zip(rows_prompts, old_tokens)):
+        length = int(completions.lengths[r])
+        got = completions.completion_ids[r, :length].tolist()
+        prefix, _, _ = greedy_tokens(old, prompt.tolist(), n, EOS)
+        rest, _, finish = greedy_tokens(new, prompt.tolist() + prefix, BUDGET - n, EOS)
+        assert got == prefix + rest, r
+        assert completions.token_versions[r, :length].tolist() == [0] * n + [1] * len(rest), r
+        assert bool(completions.truncated[r]) == (finish == "length"), r
+
+
+@pytest.mark.parametrize("pad_id", [PAD, EOS[0]])  # the second: an aborted row's padding is not its EOS
+def test_a_server_request_aborted_mid_row_continues_each_row_from_its_own_tokens(tmp_path, pad_id):
+    """Six prompts x 2 samples in one request; the server is aborted after 3 tokens of its first row, so that
+    row holds 3 tokens and the other eleven none: continued together under the new weights, with two budgets."""
+    old, new = tiny_llama(0), tiny_llama(1)
+    server_model, trainer_model = tiny_llama(0), tiny_llama(0)
+    server = DecodingStandIn(server_model, hold_after=3)
+    loaded = [False]
+    try:
+        generator = remote(trainer_model, server, tmp_path / "weights", pad_id)
+        got = partial.generate(generator, prompts(), num_samples=2, greedy=True, version=0,
+                               interrupted=lambda: server.decoded >= 3 and not loaded[0],
+                               load_newer=lambda: (loaded.__setitem__(0, True), swapping_to(trainer_model, new)())[1])
+    finally:
+        server.stop()
+    assert server.calls.count("/abort_requests") >= 1
+    assert_continued_under_new_weights(got, old, new, [p for p in prompts() for _ in range(2)], [3] + [0] * 11)
+    assert got.sampling_logprobs is not None and (got.sampling_logprobs[got.mask > 0] < 0).all()
+
+
+def test_the_thread_worker_aborts_its_servers_request_when_newer_weights_are_sent(tmp_path):
+    """Asynchronous rollouts on servers with ``partial``: request A is in flight (held after 3 tokens) when B
+    brings version 1's weights; the worker aborts A, publishes B's weights, continues A's rows under them, then
+    samples B with them."""
+    from posttrain.rollout.worker import ThreadRolloutWorker
+
+    old, new = tiny_llama(0), tiny_llama(1)
+    server = DecodingStandIn(tiny_llama(0), hold_after=3)
+    copy = tiny_llama(0)
+    worker = ThreadRolloutWorker(remote(copy, server, tmp_path / "weights"), copy, rng_state=torch.get_rng_state(),
+                                 partial=True)
+    try:
+        worker.submit(Request(0, 0, prompts()[:3], num_samples=1, greedy=True))
+        deadline = time.monotonic() + 10
+        while server.decoded < 3 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        worker.submit(Request(1, 1, prompts()[3:], num_samples=1, greedy=True, weights=weights_of(new)))
+        a, b = worker.receive(), worker.receive()
+    finally:
+        worker.close()
+        server.stop()
+    assert_continued_under_new_weights(a.completions, old, new, prompts()[:3], [3, 0, 0])
+    assert_continued_under_new_weights(b.completions, old, new, prompts()[3:], [0, 0, 0])

@@ -107,6 +107,13 @@ def version_of(url: str) -> int:
     return int(json.loads(urllib.request.urlopen(request, timeout=30).read())["results"][0])
 
 
+def generated_tokens(url: str) -> float:
+    """The tokens the server has generated since it started (vLLM's ``/metrics``)."""
+    text = urllib.request.urlopen(url + "/metrics", timeout=30).read().decode()
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:generation_tokens_total"))
+
+
 def test_servers_sample_what_the_policy_would_and_follow_each_sync(model_dir, servers, tmp_path):
     policy, tokenizer, generator = make_generator(model_dir, servers, tmp_path / "weights")
     ids = prompts(tokenizer)
@@ -222,3 +229,62 @@ def test_train_with_asynchronous_rollouts_on_servers(model_dir, servers, tmp_pat
     steps = [row for row in read_metrics(tmp_path / "run") if "staleness/max" in row]
     assert [row["staleness/max"] for row in steps] == [0, 1, 1]
     assert all(row["mismatch/kl_k3"] < 1e-6 and row["sync/logprob_gap"] < 1e-4 for row in steps)
+
+
+def test_partial_rollouts_abort_a_servers_request_and_continue_its_rows_under_the_newer_weights(
+        model_dir, servers, tmp_path):
+    """Asynchronous rollouts with ``partial``: request A is sampling on a server when B brings newer weights; the
+    server aborts A, loads them, and A's rows go on from their own tokens. Greedy, so each row is the old
+    policy's tokens up to its switch and the new policy's continuation of them after it, token for token.
+    Where the abort lands depends on the machine's speed: up to three tries, each checked, until one catches
+    a row mid-way."""
+    import copy
+    import time
+
+    from posttrain.rollout.completions import SamplingParams
+    from posttrain.rollout.generators import make_generator as local
+    from posttrain.rollout.worker import Request, ThreadRolloutWorker
+
+    budget = 100
+    policy, tokenizer, generator = make_generator(model_dir, servers[:1], tmp_path / "weights", num_new=budget)
+    new = copy.deepcopy(policy)
+    with torch.no_grad():
+        for p in new.parameters():
+            p.add_(torch.randn_like(p) * 0.05)
+    ids, eos = prompts(tokenizer), [tokenizer.eos_token_id]
+
+    def continuation(model, prompt, prefix, n):
+        out = local("hf", model, tokenizer, SamplingParams(n, 1.0, 1.0, 0), eos).generate(
+            [torch.cat([prompt, torch.tensor(prefix, dtype=torch.long)])], num_samples=1, greedy=True)
+        return out.completion_ids[0, out.mask[0].bool()].tolist()
+
+    for _ in range(3):
+        worker_copy = copy.deepcopy(policy)
+        worker = ThreadRolloutWorker(generator.for_model(worker_copy), worker_copy, rng_state=torch.get_rng_state(),
+                                     partial=True)
+        try:
+            start = generated_tokens(servers[0])
+            worker.submit(Request(0, 0, ids, num_samples=1, greedy=True))
+            deadline = time.monotonic() + 120
+            while generated_tokens(servers[0]) <= start and time.monotonic() < deadline:
+                time.sleep(0.005)  # until A's first tokens are out
+            worker.submit(Request(1, 1, ids[:2], num_samples=1, greedy=True,
+                                  weights={name: p.detach().clone() for name, p in new.named_parameters()}))
+            a, b = worker.receive(), worker.receive()
+        finally:
+            worker.close()
+        switched = False
+        for r, prompt in enumerate(ids):
+            length = int(a.completions.lengths[r])
+            versions = a.completions.token_versions[r, :length].tolist()
+            n_old = versions.count(0)
+            assert versions == [0] * n_old + [1] * (length - n_old)
+            tokens = a.completions.completion_ids[r, :length].tolist()
+            assert tokens[:n_old] == continuation(policy, prompt, [], budget)[:n_old]
+            if n_old < length:
+                assert tokens[n_old:] == continuation(new, prompt, tokens[:n_old], budget - n_old)
+            switched |= 0 < n_old < length
+        assert (b.completions.token_versions[b.completions.mask > 0] == 1).all()
+        if switched:
+            break
+    assert switched, "no row was caught mid-way in three tries"

@@ -543,11 +543,11 @@ class OffPolicyConfig:
         "rollout process has as many as the trainer.")
     partial_rollouts: bool = _help(
         "With async_rollout and max_staleness >= 1: a request still being sampled when newer weights reach the "
-        "rollout process is interrupted between two decode steps, and its unfinished rows continue under the new "
-        "weights (their keys and values recomputed by them, as AReaL does); every token records the policy "
-        "version that sampled it (the staleness/token_ metrics), and its sampler log-prob is that version's, so "
-        "the correction applies per token. Needs posttrain's own sampler (backend hf, no rollout servers) and "
-        "single-turn rollouts.", False)
+        "rollout process is interrupted (between two decode steps; rollout servers abort it), and its unfinished "
+        "rows continue from their own tokens under the new weights (their keys and values recomputed by them, as "
+        "AReaL does); every token records the policy version that sampled it (the staleness/token_ metrics), and "
+        "its sampler log-prob is that version's, so the correction applies per token. Needs posttrain's own "
+        "sampler or rollout servers (backend hf) and single-turn rollouts.", False)
 
     @property
     def sampling_copy(self) -> bool:

@@ -7,6 +7,7 @@ on which one sampled.
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -151,9 +152,9 @@ class Capabilities:
     pauses: bool = False
     """It can pause requests in flight and resume them (servers)."""
     resumes: bool = False
-    """Its ``generate`` takes ``interrupted`` (asked once per decode step; True stops there, returning every row's
-    tokens so far) and ``max_new_tokens`` (a smaller budget, to continue a row from its prompt plus its tokens):
-    what partial rollouts need (:mod:`posttrain.rollout.partial`)."""
+    """Its ``generate`` takes ``interrupted`` (asked while it samples; True stops it, returning every row's tokens
+    so far) and ``max_new_tokens`` (a smaller budget, one or one per prompt, to continue a row from its prompt
+    plus its tokens): what partial rollouts need (:mod:`posttrain.rollout.partial`)."""
 
 
 POLICY_SAMPLER = Capabilities()
@@ -179,6 +180,27 @@ def completion_mask(tokens: Tensor, eos_ids: Tensor) -> tuple[Tensor, Tensor]:
     positions = torch.arange(tokens.shape[1]).unsqueeze(0)
     mask = (positions <= first_eos.unsqueeze(1)).float()
     return mask, ~is_eos.any(-1)
+
+
+def per_prompt_budgets(max_new_tokens: int | list[int] | None, default: int, prompts: int) -> list[int]:
+    """Each prompt's budget from a generator's ``max_new_tokens``: one for all (None: ``default``), or one each."""
+    if max_new_tokens is None or isinstance(max_new_tokens, int):
+        return [default if max_new_tokens is None else max_new_tokens] * prompts
+    if len(max_new_tokens) != prompts:
+        raise ValueError(f"max_new_tokens: {len(max_new_tokens)} budgets for {prompts} prompts")
+    return list(max_new_tokens)
+
+
+def within_budgets(completions: Completions, budgets: Tensor, pad_id: int) -> Completions:
+    """[N, T] completions cut at each row's budget [N]: what a row sampled past it becomes padding, and a row
+    without an EOS within it is truncated. For a sampler that runs every row to the longest budget."""
+    keep = torch.arange(completions.completion_ids.shape[1]).unsqueeze(0) < budgets.unsqueeze(1)
+    mask = completions.mask * keep
+    cut_off = (completions.mask * ~keep).sum(1) > 0  # the row had tokens past its budget
+    return dataclasses.replace(
+        completions, completion_ids=completions.completion_ids.masked_fill(mask == 0, pad_id), mask=mask,
+        truncated=completions.truncated | cut_off,
+        sampling_logprobs=None if completions.sampling_logprobs is None else completions.sampling_logprobs * mask)
 
 
 def to_completions(tokens: Tensor, eos_ids: Tensor, pad_id: int) -> Completions:

@@ -58,8 +58,7 @@ class Backend:
     records_routing: bool = False
     """It records a mixture of experts' routing (``routing_replay``)."""
     partial: bool = False
-    """Its rollout process can interrupt a request between decode steps and continue it under newer weights
-    (``partial_rollouts``)."""
+    """Its rollouts can be interrupted in flight and continued under newer weights (``partial_rollouts``)."""
     check: Callable[[Config], list[str]] = lambda config: []
     """Problems of its own with a config (its package missing, settings it needs)."""
 
@@ -131,9 +130,9 @@ def problems(config: Config, *, episodes: bool, on_gpu: bool, agent: bool = Fals
         found.append(f"async_rollout: the rollout process samples with posttrain's decode loop; {where} cannot run "
                      "there (set backend hf; vLLM runs its own engine beside the trainer, synchronously)")
     if o.partial_rollouts and not backend.partial:
-        found.append(f"partial_rollouts: a request is interrupted between the decode steps of posttrain's own "
-                     f"sampler, which {where} {'are' if name == 'servers' else 'is'} not; partial rollouts need "
-                     "it for now (backend hf without rollout servers), or drop --partial-rollouts")
+        found.append(f"partial_rollouts: a request is interrupted in posttrain's own sampler or on rollout servers, "
+                     f"and {where} cannot be; use backend hf (with or without rollout servers), or drop "
+                     "--partial-rollouts")
     elif o.partial_rollouts and episodes:
         found.append("partial_rollouts: multi-turn episodes (tools, environments) are not continued under newer "
                      "weights; drop --partial-rollouts or the tools and environment")
@@ -279,7 +278,7 @@ def _collective(backend: str) -> Callable[[Config], Any]:
 register_backend("hf", Backend(_hf, multi_turn=True, sampling_copy=True, asynchronous=True, records_routing=True,
                                partial=True))
 register_backend("vllm", Backend(_vllm, check=_vllm_problems))
-register_backend("servers", Backend(_servers, sampling_copy=True, asynchronous=True))
+register_backend("servers", Backend(_servers, sampling_copy=True, asynchronous=True, partial=True))
 register_transport("filesystem", _filesystem)
 register_transport("gloo", _collective("gloo"))
 register_transport("nccl", _collective("nccl"))

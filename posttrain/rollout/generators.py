@@ -31,7 +31,9 @@ from posttrain.rollout.completions import (
     Completions,
     Generator,
     SamplingParams,
+    per_prompt_budgets,
     to_completions,
+    within_budgets,
 )
 
 logger = logging.getLogger(__name__)
@@ -203,9 +205,11 @@ class FastGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False, rows: Any = None,
-                 interrupted: Callable[[], bool] | None = None, max_new_tokens: int | None = None) -> Completions:
+                 interrupted: Callable[[], bool] | None = None,
+                 max_new_tokens: int | list[int] | None = None) -> Completions:
         """``interrupted``: see :func:`posttrain.rollout.generation.decode`; ``max_new_tokens``: this call's budget
-        (default: the sampling parameters')."""
+        (default: the sampling parameters'), or one per prompt (the rows run to the longest and are cut at
+        their own)."""
         from posttrain.rollout.generation import (
             decode,
             preallocated_cache,
@@ -219,7 +223,12 @@ class FastGenerator:
                                type(self.model).__name__, self.fallback_reason,
                                " (generations are not interrupted: partial rollouts sample each request whole, "
                                "with the weights it started with)" if interrupted is not None else "")
-        budget = self.params.max_new_tokens if max_new_tokens is None else max_new_tokens
+        budgets = per_prompt_budgets(max_new_tokens, self.params.max_new_tokens, len(prompt_ids))
+        if len(set(budgets)) > 1:
+            whole = self.generate(prompt_ids, num_samples=num_samples, greedy=greedy, rows=rows,
+                                  interrupted=interrupted, max_new_tokens=max(budgets))
+            return within_budgets(whole, torch.tensor(budgets).repeat_interleave(num_samples), self.pad_id)
+        budget = budgets[0]
         if self.fallback_reason:
             return self.fallback.generate(prompt_ids, num_samples=num_samples, greedy=greedy, max_new_tokens=budget)
         ids, attention = left_pad(prompt_ids, self.pad_id)

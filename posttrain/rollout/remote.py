@@ -17,6 +17,13 @@ of the run with a warning naming it, and its shard goes to the next live server,
 one server is alive; with none, the error names every server and what each did. A trainer that restarts
 (``--resume``) publishes its weights before its first sample, since every call publishes.
 
+Partial rollouts (``partial_rollouts``, :mod:`posttrain.rollout.partial`): while a call's requests are in flight,
+``interrupted()`` is asked every :data:`POLL_SECONDS`; once it says newer weights wait, every live server is
+asked to abort its requests (``/abort_requests``), each of which answers with the tokens it had sampled
+(``finish_reason`` "abort"). The rows that had not ended are then continued, by a later call, from their prompt
+and their tokens, under the newer weights. A request that reaches a server after the abort runs under the old
+weights until the next one (asked again while requests are in flight), so its tokens keep the old version.
+
 Asynchronous rollouts (``async_rollout``) sample from the servers on a thread of the trainer
 (:class:`posttrain.rollout.worker.ThreadRolloutWorker`) with a copy of the policy taken when each request
 was made; :meth:`RemoteGenerator.for_model` gives that copy a generator that shares the servers, the
@@ -55,9 +62,12 @@ from torch import Tensor
 
 from posttrain.models.logprobs import probe_logprobs
 from posttrain.parallel.distributed import say
-from posttrain.rollout.completions import Capabilities, Completions, SamplingParams
+from posttrain.rollout.completions import Capabilities, Completions, SamplingParams, per_prompt_budgets
 from posttrain.rollout.vllm import completions_from_samples, ending_in_eos, merged_weights
 from posttrain.rollout.vllm_worker import WEIGHTS_FILE
+
+POLL_SECONDS = 0.05
+"""How often a call with ``interrupted`` asks it while its requests are in flight (partial rollouts)."""
 
 
 class RolloutServerError(RuntimeError):
@@ -231,7 +241,8 @@ class RemoteGenerator:
     servers: Servers = field(default_factory=Servers)
     sync_seconds: float = 0.0  # the last publish and load, for the step's timing
     sync_check: Any = None  # guards.SyncCheck, set by the session: each server's load is checked with it
-    capabilities = Capabilities(own_weights=True, syncs_weights=True, samples_elsewhere=True, pauses=True)
+    capabilities = Capabilities(own_weights=True, syncs_weights=True, samples_elsewhere=True, pauses=True,
+                                resumes=True)
 
     def __post_init__(self) -> None:
         self.eos_ids = torch.tensor(self.eos_token_ids, dtype=torch.long)
@@ -295,9 +306,9 @@ class RemoteGenerator:
         entries = _request(url, "/v1/completions", body, self.timeout_s)["choices"][0]["prompt_logprobs"]
         return torch.tensor([entry[str(token)]["logprob"] for entry, token in zip(entries[1:], ids[1:])])
 
-    def _complete(self, url: str, shard: list[Tensor], num_samples: int, greedy: bool) -> list[dict]:
+    def _complete(self, url: str, shard: list[Tensor], num_samples: int, greedy: bool, budget: int) -> list[dict]:
         p = self.params
-        body = {"prompt": [ids.tolist() for ids in shard], "n": num_samples, "max_tokens": p.max_new_tokens,
+        body = {"prompt": [ids.tolist() for ids in shard], "n": num_samples, "max_tokens": budget,
                 "temperature": 0.0 if greedy else p.temperature, "top_p": 1.0 if greedy else p.top_p,
                 "top_k": -1 if greedy or not p.top_k else p.top_k, "logprobs": 0, "return_token_ids": True,
                 "stop_token_ids": self.eos_token_ids, "skip_special_tokens": False}
@@ -317,37 +328,73 @@ class RemoteGenerator:
         return sorted(choices, key=lambda choice: choice["index"])
 
     @torch.no_grad()
-    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
-                 rows: Any = None) -> Completions:
+    def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False, rows: Any = None,
+                 interrupted: Any = None, max_new_tokens: int | list[int] | None = None) -> Completions:
+        """``interrupted``: asked while the requests are in flight; True aborts them (partial rollouts, module
+        docstring). ``max_new_tokens``: this call's budget, or one per prompt (default: the sampling
+        parameters')."""
+        budgets = per_prompt_budgets(max_new_tokens, self.params.max_new_tokens, len(prompt_ids))
         with self.servers.lock:  # another generator on these servers (module docstring) waits its turn
             self.sync_weights()
-            return self._sample(prompt_ids, num_samples, greedy)
+            return self._sample(prompt_ids, num_samples, greedy, budgets, interrupted)
 
-    def _sample(self, prompt_ids: list[Tensor], num_samples: int, greedy: bool) -> Completions:
-        shards: list[list[Tensor]] = []
+    def _sample(self, prompt_ids: list[Tensor], num_samples: int, greedy: bool, budgets: list[int],
+                interrupted: Any = None) -> Completions:
+        # the prompts in contiguous shards, one per live server; a shard's prompts of one budget are one request
+        jobs: list[list[int]] = []
         per = -(-len(prompt_ids) // max(len(self.live), 1))
         for start in range(0, len(prompt_ids), per):
-            shards.append(prompt_ids[start:start + per])
-        results: list[list[dict] | None] = [None] * len(shards)
-        pending = list(range(len(shards)))
-        while pending:
-            servers = self.live
-            with ThreadPoolExecutor(len(pending)) as pool:
-                futures = {k: pool.submit(self._complete, servers[i % len(servers)], shards[k], num_samples, greedy)
-                           for i, k in enumerate(pending)}
-            failed = []
-            for i, (k, future) in enumerate(futures.items()):
-                try:
-                    results[k] = future.result()
-                except (OSError, ValueError, KeyError, RolloutServerError) as error:
-                    url = servers[i % len(servers)]
-                    if url not in self.dead:
-                        self._drop(url, error)  # raises when none is left
-                    failed.append(k)
-            pending = failed
-        choices = [choice for shard in results for choice in shard or []]
-        token_ids = [list(choice["token_ids"]) for choice in choices]
-        logprobs = [[float(lp) for lp in choice["logprobs"]["token_logprobs"]] for choice in choices]
-        rows = [ending_in_eos(ids, lps, choice.get("finish_reason") == "stop", self.eos_ids)
-                for choice, ids, lps in zip(choices, token_ids, logprobs)]
-        return completions_from_samples([r[0] for r in rows], [r[1] for r in rows], self.eos_ids, self.pad_id)
+            shard = range(start, min(start + per, len(prompt_ids)))
+            for budget in dict.fromkeys(budgets[i] for i in shard):
+                jobs.append([i for i in shard if budgets[i] == budget])
+        results: list[list[dict] | None] = [None] * len(jobs)
+        pending = list(range(len(jobs)))
+        in_flight = threading.Event()
+        watcher = None
+        if interrupted is not None:
+            in_flight.set()
+            watcher = threading.Thread(target=self._abort_when, args=(interrupted, in_flight), daemon=True)
+            watcher.start()
+        try:
+            while pending:
+                servers = self.live
+                with ThreadPoolExecutor(len(pending)) as pool:
+                    futures = {k: pool.submit(self._complete, servers[i % len(servers)],
+                                              [prompt_ids[j] for j in jobs[k]], num_samples, greedy,
+                                              budgets[jobs[k][0]])
+                               for i, k in enumerate(pending)}
+                failed = []
+                for i, (k, future) in enumerate(futures.items()):
+                    try:
+                        results[k] = future.result()
+                    except (OSError, ValueError, KeyError, RolloutServerError) as error:
+                        url = servers[i % len(servers)]
+                        if url not in self.dead:
+                            self._drop(url, error)  # raises when none is left
+                        failed.append(k)
+                pending = failed
+        finally:
+            in_flight.clear()
+            if watcher is not None:
+                watcher.join()
+        by_row: list[dict | None] = [None] * (len(prompt_ids) * num_samples)
+        for job, choices in zip(jobs, results):
+            for k, choice in enumerate(choices or []):  # sample j of the job's prompt i is choice i * n + j
+                by_row[job[k // num_samples] * num_samples + k % num_samples] = choice
+        token_ids = [list(choice["token_ids"]) for choice in by_row]
+        logprobs = [[float(lp) for lp in choice["logprobs"]["token_logprobs"]] for choice in by_row]
+        samples = [ending_in_eos(ids, lps, choice.get("finish_reason") == "stop", self.eos_ids)
+                   for choice, ids, lps in zip(by_row, token_ids, logprobs)]
+        return completions_from_samples([r[0] for r in samples], [r[1] for r in samples], self.eos_ids, self.pad_id)
+
+    def _abort_when(self, interrupted: Any, in_flight: threading.Event) -> None:
+        """While requests are in flight, ask ``interrupted()``; once True, abort every live server's requests
+        (again at each poll, for a request that reached its server after the last abort)."""
+        while in_flight.is_set():
+            if interrupted():
+                for url in self.live:
+                    try:
+                        _request(url, "/abort_requests", {}, self.timeout_s)
+                    except (OSError, ValueError) as error:  # the request's own call will find it dead, or not
+                        say(f"warning: rollout server {url} did not abort its requests: {_reason(error)}")
+            time.sleep(POLL_SECONDS)

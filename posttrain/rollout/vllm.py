@@ -226,13 +226,17 @@ def ending_in_eos(ids: list[int], logprobs: list[float], stopped: bool, eos_ids:
 
 def completions_from_samples(token_ids: list[list[int]], logprobs: list[list[float]], eos_ids: Tensor,
                              pad_id: int) -> Completions:
-    """Right-pad per-sample token lists into :class:`Completions` (mask through the first EOS)."""
+    """Right-pad per-sample token lists into :class:`Completions` (mask through the first EOS). A sample without an
+    EOS is truncated however short it is (an aborted request's), its padding never read as an EOS."""
     width = max(1, max(len(t) for t in token_ids))
     tokens = torch.full((len(token_ids), width), pad_id, dtype=torch.long)
     sampled = torch.zeros((len(token_ids), width))
     for row, (ids, lps) in enumerate(zip(token_ids, logprobs)):
         tokens[row, :len(ids)] = torch.tensor(ids, dtype=torch.long)
         sampled[row, :len(lps)] = torch.tensor(lps)
-    mask, truncated = completion_mask(tokens, eos_ids)
+    own = torch.arange(width).unsqueeze(0) < torch.tensor([len(ids) for ids in token_ids]).unsqueeze(1)
+    mask, _ = completion_mask(tokens, eos_ids)
+    mask = mask * own
+    truncated = ~(torch.isin(tokens, eos_ids) & own).any(-1)
     tokens = tokens.masked_fill(mask == 0, pad_id)
     return Completions(tokens, mask, truncated, sampling_logprobs=sampled * mask)

@@ -21,7 +21,8 @@ its own: :class:`ThreadRolloutWorker` answers the same requests, in order, on a 
 
 Partial rollouts (``partial=True``; :mod:`posttrain.rollout.partial`): while the worker samples a request, it
 reads the requests that arrive meanwhile without waiting and sets them aside, in order, to answer after it. When
-one carries weights, the request being sampled stops between two decode steps, those weights are loaded (and
+one carries weights, the request being sampled stops (between two decode steps; rollout servers abort it, for
+the thread worker), those weights are loaded (and
 that request's probe log-probs computed with them, for its answer), and its unfinished rows continue under them.
 The worker always samples with the newest weights it has received: a request whose turn comes after newer
 weights were loaded is sampled by them, and its tokens say so (``Completions.token_versions``).
@@ -166,10 +167,11 @@ class ThreadRolloutWorker:
 
     Its copy of the model receives each request's weights as the process worker's does; the generator
     publishes them to the servers. Its random generator is the trainer's state, kept unchanged: the
-    servers draw the samples with theirs."""
+    servers draw the samples with theirs. ``partial``: as the process worker's (the generator aborts its
+    servers' requests when newer weights arrive)."""
 
-    def __init__(self, generator: Any, model: torch.nn.Module, *, rng_state: Tensor):
-        self.sampler, self._rng_state = Sampler(generator, model), rng_state
+    def __init__(self, generator: Any, model: torch.nn.Module, *, rng_state: Tensor, partial: bool = False):
+        self.sampler, self._rng_state, self.partial = Sampler(generator, model), rng_state, partial
         self.requests: queue.Queue[Request | None] = queue.Queue()
         self.results: queue.Queue[tuple[str, Any]] = queue.Queue()
         self.outstanding = 0
@@ -197,9 +199,16 @@ class ThreadRolloutWorker:
         self.thread.join()
 
     def _serve(self) -> None:
-        while (request := self.requests.get()) is not None:
+        inbox = Inbox(self.requests)
+        while True:
             try:
-                self.results.put(("result", _generate(self.sampler, request)))
+                request = inbox.next()
+            except queue.Empty:
+                continue
+            if request is None:
+                return
+            try:
+                self.results.put(("result", _generate(self.sampler, request, inbox if self.partial else None)))
             except BaseException as error:  # noqa: BLE001  # the trainer raises it at its receive
                 self.results.put(("error", error))
 

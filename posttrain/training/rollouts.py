@@ -160,19 +160,19 @@ class AsyncRollouts:
         model = s.sampling_copy if s.sampling_copy is not None else s.policy
         rng = self.rng_state if self.rng_state is not None else torch.get_rng_state()
         self.sent_version = s.step  # the copy is the current policy's
+        partial = self.partial and s.generator.capabilities.resumes
+        if self.partial and not partial:
+            logger.warning("partial_rollouts: %s cannot be interrupted; each request is sampled whole, with the "
+                           "weights it started with", type(s.generator).__name__)
         if s.generator.capabilities.samples_elsewhere:  # rollout servers: a thread waits on them
             model = copy.deepcopy(model)
-            self.worker = ThreadRolloutWorker(s.generator.for_model(model), model, rng_state=rng)
+            self.worker = ThreadRolloutWorker(s.generator.for_model(model), model, rng_state=rng, partial=partial)
             return
         total = torch.get_num_threads()
         threads = self.threads or (max(1, total // 2) if self.max_staleness else total)
         if self.max_staleness:
             self.trainer_threads = total  # given back at close
             torch.set_num_threads(max(1, total - threads))
-        partial = self.partial and s.generator.capabilities.resumes
-        if self.partial and not partial:
-            logger.warning("partial_rollouts: %s cannot be interrupted; each request is sampled whole, with the "
-                           "weights it started with", type(s.generator).__name__)
         generator, model = copy.deepcopy((s.generator, model))  # one copy: the generator holds the model
         self.worker = RolloutWorker(generator, model, threads=threads, rng_state=rng, partial=partial)
 
