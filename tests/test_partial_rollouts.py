@@ -318,27 +318,16 @@ class DecodingStandIn:
     def __init__(self, model: torch.nn.Module, hold_after: int):
         import json
         import threading
-        from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+        from http.server import ThreadingHTTPServer
 
-        from test_remote_generator import StandInWorker
+        from test_remote_generator import JsonHandler, StandInWorker
 
         self.model, self.worker, self.hold_after = model, StandInWorker(model), hold_after
         self.decoded, self.epoch, self.calls = 0, 0, []
         self.abort_seen, self.lock = threading.Event(), threading.Lock()
         stand_in = self
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 self.reply({})
 

@@ -35,6 +35,21 @@ class StandInWorker(WeightSync):
         self.model_runner = Runner()
 
 
+class JsonHandler(BaseHTTPRequestHandler):
+    """A stand-in server's handler: it answers JSON and logs nothing."""
+
+    def log_message(self, *args):
+        pass
+
+    def reply(self, body):
+        data = json.dumps(body).encode()
+        self.send_response(200)
+        self.send_header("Content-Type", "application/json")
+        self.send_header("Content-Length", str(len(data)))
+        self.end_headers()
+        self.wfile.write(data)
+
+
 class StandIn:
     """A server that answers each prompt's sample ``j`` with the tokens ``[first prompt token, j, EOS]``, and
     records what it was asked; ``loads`` the version it reports (``wrong_version``: one off).
@@ -54,18 +69,7 @@ class StandIn:
             with torch.no_grad():
                 return probe_logprobs(stand_in.model, torch.tensor(ids)).tolist()
 
-        class Handler(BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def reply(self, body):
-                data = json.dumps(body).encode()
-                self.send_response(200)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(data)))
-                self.end_headers()
-                self.wfile.write(data)
-
+        class Handler(JsonHandler):
             def do_GET(self):
                 stand_in.calls.append(self.path)
                 self.reply({})
