@@ -52,6 +52,7 @@ import threading
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -329,7 +330,8 @@ class RemoteGenerator:
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False, rows: Any = None,
-                 interrupted: Any = None, max_new_tokens: int | list[int] | None = None) -> Completions:
+                 interrupted: Callable[[], bool] | None = None,
+                 max_new_tokens: int | list[int] | None = None) -> Completions:
         """``interrupted``: asked while the requests are in flight; True aborts them (partial rollouts, module
         docstring). ``max_new_tokens``: this call's budget, or one per prompt (default: the sampling
         parameters')."""
@@ -339,7 +341,7 @@ class RemoteGenerator:
             return self._sample(prompt_ids, num_samples, greedy, budgets, interrupted)
 
     def _sample(self, prompt_ids: list[Tensor], num_samples: int, greedy: bool, budgets: list[int],
-                interrupted: Any = None) -> Completions:
+                interrupted: Callable[[], bool] | None = None) -> Completions:
         # the prompts in contiguous shards, one per live server; a shard's prompts of one budget are one request
         jobs: list[list[int]] = []
         per = -(-len(prompt_ids) // max(len(self.live), 1))
@@ -387,7 +389,7 @@ class RemoteGenerator:
                    for choice, ids, lps in zip(by_row, token_ids, logprobs)]
         return completions_from_samples([r[0] for r in samples], [r[1] for r in samples], self.eos_ids, self.pad_id)
 
-    def _abort_when(self, interrupted: Any, in_flight: threading.Event) -> None:
+    def _abort_when(self, interrupted: Callable[[], bool], in_flight: threading.Event) -> None:
         """While requests are in flight, ask ``interrupted()``; once True, abort every live server's requests
         (again at each poll, for a request that reached its server after the last abort)."""
         while in_flight.is_set():
