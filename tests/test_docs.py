@@ -144,13 +144,29 @@ def run(block: Block) -> tuple[dict, list[list[tuple[torch.Tensor, torch.Tensor,
     code = compile("\n" * block.line + block.code, str(ROOT / block.path), "exec")
     namespace = {"__name__": "__main__"}
     hook = register_optimizer_step_pre_hook(record)
+    path, modules = list(sys.path), set(sys.modules)
     try:
         with torch.random.fork_rng():  # a fixed seed for reproducible failures, without leaking it
             torch.manual_seed(0)
             exec(code, namespace)
     finally:
         hook.remove()
+        forget_imports_from(path, modules)
     return namespace, steps
+
+
+def forget_imports_from(path: list[str], modules: set[str]) -> None:
+    """Undo what a block put on ``sys.path`` and the modules it imported from there (an environment written to
+    a temporary folder, as the guides' ``my_sums``), and the verifiers tasksets loaded by name meanwhile: a later
+    test in this process that loads a module of the same name (the walkthrough's own ``my_sums``) gets its own."""
+    added = [folder for folder in sys.path if folder and folder not in path]
+    sys.path[:] = path
+    stale = [name for name in set(sys.modules) - modules
+             if any(str(getattr(sys.modules[name], "__file__", None) or "").startswith(folder) for folder in added)]
+    for name in stale:
+        del sys.modules[name]
+    if stale and "posttrain.data.tasks.verifiers" in sys.modules:
+        sys.modules["posttrain.data.tasks.verifiers"].load.cache_clear()
 
 
 @pytest.mark.parametrize("block", BLOCKS, ids=[block.id for block in BLOCKS])
