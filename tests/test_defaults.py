@@ -36,6 +36,13 @@ def test_the_estimate_by_hand():
     assert estimated_peak(whole, 8, checkpointing=False, reference=False) == 4000 + 12000 + 18432 + logits  # 8*2*960*1.2
     assert estimated_peak(adapters, 8, checkpointing=True, reference=True) == (
         8000 + 1200 + 8 * (2 * 10 * 4 + 12 * per_layer) + logits)
+    # past 2,048 tokens every scored token's logits, kept for the backward, outgrow the 1,024-token block and
+    # its gradient, until they pass the 1 GiB that is kept (then the head recomputes them: the block again)
+    assert estimated_peak(adapters, 4096, checkpointing=False, reference=False) == (
+        4000 + 1200 + int(4096 * 2 * 960 * 1.4) + 4096 * 50 * 4)
+    wide = ModelShape("m", parameters=1000, trainable=100, layers=2, hidden=10, intermediate=20, vocab=100_000)
+    assert estimated_peak(wide, 4096, checkpointing=False, reference=False) == (
+        4000 + 1200 + int(4096 * 2 * 960 * 1.4) + 2 * 1024 * 100_000 * 4)
 
 
 def test_a_tiny_model_keeps_the_configs_defaults():

@@ -37,6 +37,7 @@ from torch import nn
 from posttrain.algorithms.presets import PreferenceAlgorithm, SupervisedAlgorithm
 from posttrain.config import SECTIONS, Config, ConfigError
 from posttrain.data.tasks import TASKS, get_task
+from posttrain.functional._logprobs import KEEP_LOGITS_BYTES
 from posttrain.models.loading import bf16_supported, is_image_text, resolve_mixed_precision, resolve_model_path
 from posttrain.models.lora import default_target_modules, default_target_parameters
 from posttrain.models.modeling import resolve_device
@@ -118,7 +119,8 @@ def estimated_peak(shape: ModelShape, tokens: int, *, checkpointing: bool, refer
     activation), times what a run measured above that count (:data:`LORA_PASS_FACTOR`, :data:`FULL_PASS_FACTOR`);
     when checkpointed, ``d`` per token per layer (its input) plus :data:`CHECKPOINTED_LAYERS` layers' full set;
     the LM head's log-softmax runs a block of vocabulary at a time, about 1,024 tokens' logits and their
-    gradient. Calibrated on SmolLM2 with posttrain's allocator setting (benchmarks/step_memory.py re-measures)."""
+    gradient, or holds every scored token's logits for its backward where they fit in
+    :data:`~posttrain.functional._logprobs.KEEP_LOGITS_BYTES` (a pass's tokens counted as all scored). Calibrated on SmolLM2 with posttrain's allocator setting (benchmarks/step_memory.py re-measures)."""
     weights = shape.parameters * weight_bytes * (2 if reference else 1)
     optimizer = shape.trainable * 4 * 3
     per_layer = (16 * shape.hidden + 4 * shape.intermediate) * 4
@@ -127,7 +129,8 @@ def estimated_peak(shape: ModelShape, tokens: int, *, checkpointing: bool, refer
     else:
         factor = LORA_PASS_FACTOR if shape.trainable < shape.parameters else FULL_PASS_FACTOR
         activations = int(tokens * shape.layers * per_layer * factor)
-    logits = 2 * min(tokens, 1024) * shape.vocab * 4
+    kept = tokens * shape.vocab * 4
+    logits = max(2 * min(tokens, 1024) * shape.vocab * 4, kept if kept <= KEEP_LOGITS_BYTES else 0)
     return weights + optimizer + activations + logits
 
 
