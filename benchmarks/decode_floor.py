@@ -2,6 +2,7 @@
 
     .venv/bin/python benchmarks/decode_floor.py               # the recipe: 16 prompts x 4 samples, LoRA r16
     .venv/bin/python benchmarks/decode_floor.py --profile     # and where one decode step's time goes
+    .venv/bin/python benchmarks/decode_floor.py --rows 1 4 16  # and a decode step at these batch sizes too
 
 The layers compute in the recipe's precision, ``mixed_precision auto``: bfloat16 where the CPU has AVX512-BF16
 or AMX, float32 elsewhere (``--mixed-precision bf16`` or ``no`` forces one).
@@ -20,7 +21,13 @@ Prints, in one process:
   prepares, weights streamed as in a step): what the step would take with nothing but its products;
 - the step measured: ``(t(T) - t(1)) / (T - 1)`` with no EOS (every row runs the budget; the prefill
   cancels), at the recipe's 128 tokens (mean context prompt + 64);
-- the recipe's real generate call (EOS on): completion tokens per second.
+- with ``--rows``, the same step at fewer rows (a prompt's samples, the first prompts), as a generate call's
+  tail runs it once most rows have finished: its floor, its products alone and the step measured over 32
+  tokens;
+- the recipe's real generate call (EOS on): completion tokens per second, against the call's own floor: the
+  prefill's GEMM FLOPs (each distinct prompt once, the LM head at its last position) and, for every decode
+  step, the larger of its bytes and its FLOPs at the rows still running then (rows leave as they finish, so
+  the tail's steps read every weight for a few rows: bound by bytes where the full batch is bound by FLOPs).
 """
 
 from __future__ import annotations
@@ -75,6 +82,32 @@ def step_bytes(model, rows: int, context: float) -> dict[str, float]:
             "flops": 2 * rows * (layers + head)}
 
 
+def call_floor(model, prompt_lengths: list[int], group: int, lengths: list[int], bandwidth: float,
+               rate: float) -> tuple[float, float]:
+    """(prefill, decode) seconds a generate call cannot go below: ``prompt_lengths`` [P] tokens, ``group``
+    samples of each, whose completions came out ``lengths`` [P * group] tokens long (EOS included; row ``r``
+    samples prompt ``r // group``). The prefill runs each prompt once and computes the LM head at its last
+    position; decode step ``j`` (token ``j`` of a row, ``j >= 1``) runs the rows longer than ``j``, each
+    reading its own context's keys and values, at :func:`step_bytes`' weights."""
+    one = step_bytes(model, 1, 0.0)
+    weights, cache_per_token = one["layers"] + one["head"], step_bytes(model, 1, 1.0)["cache"]
+    head = unwrapped_head(model)
+    layer_params = (one["flops"] // 2) - head
+    prefill = (2 * layer_params * sum(prompt_lengths) + 2 * head * len(prompt_lengths)) / rate
+    decode = 0.0
+    for j in range(1, max(lengths)):
+        running = [r for r, n in enumerate(lengths) if n > j]
+        context = sum(prompt_lengths[r // group] + j for r in running)
+        decode += max((weights + cache_per_token * context) / bandwidth, one["flops"] * len(running) / rate)
+    return prefill, decode
+
+
+def unwrapped_head(model) -> int:
+    from posttrain.models.modeling import unwrapped
+
+    return unwrapped(model).lm_head.weight.numel()
+
+
 def step_products(model, rows: int, repeats: int) -> float:
     """Seconds one fused decode step spends in its matrix products alone: every layer's four (fused QKV, output,
     fused gate-up, down) and the LM head's, at ``rows`` rows, on the kernels
@@ -104,6 +137,7 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--profile", action="store_true", help="torch.profiler's table of 16 decode steps")
     parser.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "no"))
+    parser.add_argument("--rows", type=int, nargs="*", default=[], help="also measure a step at these batch sizes")
     args = parser.parse_args()
 
     from posttrain.parallel.allocator import keep_freed_memory
@@ -163,14 +197,30 @@ def main() -> None:
         print(f"measured: {1e3 * step:.1f} ms/step, {rows / step:.0f} tokens/s at {rows} rows: "
               f"{step / floor:.1f}x the floor, {step / products:.1f}x its own products (prefill and first token "
               f"{t_short:.2f} s)", flush=True)
+        for n in args.rows:  # the tail: n rows, the first prompts' samples, over 32 tokens
+            group = min(n, b.group)
+            few = prompts[: max(1, n // group)]
+            need_n = step_bytes(s.policy, n, mean_prompt + b.new_tokens / 2)
+            floor_n = max((need_n["layers"] + need_n["head"] + need_n["cache"]) / bandwidth, need_n["flops"] / rate)
+            long_n, short_n = fixed(32), fixed(1)
+            t_n = (best_of(lambda: long_n.generate(few, num_samples=group), args.repeats)
+                   - best_of(lambda: short_n.generate(few, num_samples=group), args.repeats)) / 31
+            products_n = step_products(s.policy, n, args.repeats)
+            print(f"{n} rows: floor {1e3 * floor_n:.1f} ms, its products {1e3 * products_n:.1f} ms, measured "
+                  f"{1e3 * t_n:.1f} ms/step ({t_n / floor_n:.1f}x the floor)", flush=True)
         calls = []
         for _ in range(args.repeats):
             start = time.perf_counter()
             out = s.generator.generate(prompts, num_samples=b.group)
-            calls.append((time.perf_counter() - start, int(out.mask.sum()), out.completion_ids.shape[1]))
-        wall, tokens, steps = (statistics.median(c[i] for c in calls) for i in range(3))
+            seconds = time.perf_counter() - start
+            prefill, decode = call_floor(s.policy, [len(p) for p in prompts], b.group, out.mask.sum(1).long().tolist(),
+                                         bandwidth, rate)
+            calls.append((seconds, int(out.mask.sum()), out.completion_ids.shape[1], prefill, decode))
+        wall, tokens, steps, prefill, decode = (statistics.median(c[i] for c in calls) for i in range(5))
         print(f"the recipe's generate (EOS on): {wall:.2f} s, {tokens:.0f} tokens in {steps:.0f} steps, "
-              f"{tokens / wall:.0f} tokens/s", flush=True)
+              f"{tokens / wall:.0f} tokens/s; its floor with rows leaving as they finish {prefill + decode:.2f} s "
+              f"(prefill {prefill:.2f}, decode steps {decode:.2f}): {wall / (prefill + decode):.1f}x; at the full "
+              f"batch's floor rate {tokens * floor / rows:.2f} s", flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 
