@@ -120,7 +120,8 @@ def estimated_peak(shape: ModelShape, tokens: int, *, checkpointing: bool, refer
     when checkpointed, ``d`` per token per layer (its input) plus :data:`CHECKPOINTED_LAYERS` layers' full set;
     the LM head's log-softmax runs a block of vocabulary at a time, about 1,024 tokens' logits and their
     gradient, or holds every scored token's logits for its backward where they fit in
-    :data:`~posttrain.functional._logprobs.KEEP_LOGITS_BYTES` (a pass's tokens counted as all scored). Calibrated on SmolLM2 with posttrain's allocator setting (benchmarks/step_memory.py re-measures)."""
+    :data:`~posttrain.functional._logprobs.KEEP_LOGITS_BYTES` (a pass's tokens counted as all scored).
+    Calibrated on SmolLM2 with posttrain's allocator setting (benchmarks/step_memory.py re-measures)."""
     weights = shape.parameters * weight_bytes * (2 if reference else 1)
     optimizer = shape.trainable * 4 * 3
     per_layer = (16 * shape.hidden + 4 * shape.intermediate) * 4
