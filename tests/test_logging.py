@@ -86,7 +86,15 @@ def _scalars(run_dir, tag):
     return [(event.step, event.value) for event in accumulator.Scalars(tag)]
 
 
-def test_tensorboard_gets_each_scalar_and_forgets_steps_after_the_resume_point(tmp_path):
+def test_tensorboard_gets_each_scalar_and_forgets_steps_after_the_resume_point(tmp_path, monkeypatch):
+    # TensorBoard reads a run's event files in name order, and a name is the second it was opened, then the
+    # host, the process and a count of the writers that process has opened: both files here open in the same
+    # second, so that count orders them, and an xdist worker that had opened 9 writers before named the resumed
+    # file ".10", which sorts before the first file's ".9" (the purge then never applied). A fresh count keeps
+    # the two in the order they were opened, as two processes' files are by their seconds.
+    from tensorboard.summary.writer import event_file_writer
+
+    monkeypatch.setattr(event_file_writer, "_global_uid", event_file_writer.AtomicCounter(0))
     with MetricsLogger.open(tmp_path) as logger:
         for step in (1, 2, 3):
             logger.log(step, {"reward/mean": step / 4})
