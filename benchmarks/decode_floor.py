@@ -132,6 +132,22 @@ def step_products(model, rows: int, repeats: int) -> float:
     return best_of(products, repeats)
 
 
+def tail_step(model, fixed, prompts: list, n: int, group: int, context: float, bandwidth: float, rate: float,
+              repeats: int) -> None:
+    """Print a decode step at ``n`` rows (the first prompts' samples, over 32 tokens), as a generate call's tail
+    runs it: its floor, its products alone and the step measured. ``fixed(tokens)``: a generator without EOS."""
+    samples = min(n, group)
+    few = prompts[: max(1, n // samples)]
+    need = step_bytes(model, n, context)
+    floor = max((need["layers"] + need["head"] + need["cache"]) / bandwidth, need["flops"] / rate)
+    long, short = fixed(32), fixed(1)
+    step = (best_of(lambda: long.generate(few, num_samples=samples), repeats)
+            - best_of(lambda: short.generate(few, num_samples=samples), repeats)) / 31
+    products = step_products(model, n, repeats)
+    print(f"{n} rows: floor {1e3 * floor:.1f} ms, its products {1e3 * products:.1f} ms, measured "
+          f"{1e3 * step:.1f} ms/step ({step / floor:.1f}x the floor)", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -197,17 +213,9 @@ def main() -> None:
         print(f"measured: {1e3 * step:.1f} ms/step, {rows / step:.0f} tokens/s at {rows} rows: "
               f"{step / floor:.1f}x the floor, {step / products:.1f}x its own products (prefill and first token "
               f"{t_short:.2f} s)", flush=True)
-        for n in args.rows:  # the tail: n rows, the first prompts' samples, over 32 tokens
-            group = min(n, b.group)
-            few = prompts[: max(1, n // group)]
-            need_n = step_bytes(s.policy, n, mean_prompt + b.new_tokens / 2)
-            floor_n = max((need_n["layers"] + need_n["head"] + need_n["cache"]) / bandwidth, need_n["flops"] / rate)
-            long_n, short_n = fixed(32), fixed(1)
-            t_n = (best_of(lambda: long_n.generate(few, num_samples=group), args.repeats)
-                   - best_of(lambda: short_n.generate(few, num_samples=group), args.repeats)) / 31
-            products_n = step_products(s.policy, n, args.repeats)
-            print(f"{n} rows: floor {1e3 * floor_n:.1f} ms, its products {1e3 * products_n:.1f} ms, measured "
-                  f"{1e3 * t_n:.1f} ms/step ({t_n / floor_n:.1f}x the floor)", flush=True)
+        for n in args.rows:
+            tail_step(s.policy, fixed, prompts, n, b.group, mean_prompt + b.new_tokens / 2, bandwidth, rate,
+                      args.repeats)
         calls = []
         for _ in range(args.repeats):
             start = time.perf_counter()
