@@ -79,7 +79,7 @@ def step_bytes(model, rows: int, context: float) -> dict[str, float]:
     cache = rows * c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * context * 4
     size = torch.tensor([], dtype=layer_dtype).element_size()
     return {"layers": layers * size, "head": head * base.lm_head.weight.element_size(), "cache": cache,
-            "flops": 2 * rows * (layers + head)}
+            "flops": 2 * rows * (layers + head), "layer_flops": 2 * rows * layers}
 
 
 def call_floor(model, prompt_lengths: list[int], group: int, lengths: list[int], bandwidth: float,
@@ -89,23 +89,16 @@ def call_floor(model, prompt_lengths: list[int], group: int, lengths: list[int],
     samples prompt ``r // group``). The prefill runs each prompt once and computes the LM head at its last
     position; decode step ``j`` (token ``j`` of a row, ``j >= 1``) runs the rows longer than ``j``, each
     reading its own context's keys and values, at :func:`step_bytes`' weights."""
-    one = step_bytes(model, 1, 0.0)
+    one = step_bytes(model, 1, 0.0)  # one row, one token: its bytes and FLOPs
     weights, cache_per_token = one["layers"] + one["head"], step_bytes(model, 1, 1.0)["cache"]
-    head = unwrapped_head(model)
-    layer_params = (one["flops"] // 2) - head
-    prefill = (2 * layer_params * sum(prompt_lengths) + 2 * head * len(prompt_lengths)) / rate
+    head_flops = one["flops"] - one["layer_flops"]
+    prefill = (one["layer_flops"] * sum(prompt_lengths) + head_flops * len(prompt_lengths)) / rate
     decode = 0.0
     for j in range(1, max(lengths)):
         running = [r for r, n in enumerate(lengths) if n > j]
         context = sum(prompt_lengths[r // group] + j for r in running)
         decode += max((weights + cache_per_token * context) / bandwidth, one["flops"] * len(running) / rate)
     return prefill, decode
-
-
-def unwrapped_head(model) -> int:
-    from posttrain.models.modeling import unwrapped
-
-    return unwrapped(model).lm_head.weight.numel()
 
 
 def step_products(model, rows: int, repeats: int) -> float:
