@@ -3,6 +3,7 @@
     .venv/bin/python benchmarks/decode_floor.py               # the recipe: 16 prompts x 4 samples, LoRA r16
     .venv/bin/python benchmarks/decode_floor.py --profile     # and where one decode step's time goes
     .venv/bin/python benchmarks/decode_floor.py --rows 1 4 16  # and a decode step at these batch sizes too
+    .venv/bin/python benchmarks/decode_floor.py --compile      # and the step through torch.compile
 
 The layers compute in the recipe's precision, ``mixed_precision auto``: bfloat16 where the CPU has AVX512-BF16
 or AMX, float32 elsewhere (``--mixed-precision bf16`` or ``no`` forces one).
@@ -24,6 +25,9 @@ Prints, in one process:
 - with ``--rows``, the same step at fewer rows (a prompt's samples, the first prompts), as a generate call's
   tail runs it once most rows have finished: its floor, its products alone and the step measured over 32
   tokens;
+- with ``--compile``, the same step with :meth:`~posttrain.rollout.decode_step.FusedDecoder.step` through
+  ``torch.compile`` (inductor, dynamic shapes; the oneDNN products as opaque calls, :func:`compiled_fused_step`),
+  and the first call's time, which includes the compilation;
 - the recipe's real generate call (EOS on): completion tokens per second, against the call's own floor: the
   prefill's GEMM FLOPs (each distinct prompt once, the LM head at its last position) and, for every decode
   step, the larger of its bytes and its FLOPs at the rows still running then (rows leave as they finish, so
@@ -33,6 +37,8 @@ Prints, in one process:
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import os
 import statistics
 import sys
@@ -125,6 +131,52 @@ def step_products(model, rows: int, repeats: int) -> float:
     return best_of(products, repeats)
 
 
+@functools.cache
+def prepacked_linear_op():
+    """``torch.ops.mkldnn._linear_pointwise`` on a weight reordered for oneDNN, as a custom op: inductor cannot
+    lower that call on a reordered weight (its layout is oneDNN's), so the compiled step calls it as it is."""
+
+    @torch.library.custom_op("posttrain_bench::prepacked_linear", mutates_args=())
+    def prepacked_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None,
+                         out_features: int) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+    @prepacked_linear.register_fake
+    def _(x, weight, bias, out_features):
+        return x.new_empty(x.shape[0], out_features)
+
+    return prepacked_linear
+
+
+@contextlib.contextmanager
+def compiled_fused_step():
+    """Within it, every :class:`~posttrain.rollout.decode_step.FusedDecoder` steps through ``torch.compile``
+    (inductor, dynamic shapes: the cache grows a position a step and rows leave) and its oneDNN products go
+    through :func:`prepacked_linear_op`; the other kernels are the step's own."""
+    from posttrain.rollout import decode_step
+
+    op = prepacked_linear_op()
+    eager_call, eager_step = decode_step.Linear.__call__, decode_step.FusedDecoder.step
+
+    def call(self, x: torch.Tensor) -> torch.Tensor:
+        if self.kernel != "onednn":
+            return eager_call(self, x)
+        return op(x.to(self.dtype), self.weight, self.bias, self.out_features)
+
+    def init(self, weight, bias, rows, dtype=None):
+        eager_init(self, weight, bias, rows, dtype)
+        self.out_features = weight.shape[0]
+
+    eager_init = decode_step.Linear.__init__
+    decode_step.Linear.__init__, decode_step.Linear.__call__ = init, call
+    decode_step.FusedDecoder.step = torch.compile(eager_step, dynamic=True)
+    try:
+        yield
+    finally:
+        decode_step.Linear.__init__, decode_step.Linear.__call__ = eager_init, eager_call
+        decode_step.FusedDecoder.step = eager_step
+
+
 def tail_step(model, fixed, prompts: list, n: int, group: int, context: float, bandwidth: float, rate: float,
               repeats: int) -> None:
     """Print a decode step at ``n`` rows (the first prompts' samples, over 32 tokens), as a generate call's tail
@@ -147,6 +199,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="torch.profiler's table of 16 decode steps")
     parser.add_argument("--mixed-precision", default="auto", choices=("auto", "bf16", "no"))
     parser.add_argument("--rows", type=int, nargs="*", default=[], help="also measure a step at these batch sizes")
+    parser.add_argument("--compile", action="store_true", help="also measure the step through torch.compile")
     args = parser.parse_args()
 
     from posttrain.parallel.allocator import keep_freed_memory
@@ -206,6 +259,15 @@ def main() -> None:
         print(f"measured: {1e3 * step:.1f} ms/step, {rows / step:.0f} tokens/s at {rows} rows: "
               f"{step / floor:.1f}x the floor, {step / products:.1f}x its own products (prefill and first token "
               f"{t_short:.2f} s)", flush=True)
+        if args.compile:
+            with compiled_fused_step():  # each generate call prepares its decoder: under the patch here
+                start = time.perf_counter()
+                long.generate(prompts, num_samples=b.group)
+                first = time.perf_counter() - start
+                compiled = (best_of(lambda: long.generate(prompts, num_samples=b.group), args.repeats)
+                            - t_short) / (b.new_tokens - 1)
+            print(f"compiled (torch.compile, dynamic shapes; its first call {first:.0f} s): {1e3 * compiled:.1f} "
+                  f"ms/step, {compiled / floor:.1f}x the floor, {compiled / step:.2f}x the eager step", flush=True)
         for n in args.rows:
             tail_step(s.policy, fixed, prompts, n, b.group, mean_prompt + b.new_tokens / 2, bandwidth, rate,
                       args.repeats)

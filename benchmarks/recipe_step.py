@@ -5,6 +5,7 @@ profile: where a step's time goes.
     .venv/bin/python benchmarks/recipe_step.py --set trim_padding=false --set share_prompts=false \\
         --set micro_batch_size=16 --set max_tokens_per_micro_batch=null          # the padded reference
     .venv/bin/python benchmarks/recipe_step.py --profile                         # torch.profiler's table
+    .venv/bin/python benchmarks/recipe_step.py --compile                         # the layers' MLPs and norms compiled
 
 The replay and the session are ``benchmarks/run.py``'s ``grpo-smollm2-recipe`` (the same prompts and
 completions, sampled once and cached); this runs one warm-up step, then ``--steps`` timed ones, in this
@@ -13,6 +14,10 @@ token) against a 1024^3 matmul's rate measured in the same process after the war
 what its products would take at that rate is its distance from the matmul floor. ``--set FIELD=VALUE``
 overrides a config field (a YAML value; quote strings that YAML reads otherwise: ``'mixed_precision="no"'``). For comparisons that matter use
 ``run.py``, which runs each system in a fresh process, several times.
+
+``--compile`` measures what fusing the elementwise work around the products would give: each decoder layer's
+MLP and RMSNorms through ``torch.compile`` (inductor, dynamic shapes), attention left as it runs (its packed
+pieces are a Python loop over the layout). The warm-up step's time includes the compilation.
 """
 
 from __future__ import annotations
@@ -44,11 +49,36 @@ def matmul_rate(dtype: torch.dtype, repeats: int = 3) -> float:
     return 10 * 2 * 1024**3 / best
 
 
+def compile_mlps_and_norms(model: torch.nn.Module) -> None:
+    """``torch.compile`` every decoder layer's MLP and its two RMSNorms, one graph for all layers.
+
+    posttrain gives each LoRA linear its fused forward on the instance
+    (:func:`posttrain.models.lora.fuse_adapter_products`); dynamo guards on that object, so each layer
+    would compile again and the eighth recompilation would leave the rest eager. Here the same forward
+    moves to a subclass shared by every layer: the same products."""
+    from peft.tuners.lora.layer import Linear
+
+    from posttrain.models.architecture import decoder_body
+    from posttrain.models.lora import fused_lora_forward
+
+    class FusedLoraLinear(Linear):
+        forward = fused_lora_forward
+
+    for module in model.modules():
+        if type(module) is Linear and "forward" in vars(module):
+            del module.forward
+            module.__class__ = FusedLoraLinear
+    for layer in decoder_body(model).layers:
+        for module in (layer.mlp, layer.input_layernorm, layer.post_attention_layernorm):
+            module.compile(dynamic=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=2, help="timed steps after the warm-up (at most 3)")
     parser.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE")
     parser.add_argument("--profile", action="store_true", help="profile one step instead of timing")
+    parser.add_argument("--compile", action="store_true", help="torch.compile each layer's MLP and norms")
     args = parser.parse_args()
 
     from posttrain.parallel.allocator import keep_freed_memory
@@ -63,8 +93,12 @@ def main() -> None:
     overrides = {key: yaml.safe_load(value) for key, value in (item.split("=", 1) for item in args.set)}
     with tempfile.TemporaryDirectory() as data:
         s = run.replay_session(b, Path(data), total, **overrides)
+        if args.compile:
+            compile_mlps_and_norms(s.policy)
+        start = time.perf_counter()
         train_step(s)  # warm-up
         s.step += 1
+        print(f"warm-up step: {time.perf_counter() - start:.1f} s", flush=True)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

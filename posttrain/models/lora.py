@@ -118,11 +118,14 @@ def fuse_adapter_products(model: nn.Module) -> None:
 def fused_lora_forward(module: nn.Module, x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor:
     """A peft LoRA ``Linear``'s forward, with the adapter product fused (:class:`_AdapterProduct`) where it
     is plain LoRA: one active adapter, unmerged, no dropout, no variant (DoRA), no per-row adapters.
-    Anything else is peft's own forward."""
+    Anything else is peft's own forward (named, not ``type(module).forward``: a subclass that takes this
+    function as its forward, as ``benchmarks/recipe_step.py --compile`` makes, would call itself)."""
+    from peft.tuners.lora.layer import Linear
+
     adapters = [name for name in module.active_adapters if name in module.lora_A]
     if (module.disable_adapters or module.merged or args or kwargs or len(adapters) != 1
             or adapters[0] in module.lora_variant or not isinstance(module.lora_dropout[adapters[0]], nn.Identity)):
-        return type(module).forward(module, x, *args, **kwargs)
+        return Linear.forward(module, x, *args, **kwargs)
     name = adapters[0]
     if torch.is_autocast_enabled(x.device.type):  # one cast of the input, for the base product and the adapter's
         x = x.to(torch.get_autocast_dtype(x.device.type))

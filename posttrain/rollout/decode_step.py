@@ -241,6 +241,9 @@ class FusedDecoder:
         config, body = model.config, model.model
         self.body = body
         self.heads, self.kv_heads = config.num_attention_heads, config.num_key_value_heads
+        # a bool made here, not compared in the step: under torch.compile with dynamic shapes the step's ints
+        # are traced as symbols, and SDPA's enable_gqa takes no symbolic bool
+        self.grouped = self.kv_heads != self.heads
         self.head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
         self.intermediate = config.intermediate_size
         self.eps = config.rms_norm_eps
@@ -292,7 +295,7 @@ class FusedDecoder:
             # Under mixed precision the query and the cache are float32 (the rotation promotes; the cache
             # keeps the wider dtype): SDPA's CPU kernel at one query row runs slower in bfloat16.
             attended = F.scaled_dot_product_attention(query, keys, values, attn_mask=mask_N11S,
-                                                      scale=self.scale, enable_gqa=kv != h)
+                                                      scale=self.scale, enable_gqa=self.grouped)
             hidden = hidden + layer.out(attended.reshape(n, h * d))
             gate_up = layer.gate_up(rms_norm(hidden, layer.post_attention_norm, self.eps))
             hidden = hidden + layer.down(F.silu(gate_up[:, : self.intermediate]) * gate_up[:, self.intermediate :])
