@@ -156,7 +156,8 @@ def compiled_fused_step():
     from posttrain.rollout import decode_step
 
     op = prepacked_linear_op()
-    eager_call, eager_step = decode_step.Linear.__call__, decode_step.FusedDecoder.step
+    eager_init, eager_call = decode_step.Linear.__init__, decode_step.Linear.__call__
+    eager_step = decode_step.FusedDecoder.step
 
     def call(self, x: torch.Tensor) -> torch.Tensor:
         if self.kernel != "onednn":
@@ -167,7 +168,6 @@ def compiled_fused_step():
         eager_init(self, weight, bias, rows, dtype)
         self.out_features = weight.shape[0]
 
-    eager_init = decode_step.Linear.__init__
     decode_step.Linear.__init__, decode_step.Linear.__call__ = init, call
     decode_step.FusedDecoder.step = torch.compile(eager_step, dynamic=True)
     try:
