@@ -177,6 +177,19 @@ def compiled_fused_step():
         decode_step.FusedDecoder.step = eager_step
 
 
+def compiled_step(long, prompts: list, group: int, t_short: float, repeats: int) -> float:
+    """Seconds a decode step takes under :func:`compiled_fused_step`: ``long``'s call (a generator without EOS)
+    minus ``t_short`` (the same call's prefill and first token, which the step does not change), per step.
+    Prints the first call's time, which includes the compilation."""
+    tokens = long.params.max_new_tokens
+    with compiled_fused_step():  # each generate call prepares its decoder: under the patch here
+        start = time.perf_counter()
+        long.generate(prompts, num_samples=group)
+        print(f"compiled (torch.compile, dynamic shapes): its first call {time.perf_counter() - start:.0f} s",
+              flush=True)
+        return (best_of(lambda: long.generate(prompts, num_samples=group), repeats) - t_short) / (tokens - 1)
+
+
 def tail_step(model, fixed, prompts: list, n: int, group: int, context: float, bandwidth: float, rate: float,
               repeats: int) -> None:
     """Print a decode step at ``n`` rows (the first prompts' samples, over 32 tokens), as a generate call's tail
@@ -260,14 +273,9 @@ def main() -> None:
               f"{step / floor:.1f}x the floor, {step / products:.1f}x its own products (prefill and first token "
               f"{t_short:.2f} s)", flush=True)
         if args.compile:
-            with compiled_fused_step():  # each generate call prepares its decoder: under the patch here
-                start = time.perf_counter()
-                long.generate(prompts, num_samples=b.group)
-                first = time.perf_counter() - start
-                compiled = (best_of(lambda: long.generate(prompts, num_samples=b.group), args.repeats)
-                            - t_short) / (b.new_tokens - 1)
-            print(f"compiled (torch.compile, dynamic shapes; its first call {first:.0f} s): {1e3 * compiled:.1f} "
-                  f"ms/step, {compiled / floor:.1f}x the floor, {compiled / step:.2f}x the eager step", flush=True)
+            compiled = compiled_step(long, prompts, b.group, t_short, args.repeats)
+            print(f"{1e3 * compiled:.1f} ms/step, {compiled / floor:.1f}x the floor, {compiled / step:.2f}x the eager "
+                  "step", flush=True)
         for n in args.rows:
             tail_step(s.policy, fixed, prompts, n, b.group, mean_prompt + b.new_tokens / 2, bandwidth, rate,
                       args.repeats)
