@@ -188,7 +188,7 @@ def test_micro_batching_gives_the_same_gradient(name, extra, tiny_model_dir, pai
         return 1.0, 0
 
     monkeypatch.setattr(preference, "apply_gradients", capture)
-    losses = []
+    losses, costs = [], []  # costs: each example's tokens, read from the first sessions' sampler
     for settings in ({}, dict(micro_batch_size=3), "budget"):
         if settings == "budget":  # the longest example and the shortest fit: several passes, not in order
             budget = max(costs) + min(costs)
