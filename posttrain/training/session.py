@@ -175,6 +175,22 @@ def check_self_teacher(config: Config, alg: OnlineAlgorithm, work: Workload) -> 
     check_privileged_rows(work.train_rows, privileged_column(data), data.dataset or f"task {data.task}")
 
 
+def episodes_of(config: Config, inputs: Inputs, work: Workload,
+                tokenizer: Any) -> tuple[tuple[Callable, ...], rollout_factory.Episodes]:
+    """The run's tools (the --mcp-server servers started) and how its episodes run: tool calls, the tool
+    format, an environment or an agent, each from the config where given, else from the workload."""
+    e = config.episodes
+    tools = with_mcp_tools(config, (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools),
+                                    *work.tools))
+    on_error = "raise" if e.tool_errors == "error" else "feedback"
+    return tools, rollout_factory.Episodes(
+        Tools(tools, timeout=first_given(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
+        if tools else None,
+        tool_format(first_given(e.tool_format, work.tool_format, "auto"), tokenizer)
+        if tools or work.agent else None,
+        work.environment, work.agent, e.max_turns, on_error, e.agent_timeout)
+
+
 def training_row_tasks(config: Config, alg: OnlineAlgorithm, work: Workload) -> list[str] | None:
     """Each training row's task, whose teacher scores it (multi-teacher distillation), checked against the
     ``--teachers`` (:func:`posttrain.data.row_tasks.row_tasks`); None for a preset with one teacher or none,
@@ -265,19 +281,10 @@ class OnlineSession:
             config, policy, list(value_head.parameters()) if value_head else [],
             optimizer_steps=config.run.max_steps * alg.num_epochs * alg.mini_batches)
         eos_ids = eos_token_ids(policy, tokenizer)
-        r, e = config.rollout, config.episodes
+        r = config.rollout
         params = SamplingParams(work.max_new_tokens, r.temperature, r.top_p, r.top_k)
         seed = config.run.seed + distributed.rank()
-        tools = with_mcp_tools(config, (*inputs.tools, *(load_reward_function(spec, "tool") for spec in e.tools),
-                                        *work.tools))  # starts the --mcp-server servers
-        on_error = "raise" if e.tool_errors == "error" else "feedback"
-
-        episodes_spec = rollout_factory.Episodes(
-            Tools(tools, timeout=first_given(e.tool_timeout, work.tool_timeout, 10.0), on_error=on_error)
-            if tools else None,
-            tool_format(first_given(e.tool_format, work.tool_format, "auto"), tokenizer)
-            if tools or work.agent else None,
-            work.environment, work.agent, e.max_turns, on_error, e.agent_timeout)
+        tools, episodes_spec = episodes_of(config, inputs, work, tokenizer)
 
         def generator_of(model: Any) -> Any:
             return rollout_factory.build(rollout_factory.Sampling(
