@@ -206,6 +206,39 @@ def tail_step(model, fixed, prompts: list, n: int, group: int, context: float, b
           f"{1e3 * step:.1f} ms/step ({step / floor:.1f}x the floor)", flush=True)
 
 
+def machine_rates(precision: str, repeats: int) -> tuple[float, float]:
+    """This process's read bandwidth (bytes/s) and the 1024^3 matmul's rate (FLOP/s) in the layers' precision."""
+    big = torch.randn(128 * 1024 * 1024)
+    bandwidth = 0.5e9 / best_of(big.sum, repeats)
+    del big
+    rates = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        x, y = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
+        rates[dtype] = 10 * 2 * 1024**3 / best_of(lambda: [x @ y for _ in range(10)], repeats)
+    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; matmul 1024^3: float32 {rates[torch.float32] / 1e9:.0f} "
+          f"GFLOP/s, bfloat16 {rates[torch.bfloat16] / 1e9:.0f} GFLOP/s; the layers compute in "
+          f"{'bfloat16' if precision == 'bf16' else 'float32'} (mixed_precision {precision})", flush=True)
+    return bandwidth, rates[torch.bfloat16 if precision == "bf16" else torch.float32]
+
+
+def recipe_call(s, prompts: list, group: int, floor_per_token: float, bandwidth: float, rate: float,
+                repeats: int) -> None:
+    """The recipe's own generate call (EOS on: rows leave as they finish) against its floor (`call_floor`)."""
+    calls = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        out = s.generator.generate(prompts, num_samples=group)
+        seconds = time.perf_counter() - start
+        prefill, decode = call_floor(s.policy, [len(p) for p in prompts], group, out.mask.sum(1).long().tolist(),
+                                     bandwidth, rate)
+        calls.append((seconds, int(out.mask.sum()), out.completion_ids.shape[1], prefill, decode))
+    wall, tokens, steps, prefill, decode = (statistics.median(c[i] for c in calls) for i in range(5))
+    print(f"the recipe's generate (EOS on): {wall:.2f} s, {tokens:.0f} tokens in {steps:.0f} steps, "
+          f"{tokens / wall:.0f} tokens/s; its floor with rows leaving as they finish {prefill + decode:.2f} s "
+          f"(prefill {prefill:.2f}, decode steps {decode:.2f}): {wall / (prefill + decode):.1f}x; at the full "
+          f"batch's floor rate {tokens * floor_per_token:.2f} s", flush=True)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
@@ -231,17 +264,7 @@ def main() -> None:
     b = dataclasses.replace(run.BENCHES["grpo-smollm2-recipe"], bf16=precision == "bf16")
     rows_data, prompt_lists, _ = run.replay_rows(b, 1)
     print(f"threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.1f}", flush=True)
-    big = torch.randn(128 * 1024 * 1024)
-    bandwidth = 0.5e9 / best_of(big.sum, args.repeats)
-    del big
-    rates = {}
-    for dtype in (torch.float32, torch.bfloat16):
-        x, y = torch.randn(1024, 1024, dtype=dtype), torch.randn(1024, 1024, dtype=dtype)
-        rates[dtype] = 10 * 2 * 1024**3 / best_of(lambda: [x @ y for _ in range(10)], args.repeats)
-    print(f"read bandwidth {bandwidth / 1e9:.1f} GB/s; matmul 1024^3: float32 {rates[torch.float32] / 1e9:.0f} "
-          f"GFLOP/s, bfloat16 {rates[torch.bfloat16] / 1e9:.0f} GFLOP/s; the layers compute in "
-          f"{'bfloat16' if precision == 'bf16' else 'float32'} (mixed_precision {precision})", flush=True)
-    rate = rates[torch.bfloat16 if precision == "bf16" else torch.float32]
+    bandwidth, rate = machine_rates(precision, args.repeats)
 
     with tempfile.TemporaryDirectory() as data:
         s = OnlineSession.create(Config.from_flat(run.recipe_config(b, Path(data), 1, rows_data)))
@@ -279,19 +302,7 @@ def main() -> None:
         for n in args.rows:
             tail_step(s.policy, fixed, prompts, n, b.group, mean_prompt + b.new_tokens / 2, bandwidth, rate,
                       args.repeats)
-        calls = []
-        for _ in range(args.repeats):
-            start = time.perf_counter()
-            out = s.generator.generate(prompts, num_samples=b.group)
-            seconds = time.perf_counter() - start
-            prefill, decode = call_floor(s.policy, [len(p) for p in prompts], b.group, out.mask.sum(1).long().tolist(),
-                                         bandwidth, rate)
-            calls.append((seconds, int(out.mask.sum()), out.completion_ids.shape[1], prefill, decode))
-        wall, tokens, steps, prefill, decode = (statistics.median(c[i] for c in calls) for i in range(5))
-        print(f"the recipe's generate (EOS on): {wall:.2f} s, {tokens:.0f} tokens in {steps:.0f} steps, "
-              f"{tokens / wall:.0f} tokens/s; its floor with rows leaving as they finish {prefill + decode:.2f} s "
-              f"(prefill {prefill:.2f}, decode steps {decode:.2f}): {wall / (prefill + decode):.1f}x; at the full "
-              f"batch's floor rate {tokens * floor / rows:.2f} s", flush=True)
+        recipe_call(s, prompts, b.group, floor / rows, bandwidth, rate, args.repeats)
         if args.profile:
             from torch.profiler import ProfilerActivity, profile
 

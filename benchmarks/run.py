@@ -702,6 +702,43 @@ def versions() -> dict[str, str]:
     return out
 
 
+def run_bench(name: str, quick: bool, repeats: int, threads: int | None, logs: Path) -> dict[str, Any]:
+    """One configuration: every system's runs, alternated repeat by repeat, their medians and the ratio against
+    TRL's faster configuration (and against posttrain's own padded passes, for a replay)."""
+    b = BENCHES[name]
+    steps = b.quick_steps if quick else b.steps
+    warmup = 1 if quick else b.warmup
+    print(f"\n{name}: {b.describe()}; {warmup} warm-up + {steps} timed steps x {repeats} repeats; "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    if b.replay:
+        counts = token_counts(b, warmup + steps)
+        print("  per step: {real_tokens_per_step:.0f} real tokens, {padded_tokens_per_step:.0f} in one padded "
+              "pass per micro-batch; prompts {prompt_tokens_mean:.1f} tokens, completions "
+              "{completion_tokens_mean:.1f} on average".format(**counts), flush=True)
+    runs: dict[str, list] = {system: [] for system in b.systems}
+    for repeat in range(repeats):
+        for system in b.systems:
+            run = run_child(name, system, warmup, steps, threads, logs)
+            runs[system].append(run)
+            s = summarise_run(run)
+            print(f"  {system:9s} run {repeat + 1}: {s['s_per_step']:.3f} s/step, peak RSS "
+                  f"{s['peak_rss_gb']:.2f} GB, {run['wall_s']:.0f}s wall, load {run['load_average']:.2f}",
+                  flush=True)
+    medians = {system: median_of([summarise_run(r) for r in runs[system]]) for system in b.systems}
+    trl = min((system for system in b.systems if system.startswith("trl")),
+              key=lambda system: medians[system]["s_per_step"])  # TRL's faster configuration counts
+    result = {
+        "description": b.describe(), "settings": {**asdict(b), "warmup": warmup, "steps": steps},
+        **medians, "ratio": {k: ratio(medians["posttrain"][k], medians[trl][k]) for k in RATIO_KEYS},
+        "ratio_against": trl, "runs": runs,
+    }
+    if b.replay:
+        result["ratio_to_padded"] = {k: ratio(medians["posttrain"][k], medians["posttrain-padded"][k])
+                                     for k in RATIO_KEYS}
+        result["tokens"] = token_counts(b, warmup + steps)
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="one repeat of few steps (a few minutes)")
@@ -746,37 +783,7 @@ def main() -> None:
     started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="posttrain-bench-logs-") as logs:
         for name in names:
-            b = BENCHES[name]
-            steps = b.quick_steps if args.quick else b.steps
-            warmup = 1 if args.quick else b.warmup
-            print(f"\n{name}: {b.describe()}; {warmup} warm-up + {steps} timed steps x {repeats} repeats; "
-                  f"load average {os.getloadavg()[0]:.2f}", flush=True)
-            if b.replay:
-                counts = token_counts(b, warmup + steps)
-                print("  per step: {real_tokens_per_step:.0f} real tokens, {padded_tokens_per_step:.0f} in one padded "
-                      "pass per micro-batch; prompts {prompt_tokens_mean:.1f} tokens, completions "
-                      "{completion_tokens_mean:.1f} on average".format(**counts), flush=True)
-            runs: dict[str, list] = {system: [] for system in b.systems}
-            for repeat in range(repeats):
-                for system in b.systems:
-                    run = run_child(name, system, warmup, steps, args.threads, Path(logs))
-                    runs[system].append(run)
-                    s = summarise_run(run)
-                    print(f"  {system:9s} run {repeat + 1}: {s['s_per_step']:.3f} s/step, peak RSS "
-                          f"{s['peak_rss_gb']:.2f} GB, {run['wall_s']:.0f}s wall, load {run['load_average']:.2f}",
-                          flush=True)
-            medians = {system: median_of([summarise_run(r) for r in runs[system]]) for system in b.systems}
-            trl = min((system for system in b.systems if system.startswith("trl")),
-                      key=lambda system: medians[system]["s_per_step"])  # TRL's faster configuration counts
-            results[name] = {
-                "description": b.describe(), "settings": {**asdict(b), "warmup": warmup, "steps": steps},
-                **medians, "ratio": {k: ratio(medians["posttrain"][k], medians[trl][k]) for k in RATIO_KEYS},
-                "ratio_against": trl, "runs": runs,
-            }
-            if b.replay:
-                results[name]["ratio_to_padded"] = {k: ratio(medians["posttrain"][k], medians["posttrain-padded"][k])
-                                                    for k in RATIO_KEYS}
-                results[name]["tokens"] = token_counts(b, warmup + steps)
+            results[name] = run_bench(name, args.quick, repeats, args.threads, Path(logs))
     load = os.getloadavg()
     print(f"\nmedians over {repeats} repeat(s); ratio = posttrain / TRL; {time.perf_counter() - started:.0f}s in all; "
           f"load average now {load[0]:.2f} {load[1]:.2f} {load[2]:.2f} on {os.cpu_count()} CPUs\n")
