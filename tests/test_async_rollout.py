@@ -70,7 +70,7 @@ def test_dynamic_samplings_surplus_is_dropped_when_it_would_exceed_the_bound():
     from posttrain.config import OffPolicyConfig
     from posttrain.rollout.completions import Completions
     from posttrain.training.groups import Groups
-    from posttrain.training.online import fresh_enough
+    from posttrain.training.rollouts import fresh_enough
 
     def surplus(versions):  # groups of two samples each, sampled by ``versions``
         n = 2 * len(versions)

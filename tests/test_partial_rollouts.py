@@ -279,7 +279,7 @@ def test_a_run_with_partial_rollouts_logs_its_tokens_staleness_and_resumes_from_
 
 
 def test_token_staleness_counts_by_hand():
-    from posttrain.training.online import token_staleness_counts
+    from posttrain.training.rollouts import token_staleness_counts
 
     # row 0: tokens of ages 1, 1, 0 (resumed), then padding; row 1: ages 1, 1 (one version)
     age = torch.tensor([[1, 1, 0, 5], [1, 1, 7, 7]])

@@ -36,6 +36,7 @@ from posttrain.models.logprobs import probe_logprobs
 from posttrain.parallel import distributed
 from posttrain.rollout.completions import Completions
 from posttrain.rollout.worker import Request, RolloutWorker, ThreadRolloutWorker
+from posttrain.training.groups import Groups
 
 logger = logging.getLogger(__name__)
 
@@ -267,3 +268,55 @@ class AsyncRollouts:
         if self.trainer_threads is not None:
             torch.set_num_threads(self.trainer_threads)
             self.trainer_threads = None
+
+
+# -- how old a step's samples are ---------------------------------------------------------
+
+
+def staleness_bound(s: RolloutSession) -> int:
+    """How many versions behind the policy a trained sample may be: ``max_staleness`` with asynchronous
+    rollouts. Dynamic sampling's surplus groups train one step after they were sampled, in a synchronous run
+    too, so the bound is at least 1 for them."""
+    return max(s.config.off_policy.max_staleness if s.config.off_policy.async_rollout else 0, 1)
+
+
+def fresh_enough(s: RolloutSession, surplus: Groups) -> Groups | None:
+    """The surplus groups still within the staleness bound at the next step (older ones are dropped)."""
+    versions = surplus.completions.versions
+    if versions is None:
+        return surplus
+    keep = (s.step + 1 - versions.view(-1, surplus.group_size)[:, 0]) <= staleness_bound(s)
+    return surplus.select(keep) if keep.any() else None
+
+
+def staleness(s: RolloutSession, batch: Groups) -> dict[str, float]:
+    """How many policy versions behind this step's policy the trained samples are, over every process."""
+    versions = batch.completions.versions
+    if versions is None:  # surplus groups from a checkpoint written before versions were recorded
+        return {}
+    age = (s.step - versions).float()
+    total = distributed.reduce_values({"sum": float(age.sum()), "rows": len(age)})
+    oldest = distributed.reduce_values({"max": float(age.max()) if len(age) else 0.0}, max)
+    out = {"staleness/mean": total["sum"] / max(total["rows"], 1), "staleness/max": oldest["max"]}
+    comp = batch.completions
+    if comp.token_versions is not None:  # partial rollouts: the tokens' own versions
+        counts = distributed.reduce_values(token_staleness_counts(s.step - comp.token_versions, comp.mask,
+                                                                  staleness_bound(s)))
+        tokens = max(counts.pop("tokens"), 1.0)
+        out["staleness/token_mean"] = counts.pop("age_sum") / tokens
+        out["staleness/resumed_rows"] = counts.pop("resumed_rows") / max(total["rows"], 1)
+        out.update({f"staleness/token_share/{age}": count / tokens for age, count in counts.items()})
+    return out
+
+
+def token_staleness_counts(age_NT: torch.Tensor, mask_NT: torch.Tensor, bound: int) -> dict[str, float]:
+    """Sums over the policy's tokens (``mask_NT``) of their ages [N, T] (versions behind the step's policy):
+    ``tokens``, ``age_sum``, ``resumed_rows`` (rows whose tokens span more than one version) and, per age
+    ``a`` in 0 .. ``bound`` (every age a trained token can have), the tokens of that age under the key ``a``."""
+    held = mask_NT > 0
+    oldest_N = age_NT.masked_fill(~held, -1).amax(1)
+    newest_N = age_NT.masked_fill(~held, bound + 1).amin(1)
+    ages = age_NT[held]
+    return {"tokens": float(held.sum()), "age_sum": float(ages.sum()),
+            "resumed_rows": float((oldest_N != newest_N).sum()),
+            **{str(a): float((ages == a).sum()) for a in range(bound + 1)}}
