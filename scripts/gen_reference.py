@@ -525,7 +525,8 @@ def _model_paths(family: str) -> list[Any]:
     """One row of the models page: what posttrain's checks give for the family's tiny model."""
     import warnings
 
-    from posttrain.models.architecture import cache_unsupported_reason, head_unsupported_reason, packing_unsupported_reason
+    from posttrain.models.architecture import (cache_unsupported_reason, head_unsupported_reason,
+                                               packing_unsupported_reason, padded_generate_reason)
     from posttrain.models.experts import routers
     from posttrain.models.families import tiny_model
     from posttrain.models.lora import default_target_modules, default_target_parameters
@@ -538,10 +539,12 @@ def _model_paths(family: str) -> list[Any]:
         model = tiny_model(family)
         use_packed_attention(model)  # the declared checks, then the measured one
     packing, head, cache = packing_unsupported_reason(model), head_unsupported_reason(model), \
-        cache_unsupported_reason(model.config)
+        cache_unsupported_reason(model)
     shared = "in the packed row" if packing is None else ("on the prompt's cache" if cache is None else "per row")
     if cache is not None:
         sampler = f"transformers' generate: {cache}"
+        if padded_generate_reason(model):
+            sampler += f"; one prompt length at a time: {padded_generate_reason(model)}"
     else:
         fused = fused_reason(model)
         sampler = "the decode loop, fused step" if fused is None else "the decode loop"
@@ -567,6 +570,7 @@ def _tool_format_rows() -> list[list[Any]]:
 
 
 def models_page() -> str:
+    from posttrain.models.architecture import UNBATCHABLE
     from posttrain.models.families import FAMILIES, MORE_FAMILIES, WINDOW
 
     return page(
@@ -579,7 +583,8 @@ where the family has them), and `tests/test_families.py` checks each family on e
 own forward over each sequence alone: the training passes' log-probs and gradients (packed, shared prompts,
 token budgets, LoRA, gradient checkpointing, bf16 autocast), the sampler's log-probs, and a two-step GRPO and
 DPO run. A family that is not listed takes the paths its config allows, and every run starts by checking
-them against the model's own forward (the run stops, naming the family and the paths, if they differ).
+them against the model's own forward, on log-probs and on their gradients (the run stops, naming the family and
+the paths, if they differ; in bf16 the gradients' check catches a pass that skips a computation, not rounding).
 
 - **packed passes**: a micro-batch's sequences in one row, attention kept inside each (windows, soft-capping
   and sinks included); families with layers that carry state along the row run padded rows instead.
@@ -601,9 +606,13 @@ nothing family-specific to it, and it has been run on Llama (SmolLM2) only.
         "## Families\n\n" + table(header := ["model_type", "class", "packed passes", "a shared prompt", "LM head",
                                                "sampler", "LoRA targets", "mixture of experts"],
                                     [_model_paths(family) for family in FAMILIES]),
-        "## More families\n\nChecked the same way on the training passes' log-probs and gradients and the run's "
-        "probe, though none of posttrain's declared checks was written with them in view:\n\n"
-        + table(header, [_model_paths(family) for family in MORE_FAMILIES]),
+        "## More families\n\nChecked the same way on the training passes' log-probs and gradients, the run's "
+        "probe and the sampler's log-probs, though none of posttrain's declared checks was written with them in "
+        "view:\n\n" + table(header, [_model_paths(family) for family in MORE_FAMILIES]),
+        "## Refused families\n\nposttrain pads prompts to batch them, to train and to sample; these families' "
+        "forward over a padded row is not theirs over the row alone, so a run refuses them by name before its "
+        "first step (`posttrain.models.architecture.UNBATCHABLE`; `tests/test_families.py` measures each):\n\n"
+        + table(["model_type", "why"], [[code(name), why] for name, why in UNBATCHABLE.items()]),
         "## Tool-call formats\n\n`--tool-format auto` picks a format from the model's chat template; for the "
         "templates posttrain is checked against, token for token (`tests/fixtures/chat_templates/`):\n\n"
         + table(["chat template", "tool format"], _tool_format_rows()),

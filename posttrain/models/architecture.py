@@ -13,8 +13,11 @@ so that the caller takes the exact path instead and says so in one line (:func:`
   head, a block of vocabulary at a time, for families whose logits are exactly ``lm_head(hidden)``
   (:data:`PLAIN_HEADS`); others (soft-capped or scaled logits) take their logits from their own forward.
 - **a cache passed to the forward** (a prompt's keys and values reused by its samples, the decode loop's
-  preallocated cache): full-attention layers only.
+  preallocated cache): a forward that takes one, and full-attention layers only.
 - **the fused decode step** (:mod:`posttrain.rollout.decode_step`): the exact classes of :data:`SUPPORTED`.
+- **padding at all**: posttrain batches prompts of different lengths, left-padded. A family whose forward over
+  a padded row is not its own over the row alone is refused (:data:`UNBATCHABLE`); one whose ``generate`` is
+  not (:data:`PADDED_GENERATE`) samples one prompt length at a time.
 
 Anything not declared is not assumed: a family transformers adds next month takes the paths its config
 allows, and the run's probe (:func:`posttrain.models.probe.check_training_path`) compares them with the
@@ -23,6 +26,7 @@ model's own forward before the first step.
 
 from __future__ import annotations
 
+import inspect
 import sys
 from collections.abc import Callable
 
@@ -60,6 +64,36 @@ PLAIN_HEADS: dict[str, Callable[[object], bool]] = {
 """``model_type`` -> whether a config of it has logits exactly ``lm_head(hidden)`` (the family's
 ``ForCausalLM.forward`` adds nothing after the head for such a config); checked on each family's tiny model
 in ``tests/test_families.py``."""
+
+
+UNBATCHABLE: dict[str, str] = {
+    "rwkv": "its forward ignores the attention mask, so a padded prompt's padding runs into its state (a tiny "
+            "model's log-probs move 0.06 nats per token, their gradients 0.3 of their size)",
+    "recurrent_gemma": "its padded rows give the model's log-probs but not their gradients: the padding's positions "
+                       "reach its recurrent blocks' biases (on a tiny model, gradients 37.9 against 6.4 alone)",
+}
+"""``model_type`` -> why no batch of its rows is its own forward over each row alone. posttrain pads prompts to
+batch them, to train and to sample, so it refuses these families by name (in every dtype; the run's probe would
+catch the first always and the second in float32). Measured by ``tests/test_families.py``."""
+
+
+PADDED_GENERATE: dict[str, str] = {
+    "minimax": "transformers' generate lets a left-padded prompt's padding into its linear attention (on a tiny "
+               "model, the sampled tokens' log-probs up to 2.6 nats from its own forward; exact unpadded)",
+}
+"""``model_type`` -> why transformers' ``generate`` is not the model's own forward over a left-padded prompt, where
+the training passes are: posttrain samples such a family one prompt length at a time (no padding). Measured by
+``tests/test_families.py``'s sampler test, which every other family passes padded."""
+
+
+def padded_generate_reason(model: nn.Module) -> str | None:
+    """Why ``model`` must not be sampled with left-padded prompts (:data:`PADDED_GENERATE`), or None."""
+    return PADDED_GENERATE.get(getattr(unwrapped(model).config, "model_type", None))
+
+
+def unbatchable_reason(model: nn.Module) -> str | None:
+    """Why posttrain cannot train ``model`` exactly in batches (:data:`UNBATCHABLE`), or None."""
+    return UNBATCHABLE.get(getattr(unwrapped(model).config, "model_type", None))
 
 
 def unwrapped(model: nn.Module) -> nn.Module:
@@ -153,14 +187,19 @@ def packing_unsupported_reason(model: nn.Module) -> str | None:
     return row_state_reason(base.config)
 
 
-def cache_unsupported_reason(config) -> str | None:
-    """Why a model with this config cannot run on a cache passed to its forward (None: it can). That
-    needs transformers' ``cache=`` forward argument (5.x; tested with 5.24) and layers that all use full
-    attention."""
+def cache_unsupported_reason(model: nn.Module) -> str | None:
+    """Why ``model`` cannot run on a cache passed to its forward (None: it can). That needs transformers'
+    ``cache=`` forward argument (5.x; tested with 5.24), a forward that takes it (RWKV keeps a state of its own,
+    OpenAI GPT no cache at all: either would ignore one and see only the new tokens), and layers that all use
+    full attention."""
     if Version(transformers.__version__) < Version("5.24"):
         return f"it needs transformers>=5.24 (the model forward's cache= argument); found {transformers.__version__}"
+    base = unwrapped(model)
+    config = base.config
     if config.is_encoder_decoder:
         return "it is an encoder-decoder model"
+    if "cache" not in inspect.signature(type(base).forward).parameters:
+        return "its forward takes no cache (it keeps none, or a state of its own)"
     layers = DynamicCache(config=config).layers
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):
         return "its attention layers are not all full attention (sliding window, linear attention or shared KV)"

@@ -10,6 +10,7 @@ checkpointed layer recomputes exactly its forward in the backward.
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 
 import torch
 import torch.utils.checkpoint
@@ -134,34 +135,66 @@ def use_packed_attention(model: nn.Module) -> bool:
     if not gap <= tolerance:  # the layout is lost on its way (layers that do not hand it to their attention)
         base.set_attn_implementation(current)
         base.posttrain_packing_declined = (f"a packed pass of two sequences is {gap:.0%} from its own forward over "
-                                           "each (its layers may not hand the layout to their attention)")
+                                           "each, in its outputs or their gradients (its layers may not hand the "
+                                           "layout to their attention, or add to it what the packed one leaves out)")
         return False
     return True
 
 
-@torch.no_grad()
 def packed_pass_gap(model: nn.Module) -> float:
-    """How far a packed pass of two short sequences is from ``model``'s decoder stack over each alone: the mean
-    absolute difference of the final hidden states, relative to their mean size. What proves the packed
-    attention reaches every layer of a family not checked before (transformers' layers normally hand their
-    keyword arguments to their attention; a family whose layers do not would attend across the sequences)."""
+    """How far a packed pass of two short sequences is from ``model``'s decoder stack over each alone: the larger of
+    the final hidden states' mean absolute difference, relative to their mean size, and their gradients'
+    (:func:`gradient_gap`, through a fixed random projection of those states, with respect to the stack's trainable
+    parameters). What proves the packed attention reaches every layer of a family not checked before
+    (transformers' layers normally hand their keyword arguments to their attention; a family whose layers do not
+    would attend across the sequences), and computes everything the layer does: Doge's attention adds a bias
+    learned from the values, equal to nothing at initialisation but not in its gradient."""
     from posttrain.models.packing import packed_forward, sequences_layout
 
     body = decoder_body(model)
     vocab = model.config.get_text_config().vocab_size
     lengths = [5, 4]
-    ids = torch.randint(vocab, (sum(lengths),), generator=torch.Generator().manual_seed(0))
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(vocab, (sum(lengths),), generator=generator)
     device = next(model.parameters()).device
+    params = [p for p in body.parameters() if p.requires_grad]
     was_training = model.training
     model.eval()
     try:
-        positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
-        packed = packed_forward(body, ids[None].to(device), positions, sequences_layout(lengths).to(device))
-        alone = torch.cat([body(input_ids=part[None].to(device)).last_hidden_state[0] for part in ids.split(lengths)])
+        with torch.enable_grad():
+            positions = torch.cat([torch.arange(n) for n in lengths])[None].to(device)
+            packed_SD = packed_forward(body, ids[None].to(device), positions,
+                                       sequences_layout(lengths).to(device)).last_hidden_state[0].float()
+            alone_SD = torch.cat([body(input_ids=part[None].to(device)).last_hidden_state[0]
+                                  for part in ids.split(lengths)]).float()
+            gap = float((packed_SD - alone_SD).abs().mean() / alone_SD.abs().mean().clamp(min=1e-12))
+            if params:
+                projection_SD = torch.randn(alone_SD.shape, generator=generator).to(device)
+                grads = [torch.autograd.grad((states_SD * projection_SD).sum(), params, allow_unused=True)
+                         for states_SD in (packed_SD, alone_SD)]
+                gap = max(gap, gradient_gap(*grads))
     finally:
         model.train(was_training)
-    packed_SD = packed.last_hidden_state[0].float()
-    return float((packed_SD - alone.float()).abs().mean() / alone.float().abs().mean().clamp(min=1e-12))
+    return gap
+
+
+def gradient_gap(mine: Sequence[Tensor | None], theirs: Sequence[Tensor | None]) -> float:
+    """How far two passes' gradients of the same parameters are apart: the largest absolute difference of any
+    parameter's, relative to that parameter's largest absolute gradient in ``theirs`` (the model's own forward),
+    or to a hundredth of the largest anywhere where its own are smaller (their rounding is no gap). A parameter
+    that only ``theirs`` reaches counts whole: 1 (a pass that skips part of the model)."""
+    scale = max((float(b.abs().max()) for b in theirs if b is not None and b.numel()), default=0.0)
+    worst = 0.0
+    for a, b in zip(mine, theirs, strict=True):
+        if a is None and b is None:
+            continue
+        a, b = (torch.zeros_like(b) if a is None else a.float()), (torch.zeros_like(a) if b is None else b.float())
+        if not b.numel():
+            continue
+        size = max(float(b.abs().max()), 1e-2 * scale)
+        difference = float((a - b).abs().max())
+        worst = max(worst, difference / size if size > 0 else difference)
+    return worst
 
 
 def autocast_dtype(model: nn.Module) -> torch.dtype | None:

@@ -90,11 +90,46 @@ MORE_FAMILIES: dict[str, dict[str, Any]] = {
                        ssm_state_size=8, n_groups=1),
     "zamba2": dict(layers_block_type=["mamba", "hybrid"], mamba_d_state=8, mamba_headdim=8, n_mamba_heads=8,
                    num_mem_blocks=1),
+    # the older families: learned or ALiBi positions, parallel blocks, no cache in the forward (OpenAI GPT)
+    "gpt2": dict(n_inner=48),
+    "openai-gpt": {},
+    "ctrl": dict(dff=48),
+    "opt": dict(ffn_dim=48, word_embed_proj_dim=32),
+    "bloom": {},
+    "gptj": dict(rotary_dim=4, n_inner=48),
+    "codegen": dict(rotary_dim=4, n_inner=48),
+    "gpt_bigcode": dict(n_inner=48),
+    "xglm": dict(ffn_dim=48),
+    "biogpt": {},
+    "mpt": dict(expansion_ratio=2),
+    "stablelm": {},
+    "persimmon": {},
+    "cohere": {},
+    "helium": {},
+    "glm": {},
+    "diffllama": {},
+    "bitnet": {},
+    "doge": {},
+    "ernie4_5": {},
+    "jetmoe": dict(_MOE),
+    "phimoe": dict(_MOE),
+    "granitemoe": dict(_MOE),
+    "llama4_text": dict(_MOE, attention_chunk_size=4),
+    "mamba": {},
 }
 """More families of the pinned transformers, beyond those the issue of any model named: checked on the log-probs
-of the training passes and the run's probe (``tests/test_families.py``), where the declared checks were written
-without them in view (Nemotron's layers, for one, do not hand the packed layout to their attention: its
-packing is declined by the measured check in :func:`posttrain.models.compute.use_packed_attention`)."""
+and gradients of the training passes, the run's probe and the sampler (``tests/test_families.py``), where the
+declared checks were written without them in view (Nemotron's layers, for one, do not hand the packed layout to
+their attention, and Doge's attention adds a bias the packed one leaves out: the measured check in
+:func:`posttrain.models.compute.use_packed_attention` declines packing for both)."""
+
+
+UNBATCHABLE_FAMILIES: dict[str, dict[str, Any]] = {
+    "rwkv": {},
+    "recurrent_gemma": dict(num_hidden_layers=3),  # its third layer is attention: without one it builds no cache
+}
+"""The families posttrain refuses by name (:data:`posttrain.models.architecture.UNBATCHABLE`), as tiny models: the
+tests measure why."""
 
 
 def tiny_config(family: str, vocab_size: int = 64, *, pad_token_id: int = 0, bos_token_id: int = 1,
@@ -103,7 +138,8 @@ def tiny_config(family: str, vocab_size: int = 64, *, pad_token_id: int = 0, bos
     :data:`_COMMON`'s sizes), ``fields`` over the family's own."""
     from transformers import AutoConfig
 
-    values = {**_COMMON, **FAMILIES.get(family, MORE_FAMILIES.get(family, {})), **fields}
+    own = FAMILIES.get(family, MORE_FAMILIES.get(family, UNBATCHABLE_FAMILIES.get(family, {})))
+    values = {**_COMMON, **own, **fields}
     return AutoConfig.for_model(family, vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
                                 eos_token_id=eos_token_id, **values)
 

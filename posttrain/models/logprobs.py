@@ -6,9 +6,9 @@ passes are the model's own forward.
 - :func:`completion_logprobs`: the same for a user's own token ids (``posttrain.completion_logprobs``).
 - :func:`probe_logprobs`: one sequence through the model's plain forward (what a sampler is compared with).
 - :func:`check_training_path`: at the start of every run, the training passes against the model's own
-  forward over each probe sequence alone. A family whose fast paths posttrain computes wrongly stops the
-  run before the first step, with its name and the paths it took, instead of training on the log-probs of
-  another model.
+  forward over each probe sequence alone, their log-probs and those log-probs' gradients. A family whose
+  fast paths posttrain computes wrongly stops the run before the first step, with its name and the paths it
+  took, instead of training on the log-probs, or the gradients, of another model.
 """
 
 from __future__ import annotations
@@ -19,13 +19,20 @@ from torch import Tensor, nn
 from posttrain.models.architecture import family, head_unsupported_reason
 from posttrain.models.batching import micro_batch_rows
 from posttrain.models.modeling import ValueHead, collate, forward, has_packed_attention, unwrapped
-from posttrain.models.compute import autocast_dtype
+from posttrain.models.compute import autocast_dtype, gradient_gap
 
 PATH_TOLERANCE = {torch.float32: 1e-4, torch.float16: 1e-2, torch.bfloat16: 5e-2}
 """The largest mean gap per token, in nats, between the training passes and the model's own forward that the
 run's probe accepts, by the dtype the model computes in: float32 rounding in float32 (the families' tiny
 models agree to about 1e-6); in bfloat16 each side rounds its own way, as a bf16 sampler does against its
 trainer (``posttrain.training.guards.SYNC_TOLERANCE``)."""
+
+GRADIENT_TOLERANCE = {torch.float32: 1e-3, torch.float16: 0.25, torch.bfloat16: 0.25}
+"""The largest gap between the training passes' gradients and the model's own forward's, each parameter's relative
+to its own largest (:func:`posttrain.models.compute.gradient_gap`), that the run's probe accepts, by the dtype the
+model computes in. The families' tiny models agree to 5e-5 in float32 and to 5e-2 under bf16 autocast, where the
+two backward passes round their own ways; so in bf16 the probe catches a pass that skips a computation (a gap of
+1) but not a small leak, which the float32 probe and :data:`posttrain.models.architecture.UNBATCHABLE` cover."""
 
 
 @torch.no_grad()
@@ -140,15 +147,17 @@ def probe_sequences(vocab_size: int, seed: int = 0, exclude: list[int] = ()) -> 
     return [p for p in prompts for _ in PROBE_COMPLETIONS], completions
 
 
-@torch.no_grad()
-def own_logprobs(model: nn.Module, prompt: Tensor, completion: Tensor, temperature: float = 1.0) -> Tensor:
+def own_logprobs(model: nn.Module, prompt: Tensor, completion: Tensor, temperature: float = 1.0, *,
+                 grad: bool = False) -> Tensor:
     """[len(completion)] the completion's log-probs from the model's own forward over prompt + completion alone
-    (no padding, no layout, its own head)."""
+    (no padding, no layout, its own head); with their graph when ``grad``."""
     from posttrain.models.vision import causal_text_inputs
 
     ids = torch.cat([prompt, completion])[None].to(next(model.parameters()).device)
-    logits = model(input_ids=ids, **causal_text_inputs(model, ids)).logits[0, len(prompt) - 1:-1].float() / temperature
-    return logits.log_softmax(-1).gather(-1, completion.to(logits.device)[:, None])[:, 0].cpu()
+    with torch.set_grad_enabled(grad):  # no cache: one pass needs none (nor can a RecurrentGemma build one without
+        logits = model(input_ids=ids, use_cache=False,  # attention layers)
+                       **causal_text_inputs(model, ids)).logits[0, len(prompt) - 1:-1].float() / temperature
+        return logits.log_softmax(-1).gather(-1, completion.to(logits.device)[:, None])[:, 0].cpu()
 
 
 def paths_taken(model: nn.Module, *, share_prompts: bool, trim_padding: bool) -> str:
@@ -166,7 +175,46 @@ def check_training_path(model: nn.Module, vocab_size: int, *, share_prompts: boo
                         max_tokens_per_micro_batch: int | None = None, micro_batch_size: int = 64) -> float:
     """The mean gap per token between the training passes (:func:`batched_logprobs` with the run's settings) and
     the model's own forward over each probe sequence alone; :class:`TrainingPathError` beyond
-    :data:`PATH_TOLERANCE`, naming the family and the paths, and what to run instead."""
+    :data:`PATH_TOLERANCE`, or where their gradients part beyond :data:`GRADIENT_TOLERANCE` (a pass can give the
+    model's log-probs and not their gradients: RecurrentGemma's padded rows), naming the family and the paths, and
+    what to run instead (padded rows, when they are the model's own: measured too before it says so)."""
+    settings = dict(max_tokens_per_micro_batch=max_tokens_per_micro_batch, micro_batch_size=micro_batch_size)
+    dtype = autocast_dtype(model) or next(p for p in model.parameters()).dtype
+    tolerance = PATH_TOLERANCE.get(dtype, PATH_TOLERANCE[torch.float16])
+    grad_tolerance = GRADIENT_TOLERANCE.get(dtype, GRADIENT_TOLERANCE[torch.float16])
+
+    def wrong(gaps: tuple[float, float]) -> str | None:  # what is wrong with a path's (log-prob, gradient) gaps
+        if not gaps[0] <= tolerance:
+            return f"log-probs {gaps[0]:.3g} nats per token"
+        if not gaps[1] <= grad_tolerance:
+            return f"the same log-probs, but gradients {gaps[1]:.3g} of the largest"
+        return None
+
+    gaps = _path_gaps(model, vocab_size, share_prompts=share_prompts, trim_padding=trim_padding, **settings)
+    if wrong(gaps) is None:
+        return gaps[0]
+    taken = paths_taken(model, share_prompts=share_prompts, trim_padding=trim_padding)
+    what = (f"the training passes of {family(model)} ({taken}) give {wrong(gaps)} from the model's own forward over "
+            f"each sequence alone (tolerances {tolerance:g} and {grad_tolerance:g} in "
+            f"{str(dtype).removeprefix('torch.')}): training would follow another model")
+    if trim_padding or share_prompts:
+        padded = _path_gaps(model, vocab_size, share_prompts=False, trim_padding=False, **settings)
+        if wrong(padded) is None:
+            raise TrainingPathError(f"{what}. Train with --no-trim-padding --no-share-prompts (padded rows through the "
+                                    f"model's own forward, {padded[0]:.1g} nats per token apart), and report the "
+                                    "family to posttrain")
+        what += f"; padded rows give {wrong(padded)}"
+    raise TrainingPathError(f"{what}. Even its padded rows are not the model alone: its forward depends on the other "
+                            "rows of its batch or on their padding, which posttrain cannot train exactly")
+
+
+def _path_gaps(model: nn.Module, vocab_size: int, *, share_prompts: bool, trim_padding: bool,
+               **settings) -> tuple[float, float]:
+    """Over the probe sequences (prompts of different lengths, so a batch pads them): the mean gap per token between
+    :func:`batched_logprobs` with these settings and the model's own forward, and the gap between the gradients of
+    the two's summed log-probs with respect to the trainable parameters (:func:`gradient_gap`; the passes as one
+    micro-batch). Holds two gradients of the trainable parameters for a moment: less than an optimizer step's
+    state, which does not exist yet."""
     from posttrain.models.vision import image_token_ids, is_vision_model
 
     prompts, completions = probe_sequences(vocab_size, exclude=image_token_ids(model) if is_vision_model(model) else [])
@@ -175,30 +223,26 @@ def check_training_path(model: nn.Module, vocab_size: int, *, share_prompts: boo
     mask = torch.zeros_like(completion_ids)
     for row, ids in enumerate(completions):
         completion_ids[row, :len(ids)], mask[row, :len(ids)] = ids, 1
+    params = [p for p in model.parameters() if p.requires_grad]
     was_training = model.training
     model.eval()  # dropout would make the two sides differ by chance
     try:
-        trained, _ = batched_logprobs(model, prompts, completion_ids, mask, pad_id=0, micro_batch_size=micro_batch_size,
-                                      share_prompts=share_prompts, trim_padding=trim_padding,
-                                      max_tokens_per_micro_batch=max_tokens_per_micro_batch)
-        gaps = [(trained[row, :len(c)] - own_logprobs(model, p, c)).abs() for row, (p, c) in
-                enumerate(zip(prompts, completions))]
+        trained, _ = batched_logprobs(model, prompts, completion_ids, mask, pad_id=0, share_prompts=share_prompts,
+                                      trim_padding=trim_padding, **settings)
+        with torch.enable_grad():
+            own = [own_logprobs(model, p, c, grad=bool(params)) for p, c in zip(prompts, completions)]
+            grad_gap = 0.0
+            if params:
+                batch = collate(prompts, completion_ids, mask, 0, next(model.parameters()).device,
+                                share_prompts=share_prompts, trim_padding=trim_padding)
+                mine = torch.autograd.grad(forward(model, batch).logprobs.float().sum(), params, allow_unused=True)
+                theirs = torch.autograd.grad(sum(o.sum() for o in own), params, allow_unused=True)
+                grad_gap = gradient_gap(mine, theirs)
+                del mine, theirs
     finally:
         model.train(was_training)
-    gap = float(torch.cat(gaps).mean())
-    dtype = autocast_dtype(model) or next(p for p in model.parameters()).dtype
-    tolerance = PATH_TOLERANCE.get(dtype, PATH_TOLERANCE[torch.float16])
-    if gap <= tolerance:
-        return gap
-    taken = paths_taken(model, share_prompts=share_prompts, trim_padding=trim_padding)
-    what = (f"the training passes of {family(model)} ({taken}) give log-probs {gap:.3g} nats per token from the "
-            f"model's own forward over each sequence alone (tolerance {tolerance:g} in "
-            f"{str(dtype).removeprefix('torch.')}): training would follow another model's log-probs")
-    if trim_padding or share_prompts:
-        raise TrainingPathError(f"{what}. Train with --no-trim-padding --no-share-prompts (padded rows through the "
-                                "model's own forward), and report the family to posttrain")
-    raise TrainingPathError(f"{what}. Even its padded rows are not the model alone: its forward depends on the other "
-                            "rows of its batch or on their padding, which posttrain cannot train exactly")
+    gaps = [(trained[row, :len(c)] - o.detach()).abs() for row, (c, o) in enumerate(zip(completions, own))]
+    return float(torch.cat(gaps).mean()), grad_gap
 
 
 def check_causal(model: nn.Module, vocab_size: int) -> None:
@@ -213,9 +257,15 @@ def check_causal(model: nn.Module, vocab_size: int) -> None:
     if torch.equal(ids, changed):
         changed[12:] = ids[12:].roll(1)
     device = next(model.parameters()).device
-    with torch.no_grad():  # the same shapes, the same first 12 tokens: a causal model's logits there are the same
-        logits = [model(input_ids=x[None].to(device), **causal_text_inputs(model, x[None].to(device))).logits[0, :12]
-                  .float() for x in (ids, changed)]
+    was_training = model.training
+    model.eval()  # dropout (GPT-2's config has 0.1) would change the logits by chance
+    try:
+        with torch.no_grad():  # the same shapes, the same first 12 tokens: a causal model's logits there are the same
+            logits = [model(input_ids=x[None].to(device), use_cache=False,
+                            **causal_text_inputs(model, x[None].to(device))).logits[0, :12].float()
+                      for x in (ids, changed)]
+    finally:
+        model.train(was_training)
     if not torch.allclose(*logits, rtol=1e-5, atol=1e-5):
         raise ConfigError(f"model: {family(model)} is not causal: its predictions for earlier positions change when a "
                           "later token does (a bidirectional encoder); posttrain trains decoder-only causal LMs")

@@ -46,15 +46,18 @@ so LoRA does not change which experts a token goes to."""
 
 
 def default_target_modules(model: nn.Module, outside: tuple[str, ...] = ()) -> list[str]:
-    """Names (last component) of every ``nn.Linear`` except the output head and a mixture of experts' router:
+    """Names (last component) of every ``nn.Linear`` (or transformers' ``Conv1D``, GPT-2's) except the output head
+    and a mixture of experts' router:
     the attention and MLP projections of a decoder, and the projections around its linear-attention,
     convolution and Mamba mixers, whatever the architecture calls them. Modules under the ``outside`` paths (a
     vision-language model's tower and projector) add no names: a projector's ``nn.Sequential`` would add ``0``,
     which names whole decoder layers too."""
+    from transformers.pytorch_utils import Conv1D  # GPT-2's and OpenAI GPT's projections: a linear layer, transposed
+
     head = model.get_output_embeddings()
     experts = _routed_experts(model)
     names = {name.rsplit(".", 1)[-1] for name, module in model.named_modules()
-             if isinstance(module, nn.Linear) and module is not head
+             if isinstance(module, (nn.Linear, Conv1D)) and module is not head
              and not any(name.startswith(prefix + ".") for prefix in outside)
              and not (experts and name.rsplit(".", 1)[-1] in ROUTERS and module.out_features == experts)}
     return sorted(names)

@@ -264,7 +264,7 @@ def completion_outputs(module: nn.Module, batch: TokenBatch, read: Reader = Read
     computed[torch.arange(n, device=computed.device), p + lengths - 1] = 0
     recomputed = torch.is_grad_enabled() and is_checkpointed(module)  # a prompt pass would write its cache twice
     shared = not (batch.first_U is None or batch.owner_n is None or recomputed
-                  or cache_unsupported_reason(unwrapped(module).config) is not None)  # full-attention layers only
+                  or cache_unsupported_reason(module) is not None)  # full-attention layers only
     if shared:
         first = batch.first_U
         prompt = read(module, 1, rows=first, input_ids=batch.input_ids[first, :p],

@@ -189,10 +189,10 @@ def fill_order(running_N: Tensor) -> tuple[Tensor, Tensor, Tensor]:
     return order_M, holes_K, movers_K
 
 
-def unsupported_reason(config) -> str | None:
-    """Why :func:`decode` cannot run a model with this config (None: it can): it decodes on a cache passed
-    to the model's forward (:func:`posttrain.models.architecture.cache_unsupported_reason`)."""
-    return cache_unsupported_reason(config)
+def unsupported_reason(model) -> str | None:
+    """Why :func:`decode` cannot run ``model`` (None: it can): it decodes on a cache passed to the model's
+    forward (:func:`posttrain.models.architecture.cache_unsupported_reason`)."""
+    return cache_unsupported_reason(model)
 
 
 def preallocated_cache(config, repeats: int, capacity: int) -> Cache:

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from posttrain.models.architecture import family, padded_generate_reason
 from posttrain.models.experts import routers
 from posttrain.rollout.routing import RoutingRecorder, decode_routing, generate_routing
 from posttrain.models.modeling import left_pad
@@ -53,11 +54,14 @@ class HFGenerator:
         self.eos_ids = torch.tensor(eos_token_ids, dtype=torch.long)
         self.pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else eos_token_ids[0]
         self.record_routing = record_routing
+        self.said_unpadded = False  # the one-line notice of _by_prompt_length
 
     @torch.no_grad()
     def generate(self, prompt_ids: list[Tensor], *, num_samples: int, greedy: bool = False,
                  rows: Any = None, max_new_tokens: int | None = None) -> Completions:
         """``max_new_tokens``: this call's budget (default: the sampling parameters')."""
+        if len({len(p) for p in prompt_ids}) > 1 and padded_generate_reason(self.model):
+            return self._by_prompt_length(prompt_ids, num_samples, greedy, max_new_tokens)
         device = self.model.device
         ids, attention = left_pad(prompt_ids, self.pad_id)
         width = ids.shape[1]
@@ -78,6 +82,22 @@ class HFGenerator:
             completions.routing = generate_routing(routed, [len(p) for p in prompt_ids], width, num_samples,
                                                    completions.lengths)
         return completions
+
+    def _by_prompt_length(self, prompt_ids: list[Tensor], num_samples: int, greedy: bool,
+                          max_new_tokens: int | None) -> Completions:
+        """:meth:`generate` one prompt length at a time, so no call pads a prompt (:data:`PADDED_GENERATE`); the
+        rows back in the prompts' order."""
+        if not self.said_unpadded:
+            self.said_unpadded = True
+            logger.warning("%s: %s; sampling its prompts one length at a time", family(self.model),
+                           padded_generate_reason(self.model))
+        groups: dict[int, list[int]] = {}
+        for i, prompt in enumerate(prompt_ids):
+            groups.setdefault(len(prompt), []).append(i)
+        parts = [self.generate([prompt_ids[i] for i in group], num_samples=num_samples, greedy=greedy,
+                               max_new_tokens=max_new_tokens) for group in groups.values()]
+        order = torch.tensor([i * num_samples + k for group in groups.values() for i in group for k in range(num_samples)])
+        return Completions.cat(parts).rows(torch.argsort(order))
 
     def _generate(self, ids: Tensor, attention: Tensor, greedy: bool, recorder: SamplingRecorder | None,
                   suppress: list[int] | None = None, max_new_tokens: int | None = None, **images: Tensor) -> Tensor:
@@ -217,7 +237,7 @@ class FastGenerator:
         )
 
         if self.fallback_reason is None:
-            self.fallback_reason = unsupported_reason(self.model.config) or ""
+            self.fallback_reason = unsupported_reason(self.model) or ""
             if self.fallback_reason:
                 logger.warning("posttrain's decode loop cannot run %s: %s; using transformers' generate%s",
                                type(self.model).__name__, self.fallback_reason,

@@ -31,6 +31,7 @@ from posttrain.models.architecture import (
     family,
     head_unsupported_reason,
     packing_unsupported_reason,
+    unbatchable_reason,
 )
 from posttrain.models.compute import (
     checkpoint_layers,
@@ -196,6 +197,9 @@ def check_model(policy: nn.Module, config: Config) -> None:
     o = config.optim
     for line in path_notices(policy, trim_padding=o.trim_padding):
         say(line)
+    unbatchable = unbatchable_reason(policy)
+    if unbatchable:
+        raise ConfigError(f"model: posttrain cannot train {family(policy)} exactly: {unbatchable}")
     vocab = unwrapped(policy).config.get_text_config().vocab_size
     check_causal(policy, vocab)
     gap = check_training_path(policy, vocab, share_prompts=o.share_prompts, trim_padding=o.trim_padding,
