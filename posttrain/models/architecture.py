@@ -198,7 +198,8 @@ def cache_unsupported_reason(model: nn.Module) -> str | None:
     config = base.config
     if config.is_encoder_decoder:
         return "it is an encoder-decoder model"
-    if "cache" not in inspect.signature(type(base).forward).parameters:
+    # a transformers model's signature says it; a wrapper of one (``forward(**kwargs)``) hands the cache on
+    if isinstance(base, transformers.PreTrainedModel) and "cache" not in inspect.signature(type(base).forward).parameters:
         return "its forward takes no cache (it keeps none, or a state of its own)"
     layers = DynamicCache(config=config).layers
     if not layers or any(type(layer) is not DynamicLayer for layer in layers):
