@@ -187,7 +187,7 @@ def check_training_path(model: nn.Module, vocab_size: int, *, share_prompts: boo
         if not gaps[0] <= tolerance:
             return f"log-probs {gaps[0]:.3g} nats per token"
         if not gaps[1] <= grad_tolerance:
-            return f"the same log-probs, but gradients {gaps[1]:.3g} of the largest"
+            return f"the same log-probs, but gradients {gaps[1]:.3g} apart (each parameter's, relative to its own)"
         return None
 
     gaps = _path_gaps(model, vocab_size, share_prompts=share_prompts, trim_padding=trim_padding, **settings)
