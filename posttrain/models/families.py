@@ -24,6 +24,8 @@ families are checked on, so every windowed layer drops keys."""
 _COMMON: dict[str, Any] = dict(hidden_size=32, intermediate_size=48, num_hidden_layers=2, num_attention_heads=4,
                                num_key_value_heads=2, head_dim=8, max_position_embeddings=256,
                                tie_word_embeddings=False, initializer_range=0.2)
+_UNSET = object()
+"""A family's value for a common field its config does not take (it derives it)."""
 _MOE: dict[str, Any] = dict(num_experts=4, num_local_experts=4, n_routed_experts=4, num_experts_per_tok=2,
                             moe_intermediate_size=16, shared_expert_intermediate_size=16, n_group=1, topk_group=1,
                             first_k_dense_replace=0, output_router_logits=False)
@@ -116,6 +118,7 @@ MORE_FAMILIES: dict[str, dict[str, Any]] = {
     "granitemoe": dict(_MOE),
     "llama4_text": dict(_MOE, attention_chunk_size=4),
     "mamba": {},
+    "falcon": dict(head_dim=_UNSET),  # Falcon derives it (hidden_size / num_attention_heads)
 }
 """More families of the pinned transformers, beyond those the issue of any model named: checked on the log-probs
 and gradients of the training passes, the run's probe and the sampler (``tests/test_families.py``), where the
@@ -139,7 +142,7 @@ def tiny_config(family: str, vocab_size: int = 64, *, pad_token_id: int = 0, bos
     from transformers import AutoConfig
 
     own = FAMILIES.get(family, MORE_FAMILIES.get(family, UNBATCHABLE_FAMILIES.get(family, {})))
-    values = {**_COMMON, **own, **fields}
+    values = {key: value for key, value in {**_COMMON, **own, **fields}.items() if value is not _UNSET}
     return AutoConfig.for_model(family, vocab_size=vocab_size, pad_token_id=pad_token_id, bos_token_id=bos_token_id,
                                 eos_token_id=eos_token_id, **values)
 
