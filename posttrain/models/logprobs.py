@@ -232,11 +232,11 @@ def _path_gaps(model: nn.Module, vocab_size: int, *, share_prompts: bool, trim_p
         with torch.enable_grad():
             own = [own_logprobs(model, p, c, grad=bool(params)) for p, c in zip(prompts, completions)]
             grad_gap = 0.0
-            if params:
+            if params:  # the own forwards' graphs are freed before the training pass builds its own
+                theirs = torch.autograd.grad(sum(o.sum() for o in own), params, allow_unused=True)
                 batch = collate(prompts, completion_ids, mask, 0, next(model.parameters()).device,
                                 share_prompts=share_prompts, trim_padding=trim_padding)
                 mine = torch.autograd.grad(forward(model, batch).logprobs.float().sum(), params, allow_unused=True)
-                theirs = torch.autograd.grad(sum(o.sum() for o in own), params, allow_unused=True)
                 grad_gap = gradient_gap(mine, theirs)
                 del mine, theirs
     finally:
